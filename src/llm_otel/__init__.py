@@ -1,0 +1,74 @@
+"""llm-otel: OpenTelemetry traces and metrics for LLM serving engines.
+
+``instrument()`` / ``uninstrument()`` are the whole public face; see the README.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import Any
+
+__version__ = "0.1.0"
+__all__ = ["instrument", "uninstrument", "__version__"]
+
+logger = logging.getLogger("llm_otel")
+
+# engine name -> (module that must be importable, instrumentor import path)
+_ENGINES = {
+    "vllm": ("vllm", "llm_otel.instrumentation.vllm:VLLMInstrumentor"),
+}
+
+
+def _instrumentor(path: str):
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)()
+
+
+def instrument(tracer_provider: Any = None, meter_provider: Any = None, *, engines: list[str] | None = None) -> list[str]:
+    """Instrument every supported serving engine that is installed; returns the engines instrumented.
+
+    Args:
+        tracer_provider / meter_provider: OpenTelemetry SDK providers to use. When both are None,
+            the global providers are used, and created from the ``OTEL_*`` environment if the
+            application has none (``OTEL_EXPORTER_OTLP_ENDPOINT`` set: OTLP export; otherwise
+            readable console output).
+        engines: restrict to these engine names (``["vllm"]``); default all installed ones.
+
+    Idempotent: a second call while instrumented is a no-op for engines already instrumented.
+
+    Raises:
+        llm_otel.config.ConfigError: an ``OTEL_*``/``LLM_OTEL_*`` variable holds an invalid value.
+        ValueError: ``engines`` names an engine llm-otel does not know.
+    """
+    from llm_otel._setup import ensure_providers
+    from llm_otel.config import Settings
+
+    settings = Settings.from_env()
+    unknown = set(engines or ()) - set(_ENGINES)
+    if unknown:
+        raise ValueError(f"unknown engine(s) {sorted(unknown)}; known: {sorted(_ENGINES)}")
+    if tracer_provider is None and meter_provider is None:
+        ensure_providers(settings)
+    done = []
+    for name, (module, path) in _ENGINES.items():
+        if engines is not None and name not in engines:
+            continue
+        if importlib.util.find_spec(module) is None:
+            continue
+        inst = _instrumentor(path)
+        if not inst.is_instrumented_by_opentelemetry:
+            inst.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider, settings=settings)
+        if inst.is_instrumented_by_opentelemetry:
+            done.append(name)
+    return done
+
+
+def uninstrument() -> None:
+    """Remove every hook llm-otel installed, restoring each patched attribute exactly."""
+    for module, path in _ENGINES.values():
+        if importlib.util.find_spec(module) is None:
+            continue
+        inst = _instrumentor(path)
+        if inst.is_instrumented_by_opentelemetry:
+            inst.uninstrument()

@@ -1,0 +1,108 @@
+"""``llm-otel demo | doctor | semconv-check``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="llm-otel", description="OpenTelemetry for LLM serving engines.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="run vLLM offline on a tiny local model and show the traces")
+    demo.add_argument("--prompts", type=int, default=4, help="number of completion prompts (default 4)")
+    demo.add_argument("--max-tokens", type=int, default=24, help="output tokens per request (default 24)")
+    demo.add_argument("--model-dir", default=None, help="where the tiny model is built/cached")
+    sub.add_parser("doctor", help="check configuration, exporter reachability and vLLM hook targets")
+    sub.add_parser("semconv-check", help="validate semconv/ and check the generated code is current")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from llm_otel.demo.run import run_demo
+
+        return run_demo(prompts=args.prompts, max_tokens=args.max_tokens, model_dir=args.model_dir)
+    if args.command == "doctor":
+        return doctor()
+    from llm_otel._semconv_registry import main as semconv_main
+
+    return semconv_main(["--check"])
+
+
+def doctor(env=None, out=None) -> int:
+    """Print a health report; exit status 1 when something would lose telemetry.
+
+    Checks: the configuration parses; the OTLP span exporter the environment selects accepts a
+    probe span within 5 s (a collector that is down or a wrong protocol is reported, never silent);
+    which vLLM hook targets resolve in the installed vLLM.
+    """
+    import importlib
+    import time
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    from llm_otel.config import ConfigError, Settings
+    from llm_otel.export.providers import span_exporter_from_env
+
+    env = os.environ if env is None else env
+    out = out or sys.stdout
+    ok = True
+
+    def say(status: str, text: str) -> None:
+        print(f"[{status:>4}] {text}", file=out, flush=True)
+
+    try:
+        Settings.from_env(env)
+        say("ok", "configuration (OTEL_* / LLM_OTEL_*) is valid")
+    except ConfigError as exc:
+        say("FAIL", f"configuration: {exc}")
+        return 1
+    try:
+        exporter = span_exporter_from_env(env)
+    except ConfigError as exc:
+        say("FAIL", str(exc))
+        return 1
+    if exporter is None:
+        say("info", "no OTEL_EXPORTER_OTLP_ENDPOINT: spans go to the console")
+    else:
+        provider = TracerProvider()
+        span = provider.get_tracer("llm_otel.doctor").start_span("llm_otel.doctor.probe")
+        span.end()
+        exporter._timeout = min(getattr(exporter, "_timeout", 5), 5)  # both OTLP exporters keep it here
+        started = time.monotonic()
+        try:
+            result = exporter.export([span])
+        except Exception as exc:  # noqa: BLE001
+            result = exc
+        finally:
+            exporter.shutdown()
+        endpoint = getattr(exporter, "_endpoint", "?")
+        if result is SpanExportResult.SUCCESS:
+            say("ok", f"OTLP exporter {type(exporter).__module__.split('.')[-2]} -> {endpoint} accepted a probe span "
+                      f"({(time.monotonic() - started) * 1e3:.0f} ms)")
+        else:
+            ok = False
+            say("FAIL", f"OTLP exporter -> {endpoint} did not accept a probe span ({result}); "
+                        "spans would be lost. Is the collector running, and is the protocol right?")
+    if importlib.util.find_spec("vllm") is None:
+        say("info", "vLLM not installed")
+    else:
+        from llm_otel.instrumentation._hooks import _resolve
+        from llm_otel.instrumentation.vllm.adapter import engine_version
+        from llm_otel.instrumentation.vllm.hooks import HOOKS
+
+        missing = []
+        for hook in HOOKS:
+            try:
+                _resolve(hook)
+            except (ImportError, AttributeError):
+                missing.append(hook.qualname)
+        if missing:
+            say("warn", f"vLLM {engine_version()}: {len(missing)} hook target(s) missing: {', '.join(missing)}")
+        else:
+            say("ok", f"vLLM {engine_version()}: all {len(HOOKS)} hook targets found")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""One frozen settings object, read once from the ``OTEL_*`` / ``LLM_OTEL_*`` environment.
+
+Every knob of llm-otel is listed in :class:`Settings` with its variable and default; the README's
+configuration table mirrors it. Invalid values raise :class:`ConfigError` naming the variable, at
+``instrument()`` time - never later on the engine's hot path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Mapping
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+class ConfigError(ValueError):
+    """A configuration variable holds a value llm-otel cannot use. The message names the variable."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """llm-otel configuration.
+
+    Attributes (environment variable, default):
+        capture_content: ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT`` (false). Prompt and
+            completion text go on spans only when true (or ``SPAN_ONLY``/``SPAN_AND_EVENT``).
+        content_max_chars: ``LLM_OTEL_CONTENT_MAX_CHARS`` (4096). Captured text is truncated to this.
+        token_events: ``LLM_OTEL_TOKEN_EVENTS`` (16). ``llm.token`` events for the first N tokens.
+        max_stall_events: ``LLM_OTEL_MAX_STALL_EVENTS`` (16). Cap on ``llm.token.stall`` events per span.
+        stall_factor: ``LLM_OTEL_STALL_FACTOR`` (4.0). A token is a stall when its inter-token
+            latency exceeds this many times the request's median ITL.
+        logprobs_top_k: ``LLM_OTEL_LOGPROBS_TOP_K`` (5). Top-k log-probs per step for ``llm.logit_dist``;
+            0 disables the span. For sampled requests that did not ask for log-probs, the
+            instrumentation asks the engine for k of them and strips them from the user's output.
+        logit_events: ``LLM_OTEL_LOGIT_EVENTS`` (32). ``llm.logit.step`` events for the first N steps.
+        vllm_engine_events: ``LLM_OTEL_VLLM_ENGINE_EVENTS`` (true). Ask vLLM's engine core to record
+            per-request QUEUED/SCHEDULED/PREEMPTED timestamps even when the frontend runs with
+            ``disable_log_stats=True`` (the offline default), so queue and prefill are separable.
+        console: ``LLM_OTEL_CONSOLE`` (auto). ``tree`` / ``json`` / ``off``: console output used when
+            no ``OTEL_EXPORTER_OTLP_*ENDPOINT`` is set; ``auto`` = ``tree``.
+    """
+
+    capture_content: bool = False
+    content_max_chars: int = 4096
+    token_events: int = 16
+    max_stall_events: int = 16
+    stall_factor: float = 4.0
+    logprobs_top_k: int = 5
+    logit_events: int = 32
+    vllm_engine_events: bool = True
+    console: str = "auto"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
+        """Read and validate the environment. Raises ConfigError on an invalid value."""
+        env = os.environ if env is None else env
+        return cls(
+            capture_content=_capture(env),
+            content_max_chars=_int(env, "LLM_OTEL_CONTENT_MAX_CHARS", 4096, lo=1),
+            token_events=_int(env, "LLM_OTEL_TOKEN_EVENTS", 16, lo=0, hi=10_000),
+            max_stall_events=_int(env, "LLM_OTEL_MAX_STALL_EVENTS", 16, lo=0, hi=10_000),
+            stall_factor=_float(env, "LLM_OTEL_STALL_FACTOR", 4.0, lo=1.0),
+            logprobs_top_k=_int(env, "LLM_OTEL_LOGPROBS_TOP_K", 5, lo=0, hi=20),
+            logit_events=_int(env, "LLM_OTEL_LOGIT_EVENTS", 32, lo=0, hi=10_000),
+            vllm_engine_events=_bool(env, "LLM_OTEL_VLLM_ENGINE_EVENTS", True),
+            console=_choice(env, "LLM_OTEL_CONSOLE", "auto", {"auto", "tree", "json", "off"}),
+        )
+
+
+def _capture(env: Mapping[str, str]) -> bool:
+    name = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
+    raw = env.get(name, "").strip()
+    if raw.upper() in {"SPAN_ONLY", "SPAN_AND_EVENT"}:
+        return True
+    if raw.upper() in {"NO_CONTENT", "EVENT_ONLY"}:
+        return False
+    return _bool(env, name, False)
+
+
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None:
+        return default
+    low = raw.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ConfigError(f"{name}={raw!r}: expected true or false")
+
+
+def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int | None = None) -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: expected an integer") from None
+    if value < lo or (hi is not None and value > hi):
+        raise ConfigError(f"{name}={raw!r}: expected an integer in [{lo}, {hi if hi is not None else 'inf'}]")
+    return value
+
+
+def _float(env: Mapping[str, str], name: str, default: float, lo: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: expected a number") from None
+    if not value >= lo:
+        raise ConfigError(f"{name}={raw!r}: expected a number >= {lo}")
+    return value
+
+
+def _choice(env: Mapping[str, str], name: str, default: str, choices: set[str]) -> str:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value not in choices:
+        raise ConfigError(f"{name}={raw!r}: expected one of {sorted(choices)}")
+    return value

@@ -1,0 +1,1 @@
+"""Demo helpers for llm-otel (tiny local models and example workloads)."""

@@ -1,0 +1,1 @@
+"""Span and metric output: console rendering and providers built from the OTEL_* environment."""

@@ -1,0 +1,120 @@
+"""Tracer and meter providers built from the standard ``OTEL_*`` environment.
+
+Used by :func:`llm_otel.instrument` when the application has not set providers itself:
+
+* ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_{TRACES,METRICS}_ENDPOINT`` set: batch
+  export over OTLP, protocol from ``OTEL_EXPORTER_OTLP_{TRACES_,METRICS_,}PROTOCOL`` (``grpc``,
+  the Python SDK's default, or ``http/protobuf``). The exporters read the rest of their
+  ``OTEL_EXPORTER_OTLP_*`` variables (headers, timeout, compression, insecure) themselves.
+* otherwise: readable console output - each finished trace as an indented tree on stderr
+  (``LLM_OTEL_CONSOLE=tree``, default; ``json`` for one JSON span per line; ``off``), and a
+  metrics summary at exit.
+
+Ids come from :class:`SystemRandomIdGenerator`: vLLM seeds Python's global ``random`` in its
+processes (seed 0 by default), which would make the SDK's default generator repeat the same
+trace and span ids in every run and every process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import sys
+from typing import Mapping
+
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+from opentelemetry.sdk.trace.id_generator import IdGenerator
+
+from llm_otel.config import Settings
+
+logger = logging.getLogger("llm_otel")
+
+
+class SystemRandomIdGenerator(IdGenerator):
+    """Trace and span ids from the OS entropy pool (``random.SystemRandom``), immune to ``random.seed``."""
+
+    def __init__(self) -> None:
+        self._rng = random.SystemRandom()
+
+    def generate_span_id(self) -> int:
+        while True:
+            value = self._rng.getrandbits(64)
+            if value:
+                return value
+
+    def generate_trace_id(self) -> int:
+        while True:
+            value = self._rng.getrandbits(128)
+            if value:
+                return value
+
+
+def _endpoint(env: Mapping[str, str], signal: str) -> str | None:
+    return env.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
+
+
+def _protocol(env: Mapping[str, str], signal: str) -> str:
+    proto = (env.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip()
+    if proto not in ("grpc", "http/protobuf"):
+        from llm_otel.config import ConfigError
+
+        raise ConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL={proto!r}: llm-otel supports 'grpc' and 'http/protobuf'")
+    return proto
+
+
+def span_exporter_from_env(env: Mapping[str, str] | None = None):
+    """The OTLP span exporter the environment asks for, or None when no endpoint is set."""
+    env = os.environ if env is None else env
+    if not _endpoint(env, "TRACES"):
+        return None
+    if _protocol(env, "TRACES") == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    return OTLPSpanExporter()
+
+
+def metric_exporter_from_env(env: Mapping[str, str] | None = None):
+    """The OTLP metric exporter the environment asks for, or None when no endpoint is set."""
+    env = os.environ if env is None else env
+    if not _endpoint(env, "METRICS"):
+        return None
+    if _protocol(env, "METRICS") == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    return OTLPMetricExporter()
+
+
+def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
+                    stream=None) -> tuple[TracerProvider, MeterProvider]:
+    """Tracer and meter providers for this process, configured from ``env`` (``os.environ``).
+
+    Raises ConfigError for an unsupported OTLP protocol.
+    """
+    from llm_otel.export.console import ConsoleMetricsSummary, ConsoleTreeExporter, JsonLinesExporter
+
+    env = os.environ if env is None else env
+    resource = Resource.create()  # OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES
+    tracer_provider = TracerProvider(resource=resource, id_generator=SystemRandomIdGenerator())
+    span_exporter = span_exporter_from_env(env)
+    readers: list[MetricReader] = []
+    stream = stream or sys.stderr
+    if span_exporter is not None:
+        tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
+    elif settings.console in ("auto", "tree"):
+        tracer_provider.add_span_processor(SimpleSpanProcessor(ConsoleTreeExporter(stream)))
+    elif settings.console == "json":
+        tracer_provider.add_span_processor(SimpleSpanProcessor(JsonLinesExporter(stream)))
+    metric_exporter = metric_exporter_from_env(env)
+    if metric_exporter is not None:
+        readers.append(PeriodicExportingMetricReader(metric_exporter))
+    elif settings.console != "off":
+        readers.append(ConsoleMetricsSummary(stream))
+    meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+    return tracer_provider, meter_provider

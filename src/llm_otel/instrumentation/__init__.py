@@ -1,0 +1,1 @@
+"""Engine adapters: which functions to wrap, how to read the engine's objects, how to call the core."""

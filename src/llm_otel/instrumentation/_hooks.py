@@ -1,0 +1,84 @@
+"""Applying a table of wrapt hooks, tolerating engines whose layout moved, and undoing it exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+from typing import Any, Callable
+
+import wrapt
+
+logger = logging.getLogger("llm_otel")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """One function llm-otel wraps.
+
+    Attributes:
+        module: import path of the module that owns the target (``vllm.v1.engine.llm_engine``).
+        target: ``"Class.method"`` or ``"function"`` inside that module.
+        factory: name of the adapter method that returns the wrapt wrapper
+            ``wrapper(wrapped, instance, args, kwargs)``.
+        layout: the engine layouts/versions in which the target lives there.
+        purpose: what the hook reads, for the table in the docs.
+    """
+
+    module: str
+    target: str
+    factory: str
+    layout: str
+    purpose: str
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.module}:{self.target}"
+
+
+@dataclasses.dataclass
+class AppliedHook:
+    hook: Hook
+    owner: Any
+    attribute: str
+    original: Any  # the owner's own __dict__ entry before wrapping (staticmethod etc. kept)
+
+
+def _resolve(hook: Hook) -> tuple[Any, str]:
+    owner: Any = importlib.import_module(hook.module)
+    *path, attribute = hook.target.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    if attribute not in vars(owner):
+        # an inherited attribute would be patched on the wrong class; treat it as missing
+        getattr(owner, attribute)
+        raise AttributeError(f"{hook.target} is inherited, not defined in {hook.module}")
+    return owner, attribute
+
+
+def apply_hooks(hooks: list[Hook], adapter: Any, engine: str) -> list[AppliedHook]:
+    """Wrap every resolvable target; a missing one gets one warning and is skipped, never raised."""
+    applied: list[AppliedHook] = []
+    for hook in hooks:
+        try:
+            owner, attribute = _resolve(hook)
+        except (ImportError, AttributeError) as exc:
+            logger.warning("llm-otel: %s hook target %s not found (%s: %s); this hook is skipped, "
+                           "the others keep working", engine, hook.qualname, type(exc).__name__, exc)
+            continue
+        try:
+            factory: Callable = getattr(adapter, hook.factory)
+            original = vars(owner)[attribute]
+            wrapt.wrap_function_wrapper(owner, attribute, factory(hook.qualname))
+        except Exception as exc:  # noqa: BLE001 - a broken hook must not break the application
+            logger.warning("llm-otel: could not wrap %s (%s); this hook is skipped", hook.qualname, exc)
+            continue
+        applied.append(AppliedHook(hook, owner, attribute, original))
+    return applied
+
+
+def remove_hooks(applied: list[AppliedHook]) -> None:
+    """Put back exactly the attribute each hook replaced (in reverse order)."""
+    for item in reversed(applied):
+        setattr(item.owner, item.attribute, item.original)
+    applied.clear()

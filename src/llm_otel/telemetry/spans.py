@@ -1,0 +1,223 @@
+"""Builds a request's span tree from its :class:`RequestRecord` once the request has finished.
+
+The request span itself is started live at arrival (so anything created during the request can
+be its child); ``llm.prompt``, ``llm.token_stream`` and ``llm.logit_dist`` are created here with
+explicit start/end times taken from the engine's own stamps. Children are clamped into their
+parent's interval so no span starts before, or ends after, its parent.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
+
+from llm_otel.config import Settings
+from llm_otel.semconv import attributes as A
+from llm_otel.semconv import spans as S
+from llm_otel.telemetry import logits
+from llm_otel.telemetry.record import RequestRecord
+
+
+def _percentiles(values: np.ndarray) -> tuple[float, float, float, float]:
+    p50, p90, p99 = np.percentile(values, (50, 90, 99))
+    return float(p50), float(p90), float(p99), float(values.max())
+
+
+class SpanBuilder:
+    """Emits ``llm.prompt`` / ``llm.token_stream`` / ``llm.logit_dist`` under a request span."""
+
+    def __init__(self, tracer: Tracer, settings: Settings) -> None:
+        self.tracer = tracer
+        self.settings = settings
+
+    def emit(self, rec: RequestRecord, end_ns: int) -> None:
+        """Finish ``rec.span`` at ``end_ns`` (epoch ns) after creating its children.
+
+        Only for a recording span; attributes and status of the request span are set here too.
+        """
+        span = rec.span
+        start_ns = rec.arrival_ns
+        end_ns = max(end_ns, start_ns)
+        ctx = trace.set_span_in_context(span)
+        clamp = lambda t: min(max(t, start_ns), end_ns)  # noqa: E731
+
+        first_ns = clamp(rec.epoch_ns(rec.step_times[0])) if rec.step_times else None
+        last_ns = clamp(rec.epoch_ns(rec.step_times[-1])) if rec.step_times else None
+        error = rec.error_type
+
+        # llm.prompt: arrival -> first token (or -> end when no token came)
+        prompt_end = first_ns if first_ns is not None else end_ns
+        attrs = {A.GEN_AI_USAGE_INPUT_TOKENS: rec.input_tokens, A.LLM_REQUEST_TIMING_SOURCE: rec.timing_source}
+        if rec.cached_tokens is not None:
+            attrs[A.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = rec.cached_tokens
+        if rec.preempted_mono:
+            attrs[A.LLM_REQUEST_PREEMPTIONS] = len(rec.preempted_mono)
+        if rec.queued_mono is not None:
+            attrs[A.LLM_REQUEST_FRONTEND_DURATION] = max(0.0, (rec.epoch_ns(rec.queued_mono) - start_ns) / 1e9)
+        queue = rec.queue_time_s()
+        if queue is not None:
+            attrs[A.LLM_REQUEST_QUEUE_DURATION] = queue
+        if rec.scheduled_mono is not None and first_ns is not None:
+            attrs[A.LLM_REQUEST_PREFILL_DURATION] = max(0.0, (first_ns - rec.epoch_ns(rec.scheduled_mono)) / 1e9)
+        if error is not None and first_ns is None:
+            attrs[A.ERROR_TYPE] = error
+        prompt = self.tracer.start_span(S.LLM_PROMPT, context=ctx, kind=SpanKind.INTERNAL,
+                                        start_time=start_ns, attributes=attrs)
+        if rec.queued_mono is not None:
+            prompt.add_event(S.EVENT_LLM_REQUEST_QUEUED, timestamp=clamp(rec.epoch_ns(rec.queued_mono)))
+        if rec.scheduled_mono is not None:
+            prompt.add_event(S.EVENT_LLM_REQUEST_SCHEDULED, timestamp=clamp(rec.epoch_ns(rec.scheduled_mono)))
+        preempt_in_decode = []
+        for t in rec.preempted_mono:
+            ts = clamp(rec.epoch_ns(t))
+            if first_ns is None or ts <= first_ns:
+                prompt.add_event(S.EVENT_LLM_REQUEST_PREEMPTED, timestamp=ts)
+            else:
+                preempt_in_decode.append(ts)
+        if error is not None and first_ns is None:
+            prompt.set_status(Status(StatusCode.ERROR, rec.error_message or error))
+        prompt.end(end_time=prompt_end)
+
+        if first_ns is not None:
+            self._token_stream(rec, ctx, first_ns, last_ns, preempt_in_decode)
+            if rec.logprob_rows:
+                self._logit_dist(rec, ctx, first_ns, last_ns)
+
+        self._finish_request_span(rec, end_ns)
+
+    def _token_stream(self, rec: RequestRecord, ctx, first_ns: int, last_ns: int, preempts: list[int]) -> None:
+        st = self.settings
+        times = np.frombuffer(rec.step_times, dtype=np.float64)
+        counts = np.asarray(rec.step_token_counts, dtype=np.int64)
+        ttft = (first_ns - rec.arrival_ns) / 1e9
+        attrs = {
+            A.GEN_AI_USAGE_OUTPUT_TOKENS: rec.num_output_tokens,
+            A.LLM_TIME_TO_FIRST_TOKEN: ttft,
+            A.LLM_REQUEST_DECODE_DURATION: (last_ns - first_ns) / 1e9,
+        }
+        if rec.finish_reason:
+            attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] = [rec.finish_reason]
+        tpot = rec.time_per_output_token_s()
+        if tpot is not None:
+            attrs[A.LLM_TIME_PER_OUTPUT_TOKEN] = tpot
+        itl = np.diff(times) if len(times) > 1 else None
+        threshold = None
+        if itl is not None:
+            p50, p90, p99, mx = _percentiles(itl)
+            attrs.update({A.LLM_INTER_TOKEN_LATENCY_P50: p50, A.LLM_INTER_TOKEN_LATENCY_P90: p90,
+                          A.LLM_INTER_TOKEN_LATENCY_P99: p99, A.LLM_INTER_TOKEN_LATENCY_MAX: mx})
+            if p50 > 0:
+                threshold = st.stall_factor * p50
+                attrs[A.LLM_TOKEN_STALL_THRESHOLD] = threshold
+        if preempts:
+            attrs[A.LLM_REQUEST_PREEMPTIONS] = len(rec.preempted_mono)
+        if rec.error_type is not None:
+            attrs[A.ERROR_TYPE] = rec.error_type
+        span = self.tracer.start_span(S.LLM_TOKEN_STREAM, context=ctx, kind=SpanKind.INTERNAL,
+                                      start_time=first_ns, attributes=attrs)
+        # token events: the first N tokens, each stamped with its step's time; tokens that came
+        # in the same step (speculative decoding) have latency 0
+        n_ev = min(st.token_events, rec.num_output_tokens)
+        token_t = np.repeat(times, counts)[:n_ev]
+        arrival_mono = (rec.arrival_ns - rec.mono_offset_ns) / 1e9
+        latency = np.maximum(0.0, np.diff(token_t, prepend=arrival_mono))
+        for i in range(n_ev):
+            ev = {A.LLM_TOKEN_INDEX: i, A.LLM_TOKEN_LATENCY: float(latency[i])}
+            if i < len(rec.head_token_ids):
+                ev[A.LLM_TOKEN_ID] = int(rec.head_token_ids[i])
+            span.add_event(S.EVENT_LLM_TOKEN, ev,
+                           timestamp=min(max(rec.epoch_ns(float(token_t[i])), first_ns), last_ns))
+        dropped = 0
+        # stall events: steps whose inter-token latency exceeds k x median
+        if threshold is not None and itl is not None:
+            stalls = np.nonzero(itl > threshold)[0]
+            cum = np.cumsum(counts)
+            for s in stalls[: st.max_stall_events]:
+                span.add_event(S.EVENT_LLM_TOKEN_STALL, {
+                    A.LLM_TOKEN_INDEX: int(cum[s]),  # first token of step s+1
+                    A.LLM_TOKEN_LATENCY: float(itl[s]),
+                    A.LLM_TOKEN_STALL_THRESHOLD: float(threshold),
+                }, timestamp=min(max(rec.epoch_ns(float(times[s + 1])), first_ns), last_ns))
+            dropped += max(0, len(stalls) - st.max_stall_events)
+        for ts in preempts:
+            span.add_event(S.EVENT_LLM_REQUEST_PREEMPTED, timestamp=ts)
+        span.set_attribute(A.LLM_TOKEN_EVENTS_DROPPED, dropped)
+        if rec.error_type is not None:
+            span.set_status(Status(StatusCode.ERROR, rec.error_message or rec.error_type))
+        span.end(end_time=last_ns)
+
+    def _logit_dist(self, rec: RequestRecord, ctx, first_ns: int, last_ns: int) -> None:
+        st = self.settings
+        width = np.asarray(rec.logprob_rows[0][0]).shape[-1]
+        ids = np.concatenate([np.asarray(i).reshape(-1, width) for i, _ in rec.logprob_rows])
+        lps = np.concatenate([np.asarray(lp, dtype=np.float64).reshape(-1, width) for _, lp in rec.logprob_rows])
+        sampled_lp = lps[:, 0]
+        top_ids, top_lp = ids[:, 1:], lps[:, 1:]
+        if top_lp.shape[1] == 0:
+            return
+        entropy, margin, nonfinite = logits.topk_logprob_stats(top_lp, rec.vocab_size)
+        finite = ~nonfinite
+        attrs = {
+            A.LLM_LOGIT_SOURCE: "engine_logprobs",
+            A.LLM_LOGIT_TOP_K: int(top_lp.shape[1]),
+            A.LLM_LOGIT_STEPS: int(len(lps)),
+            A.LLM_LOGIT_NONFINITE_STEPS: int(nonfinite.sum()),
+        }
+        if finite.any():
+            attrs[A.LLM_LOGIT_ENTROPY_MEAN] = float(entropy[finite].mean())
+            attrs[A.LLM_LOGIT_ENTROPY_MAX] = float(entropy[finite].max())
+            m = margin[finite]
+            m = m[np.isfinite(m)]
+            if m.size:
+                attrs[A.LLM_LOGIT_MARGIN_MIN] = float(m.min())
+        ppl = logits.perplexity(sampled_lp)
+        if not math.isnan(ppl):
+            attrs[A.LLM_LOGIT_PERPLEXITY] = ppl
+        attrs[A.LLM_TOKEN_EVENTS_DROPPED] = max(0, len(lps) - st.logit_events)
+        span = self.tracer.start_span(S.LLM_LOGIT_DIST, context=ctx, kind=SpanKind.INTERNAL,
+                                      start_time=first_ns, attributes=attrs)
+        # one step per output token; stamp each with its step's time
+        token_times = np.repeat(np.frombuffer(rec.step_times, dtype=np.float64),
+                                np.asarray(rec.step_token_counts, dtype=np.int64))
+        for i in range(min(len(lps), st.logit_events)):
+            order = np.argsort(-np.where(np.isnan(top_lp[i]), -np.inf, top_lp[i]), kind="stable")
+            ev = {
+                A.LLM_TOKEN_INDEX: i,
+                A.LLM_LOGIT_TOP_TOKEN_IDS: [int(v) for v in top_ids[i][order]],
+                A.LLM_LOGIT_TOP_LOGPROBS: [float(v) for v in top_lp[i][order]],
+                A.LLM_LOGIT_SAMPLED_LOGPROB: float(sampled_lp[i]),
+                A.LLM_LOGIT_ENTROPY: float(entropy[i]),
+                A.LLM_LOGIT_MARGIN: float(margin[i]),
+                A.LLM_LOGIT_NONFINITE: bool(nonfinite[i]),
+            }
+            ts = rec.epoch_ns(float(token_times[i])) if i < len(token_times) else last_ns
+            span.add_event(S.EVENT_LLM_LOGIT_STEP, ev, timestamp=min(max(ts, first_ns), last_ns))
+        if nonfinite.any():
+            span.set_status(Status(StatusCode.ERROR, f"{int(nonfinite.sum())} decode step(s) with non-finite log-probs"))
+        span.end(end_time=last_ns)
+
+    def _finish_request_span(self, rec: RequestRecord, end_ns: int) -> None:
+        span = rec.span
+        attrs = {
+            A.GEN_AI_USAGE_INPUT_TOKENS: rec.input_tokens,
+            A.GEN_AI_USAGE_OUTPUT_TOKENS: rec.num_output_tokens,
+            A.GEN_AI_RESPONSE_MODEL: rec.response_model,
+            A.LLM_REQUEST_TIMING_SOURCE: rec.timing_source,
+        }
+        if rec.finish_reason:
+            attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] = [rec.finish_reason]
+        if rec.cached_tokens is not None:
+            attrs[A.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = rec.cached_tokens
+        ttft = rec.time_to_first_token_s()
+        if ttft is not None:
+            attrs[A.LLM_TIME_TO_FIRST_TOKEN] = ttft
+        if rec.content_completion is not None:
+            attrs[A.GEN_AI_OUTPUT_MESSAGES] = rec.content_completion
+        if rec.error_type is not None:
+            attrs[A.ERROR_TYPE] = rec.error_type
+            span.set_status(Status(StatusCode.ERROR, rec.error_message or rec.error_type))
+        span.set_attributes(attrs)
+        span.end(end_time=end_ns)
