@@ -81,16 +81,17 @@ def _xp_stats(x: Any, k: int) -> LogitStats:
         x = x[None, :]
     x = x.astype(xp.float64 if x.dtype == xp.float64 else xp.float32, copy=False)
     k = min(k, x.shape[1])
-    bad = xp.isnan(x) | xp.isposinf(x)
-    nonfinite = bad.any(axis=1) | xp.isneginf(x).all(axis=1)
-    safe = xp.where(bad, -xp.inf, x)
-    row_max = safe.max(axis=1, keepdims=True)
-    row_max = xp.where(xp.isfinite(row_max), row_max, 0.0)
-    shifted = safe - row_max
-    lse = xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
-    logp = shifted - lse
-    p = xp.exp(logp)
-    entropy = -xp.where(p > 0, p * logp, 0.0).sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # bad rows are flagged below
+        bad = xp.isnan(x) | xp.isposinf(x)
+        nonfinite = bad.any(axis=1) | xp.isneginf(x).all(axis=1)
+        safe = xp.where(bad, -xp.inf, x)
+        row_max = safe.max(axis=1, keepdims=True)
+        row_max = xp.where(xp.isfinite(row_max), row_max, 0.0)
+        shifted = safe - row_max
+        lse = xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
+        logp = shifted - lse
+        p = xp.exp(logp)
+        entropy = -xp.where(p > 0, p * logp, 0.0).sum(axis=1)
     part = xp.argpartition(-logp, k - 1, axis=1)[:, :k]
     part_lp = xp.take_along_axis(logp, part, axis=1)
     order = xp.argsort(-part_lp, axis=1)

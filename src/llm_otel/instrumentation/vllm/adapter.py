@@ -102,14 +102,22 @@ class VLLMAdapter:
 
     # --- wrappers ---------------------------------------------------------------------------
     def traced_operation(self, hook: str):
+        """LLM.generate / LLM.chat: the operation name for the requests they add, and requests
+        vLLM rejects while rendering them (before the engine sees them: prompt too long, ...)."""
         operation = "chat" if hook.endswith(".chat") else "text_completion"
 
         def wrapper(wrapped, instance, args, kwargs):
             if _operation.get() is not None:  # LLM.chat calling generate keeps "chat"
                 return wrapped(*args, **kwargs)
             token = _operation.set(operation)
+            arrival = time.time()
             try:
                 return wrapped(*args, **kwargs)
+            except Exception as error:
+                engine = getattr(instance, "llm_engine", None)
+                if engine is not None and not getattr(error, "_llm_otel_reported", False):
+                    self._rejected(hook, engine, (), {}, arrival, error)
+                raise
             finally:
                 _operation.reset(token)
 
@@ -158,6 +166,12 @@ class VLLMAdapter:
 
     def _rejected(self, hook: str, engine: Any, args, kwargs, arrival: float, error: BaseException) -> None:
         try:
+            error._llm_otel_reported = True  # one span per failure, however many hooks it crosses
+        except Exception:  # noqa: BLE001 - exceptions with __slots__
+            pass
+        try:
+            if engine.output_processor not in self._states:
+                self._register_engine(engine)
             state = self._state_for(engine.output_processor)
             params = kwargs.get("params", args[2] if len(args) > 2 else None)
             self.telemetry.reject(operation=_operation.get() or "text_completion", provider=PROVIDER,
@@ -226,12 +240,15 @@ class VLLMAdapter:
                 pending = self._before_step(state, outputs, time.monotonic() if ts is None else ts)
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
+                self._strip_injected(state, outputs)
             result = wrapped(*args, **kwargs)
-            if pending:
-                try:
+            try:
+                if pending:
                     self._after_step(state, instance, pending)
-                except Exception as exc:  # noqa: BLE001
-                    self.telemetry.errors.report(hook, exc)
+                elif pending is None:  # our pre-pass failed: still end what vLLM has finished
+                    self._reap(state, instance)
+            except Exception as exc:  # noqa: BLE001
+                self.telemetry.errors.report(hook, exc)
             return result
 
         return wrapper
@@ -260,6 +277,19 @@ class VLLMAdapter:
             pending.append((rec, out, ts))
         return pending
 
+    @staticmethod
+    def _strip_injected(state: _EngineState, outputs: list) -> None:
+        """Remove the log-probs we asked for from outputs vLLM will hand to the user's request.
+
+        Not telemetry but correctness: vLLM's LogprobsProcessor asserts when a request that asked
+        for none receives some. Runs on its own when the stats pre-pass failed.
+        """
+        records = state.records
+        for out in outputs:
+            rec = records.get(out.request_id)
+            if rec is not None and rec.injected_logprobs:
+                out.new_logprobs = None
+
     def _after_step(self, state: _EngineState, output_processor: Any, pending: list) -> None:
         live = output_processor.request_states
         for rec, out, ts in pending:
@@ -274,6 +304,12 @@ class VLLMAdapter:
             if rec.logprob_rows and len(rec.logprob_rows) > rec.num_output_tokens:
                 del rec.logprob_rows[rec.num_output_tokens:]
             self.telemetry.finish(rec)
+
+    def _reap(self, state: _EngineState, output_processor: Any) -> None:
+        """End the records of requests vLLM no longer tracks (after a failure of our own code)."""
+        live = output_processor.request_states
+        for rid in [rid for rid in state.records if rid not in live]:
+            self.telemetry.finish(state.records.pop(rid))  # timing may be incomplete; counted as a hook error
 
     def abort_requests(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):

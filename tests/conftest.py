@@ -1,0 +1,177 @@
+"""Shared fixtures: in-memory telemetry, the OTLP receiver, one real vLLM engine per session, and
+the live semantic-conventions check over every span llm-otel emits in the session."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import sys
+
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import SynchronousMultiSpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from otlp_receiver import OTLPReceiver  # noqa: E402
+from semconv_live import SpanLog, check  # noqa: E402
+
+from llm_otel.config import Settings  # noqa: E402
+from llm_otel.export.providers import SystemRandomIdGenerator  # noqa: E402
+from llm_otel.telemetry import Telemetry  # noqa: E402
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+# --- live semconv check ------------------------------------------------------------------------
+SPAN_LOG = SpanLog()
+_original_on_end = SynchronousMultiSpanProcessor.on_end
+
+
+def _recording_on_end(self, span):
+    try:
+        scope = span.instrumentation_scope.name if span.instrumentation_scope else ""
+        SPAN_LOG.add(scope, span.name, dict(span.attributes or {}),
+                     [(e.name, dict(e.attributes or {})) for e in span.events])
+    except Exception as exc:  # pragma: no cover - the check must never hide a test's own result
+        print(f"semconv live check could not record a span: {exc}", file=sys.stderr)
+    return _original_on_end(self, span)
+
+
+SynchronousMultiSpanProcessor.on_end = _recording_on_end
+
+
+def record_received(spans: list[dict]) -> None:
+    """Feed spans decoded by the OTLP receiver (other processes) into the live check."""
+    for s in spans:
+        SPAN_LOG.add(s["scope_name"], s["name"], s["attributes"],
+                     [(e["name"], e["attributes"]) for e in s["events"]])
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from llm_otel._semconv_registry import load_registry
+
+    problems = check(SPAN_LOG, load_registry())
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    write = reporter.write_line if reporter else print
+    write(f"semconv live check: {SPAN_LOG.count} llm-otel spans emitted, {len(SPAN_LOG.seen)} distinct shapes, "
+          f"{len(problems)} problem(s)")
+    for p in problems:
+        write(f"semconv live check FAILED: {p}")
+    if problems:
+        session.exitstatus = 1
+
+
+# --- in-memory telemetry -----------------------------------------------------------------------
+@dataclasses.dataclass
+class Captured:
+    telemetry: Telemetry
+    tracer_provider: TracerProvider
+    meter_provider: MeterProvider
+    spans: InMemorySpanExporter
+    metrics: InMemoryMetricReader
+
+    def finished(self):
+        return list(self.spans.get_finished_spans())
+
+    def metric_points(self, name: str) -> list:
+        data = self.metrics.get_metrics_data()
+        out = []
+        for rm in (data.resource_metrics if data else []):
+            for sm in rm.scope_metrics:
+                for m in sm.metrics:
+                    if m.name == name:
+                        out.extend(m.data.data_points)
+        return out
+
+
+def make_captured(settings: Settings | None = None, sampler=None) -> Captured:
+    exporter = InMemorySpanExporter()
+    kwargs = {"sampler": sampler} if sampler is not None else {}
+    tp = TracerProvider(id_generator=SystemRandomIdGenerator(), **kwargs)
+    tp.add_span_processor(SimpleSpanProcessor(exporter))
+    reader = InMemoryMetricReader()
+    mp = MeterProvider(metric_readers=[reader])
+    telemetry = Telemetry(tp, mp, settings or Settings.from_env({}))
+    return Captured(telemetry, tp, mp, exporter, reader)
+
+
+@pytest.fixture
+def captured() -> Captured:
+    return make_captured()
+
+
+# --- OTLP receiver -----------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def receiver():
+    with OTLPReceiver() as rx:
+        yield rx
+        record_received(rx.spans())
+
+
+# --- the real vLLM engine ----------------------------------------------------------------------
+VLLM_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    from llm_otel.demo.tiny_model import ensure_tiny_model
+
+    return ensure_tiny_model()
+
+
+@dataclasses.dataclass
+class Engine:
+    llm: object
+    captured: Captured
+    instrumentor: object
+    receiver: OTLPReceiver
+    model: str
+
+    def clear(self) -> None:
+        self.captured.spans.clear()
+        self.receiver.clear()
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model, receiver):
+    """One vLLM offline engine (vLLM defaults: disable_log_stats=True) for the whole session,
+    instrumented into in-memory exporters and, over both OTLP transports, into ``receiver``."""
+    if not HAS_VLLM:
+        pytest.skip("vLLM is not installed (pip install -e '.[vllm]')")
+    for key, value in VLLM_ENV.items():
+        os.environ.setdefault(key, value)
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+    from llm_otel.instrumentation.vllm import VLLMInstrumentor
+
+    cap = make_captured()
+    cap.tracer_provider.add_span_processor(BatchSpanProcessor(GrpcExporter(endpoint=receiver.grpc_endpoint, insecure=True)))
+    cap.tracer_provider.add_span_processor(BatchSpanProcessor(HttpExporter(endpoint=receiver.http_traces_url)))
+    inst = VLLMInstrumentor()
+    inst.instrument(tracer_provider=cap.tracer_provider, meter_provider=cap.meter_provider,
+                    settings=Settings.from_env({}))
+    from vllm import LLM
+
+    llm = LLM(model=str(tiny_model), dtype="float32", max_model_len=512, seed=0, block_size=32,
+              enable_prefix_caching=True)
+    yield Engine(llm, cap, inst, receiver, str(tiny_model))
+    cap.tracer_provider.force_flush()
+    inst.uninstrument()
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001
+        pass
+    cap.tracer_provider.shutdown()
+    cap.meter_provider.shutdown()

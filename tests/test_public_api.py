@@ -1,0 +1,135 @@
+"""instrument()/uninstrument(), the entry point for opentelemetry-instrument, and `llm-otel doctor`."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import entry_points
+
+import pytest
+from conftest import HAS_VLLM
+
+import llm_otel
+from llm_otel.cli import doctor
+
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+
+
+def run_py(code: str, env: dict | None = None, argv_prefix: list[str] | None = None, timeout=240):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    full_env.update(env or {})
+    cmd = (argv_prefix or []) + [sys.executable, "-c", textwrap.dedent(code)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+@needs_vllm
+def test_instrument_is_idempotent_and_uninstrument_restores_every_attribute_exactly():
+    out = run_py("""
+        import importlib, llm_otel
+        from llm_otel.instrumentation._hooks import _resolve
+        from llm_otel.instrumentation.vllm.hooks import HOOKS
+        owners = [_resolve(h) for h in HOOKS]
+        before = [vars(o)[a] for o, a in owners]
+        assert llm_otel.instrument() == ["vllm"]
+        wrapped = [vars(o)[a] for o, a in owners]
+        assert all(w is not b for w, b in zip(wrapped, before)), "every hook applied"
+        assert llm_otel.instrument() == ["vllm"]
+        assert all(vars(o)[a] is w for (o, a), w in zip(owners, wrapped)), "second instrument() is a no-op"
+        llm_otel.uninstrument()
+        assert all(vars(o)[a] is b for (o, a), b in zip(owners, before)), "exact restore"
+        llm_otel.instrument(); llm_otel.uninstrument()
+        assert all(vars(o)[a] is b for (o, a), b in zip(owners, before))
+        print("OK", len(HOOKS))
+    """)
+    assert out.split() == ["OK", "8"]
+
+
+@needs_vllm
+def test_zero_code_opentelemetry_instrument_applies_the_vllm_hooks():
+    out = run_py("""
+        from opentelemetry import trace
+        from vllm.v1.engine.output_processor import OutputProcessor
+        import wrapt
+        print(type(vars(OutputProcessor)["process_outputs"]).__name__, type(trace.get_tracer_provider()).__name__)
+    """, env={"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"},
+        argv_prefix=[os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")])
+    assert out.split() == ["FunctionWrapper", "TracerProvider"]
+
+
+def test_entry_point_names_the_vllm_instrumentor():
+    (ep,) = [e for e in entry_points(group="opentelemetry_instrumentor") if e.name == "vllm"]
+    assert ep.value == "llm_otel.instrumentation.vllm:VLLMInstrumentor"
+    assert ep.load().__name__ == "VLLMInstrumentor"
+
+
+def test_instrument_without_endpoint_sets_up_console_output_and_without_vllm_is_harmless():
+    out = run_py("""
+        import sys, types, importlib.util
+        real = importlib.util.find_spec
+        importlib.util.find_spec = lambda name, *a: None if name == "vllm" else real(name, *a)
+        import llm_otel
+        from opentelemetry import trace
+        assert llm_otel.instrument() == []
+        tp = trace.get_tracer_provider()
+        procs = tp._active_span_processor._span_processors
+        print(type(tp).__name__, type(procs[0].span_exporter).__name__)
+    """)
+    assert out.split() == ["TracerProvider", "ConsoleTreeExporter"]
+
+
+def test_instrument_with_otlp_endpoint_uses_a_batch_otlp_exporter():
+    out = run_py("""
+        import importlib.util
+        real = importlib.util.find_spec
+        importlib.util.find_spec = lambda name, *a: None if name == "vllm" else real(name, *a)
+        import llm_otel
+        from opentelemetry import trace
+        llm_otel.instrument()
+        (proc,) = trace.get_tracer_provider()._active_span_processor._span_processors
+        print(type(proc).__name__, type(proc._batch_processor._exporter).__module__)
+    """, env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
+    assert out.split() == ["BatchSpanProcessor", "opentelemetry.exporter.otlp.proto.http.trace_exporter"]
+
+
+def test_instrument_rejects_unknown_engines_and_bad_config(monkeypatch):
+    with pytest.raises(ValueError, match="unknown engine"):
+        llm_otel.instrument(engines=["tgi"])
+    from llm_otel.config import ConfigError
+
+    monkeypatch.setenv("LLM_OTEL_TOKEN_EVENTS", "lots")
+    with pytest.raises(ConfigError, match="LLM_OTEL_TOKEN_EVENTS"):
+        llm_otel.instrument(engines=[])
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_c04_doctor_reports_a_broken_exporter(protocol, capsys):
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{_closed_port()}", "OTEL_EXPORTER_OTLP_PROTOCOL": protocol}
+    assert doctor(env) == 1
+    out = capsys.readouterr().out
+    assert "[FAIL] OTLP exporter" in out and "did not accept a probe span" in out
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_c04_doctor_confirms_a_working_exporter(protocol, receiver, capsys, monkeypatch):
+    endpoint = receiver.grpc_endpoint if protocol == "grpc" else receiver.http_endpoint
+    for k, v in {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": protocol}.items():
+        monkeypatch.setenv(k, v)
+    assert doctor() == 0
+    assert "[  ok] OTLP exporter" in capsys.readouterr().out
+    assert receiver.wait_for_spans(1, name="llm_otel.doctor.probe")
+
+
+def test_doctor_rejects_an_unsupported_protocol(capsys):
+    assert doctor({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}) == 1
+    assert "http/json" in capsys.readouterr().out

