@@ -123,6 +123,10 @@ class JsonLinesExporter(SpanExporter):
         return SpanExportResult.SUCCESS
 
 
+_LABELS = {A.GEN_AI_OPERATION_NAME: "op", A.GEN_AI_TOKEN_TYPE: "type", A.ERROR_TYPE: "error",
+           A.LLM_INSTRUMENTATION_HOOK: "hook"}
+
+
 def format_metrics(metrics_data) -> str:
     """A compact table of histogram count/mean and counter totals from SDK ``MetricsData``."""
     rows = []
@@ -133,8 +137,7 @@ def format_metrics(metrics_data) -> str:
             for metric in sm.metrics:
                 for point in metric.data.data_points:
                     attrs = dict(point.attributes or {})
-                    label = ",".join(f"{k.split('.')[-1]}={v}" for k, v in sorted(attrs.items())
-                                     if k in (A.GEN_AI_OPERATION_NAME, A.GEN_AI_TOKEN_TYPE, A.ERROR_TYPE, A.LLM_INSTRUMENTATION_HOOK))
+                    label = ",".join(f"{_LABELS[k]}={v}" for k, v in sorted(attrs.items()) if k in _LABELS)
                     name = metric.name + (f"{{{label}}}" if label else "")
                     if isinstance(point, HistogramDataPoint):
                         mean = point.sum / point.count if point.count else 0.0
