@@ -161,7 +161,7 @@ def engine(tiny_model, receiver):
     cap.tracer_provider.add_span_processor(BatchSpanProcessor(HttpExporter(endpoint=receiver.http_traces_url)))
     inst = VLLMInstrumentor()
     inst.instrument(tracer_provider=cap.tracer_provider, meter_provider=cap.meter_provider,
-                    settings=Settings.from_env({}))
+                    settings=Settings(logit_dist_ratio=1.0))
     from vllm import LLM
 
     llm = LLM(model=str(tiny_model), dtype="float32", max_model_len=512, seed=0, block_size=32,

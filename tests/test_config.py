@@ -26,6 +26,7 @@ def test_content_capture_accepts_legacy_and_latest_values(raw, expected):
     ("LLM_OTEL_LOGPROBS_TOP_K", "21"),
     ("LLM_OTEL_STALL_FACTOR", "0.5"),
     ("LLM_OTEL_STALL_FACTOR", "nan"),
+    ("LLM_OTEL_LOGIT_DIST_RATIO", "1.5"),
     ("LLM_OTEL_VLLM_ENGINE_EVENTS", "maybe"),
     ("LLM_OTEL_CONSOLE", "fancy"),
     ("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", "sometimes"),

@@ -166,6 +166,18 @@ def test_instrumentation_logprobs_do_not_reach_the_user(eng):
         assert "llm.request.logprobs" not in root.attributes
 
 
+def test_logit_dist_ratio_limits_injected_logprobs_but_not_user_requested_ones(eng, monkeypatch):
+    import dataclasses
+
+    adapter = eng.instrumentor.adapter
+    monkeypatch.setattr(adapter, "settings", dataclasses.replace(adapter.settings, logit_dist_ratio=0.0))
+    generate(eng, max_tokens=4)
+    assert all(set(kids) == {"llm.prompt", "llm.token_stream"} for _, kids in trees(eng).values())
+    eng.clear()
+    generate(eng, max_tokens=4, logprobs=2)
+    assert all("llm.logit_dist" in kids for _, kids in trees(eng).values())
+
+
 def test_logit_dist_matches_the_logprobs_the_user_asked_for(eng):
     outputs = generate(eng, logprobs=3, max_tokens=8)
     for out, root, kids in by_prompt(eng, outputs):

@@ -55,6 +55,7 @@ def run_demo(prompts: int = 4, max_tokens: int = 24, model_dir: str | None = Non
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("LLM_OTEL_LOGIT_DIST_RATIO", "1")  # show llm.logit_dist on every request
 
     from opentelemetry import metrics, trace
     from opentelemetry.sdk.metrics import MeterProvider
@@ -92,7 +93,7 @@ def run_demo(prompts: int = 4, max_tokens: int = 24, model_dir: str | None = Non
     with _Progress("llm-otel demo: starting the vLLM engine on CPU (20-90 s)..."):
         llm = LLM(model=str(path), dtype="float32", max_model_len=512, seed=0, enable_prefix_caching=True)
     batch = [PROMPTS[i % len(PROMPTS)] for i in range(prompts)]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=1, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, ignore_eos=True)
     tracer = trace.get_tracer("llm_otel.demo")
     with tracer.start_as_current_span("demo batch") as root:
         t1 = time.monotonic()

@@ -217,9 +217,10 @@ class VLLMAdapter:
             request_attributes=attrs, user_logprobs=user_logprobs, prompt_text=prompt)
         rec.vocab_size = state.vocab_size
         k = min(self.settings.logprobs_top_k, state.max_logprobs)
-        if not rec.recording or k <= 0:
+        user_asked = user_logprobs is not None or bool(getattr(sp, "logprob_token_ids", None))
+        if not rec.recording or k <= 0 or not (user_asked or self._wants_logit_dist(rec)):
             rec.logprob_cap = 0
-        elif user_logprobs is None and not getattr(sp, "logprob_token_ids", None):
+        elif not user_asked:
             # Ask the engine for k log-probs on its own copy of the params; the user's RequestState
             # was built from the original (no log-probs) and process_outputs strips ours again.
             ours = copy.copy(sp)
@@ -227,6 +228,15 @@ class VLLMAdapter:
             request.sampling_params = ours
             rec.injected_logprobs = True
         state.records[rid] = rec
+
+    def _wants_logit_dist(self, rec: RequestRecord) -> bool:
+        """Whether to ask the engine for log-probs for this sampled request: the low 56 bits of
+        the W3C trace id are random, so the choice is consistent for all choices of a trace."""
+        ratio = self.settings.logit_dist_ratio
+        if ratio >= 1.0:
+            return True
+        trace_id = rec.span.get_span_context().trace_id
+        return (trace_id & ((1 << 56) - 1)) < ratio * (1 << 56)
 
     def process_outputs(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
