@@ -21,14 +21,15 @@ or with explicit providers::
 or without code changes: ``opentelemetry-instrument python app.py`` (entry point ``vllm``).
 
 Each request (each choice when ``n>1``) becomes ``{text_completion|chat} {model}`` (kind INTERNAL)
-with children ``llm.prompt``, ``llm.token_stream`` and, for sampled requests, ``llm.logit_dist``;
+with children ``llm.prompt``, ``llm.token_stream`` and, for sampled requests with log-probs,
+``llm.logit_dist``;
 GenAI server metrics are recorded for every request. See docs/semconv.md.
 
 Configuration
 -------------
 ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT`` (false), ``LLM_OTEL_TOKEN_EVENTS`` (16),
 ``LLM_OTEL_MAX_STALL_EVENTS`` (16), ``LLM_OTEL_STALL_FACTOR`` (4.0), ``LLM_OTEL_LOGPROBS_TOP_K`` (5),
-``LLM_OTEL_LOGIT_DIST_RATIO`` (0.1), ``LLM_OTEL_LOGIT_EVENTS`` (32), ``LLM_OTEL_VLLM_ENGINE_EVENTS`` (true) - see :class:`llm_otel.config.Settings`.
+``LLM_OTEL_LOGIT_DIST_RATIO`` (0), ``LLM_OTEL_LOGIT_EVENTS`` (32), ``LLM_OTEL_VLLM_ENGINE_EVENTS`` (true) - see :class:`llm_otel.config.Settings`.
 """
 
 from __future__ import annotations
