@@ -3,6 +3,7 @@ the live semantic-conventions check over every span llm-otel emits in the sessio
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -143,10 +144,32 @@ class Engine:
         self.receiver.clear()
 
 
+ENGINE_PROCESS_ENV = {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_BSP_SCHEDULE_DELAY": "200",
+                      "OTEL_SERVICE_NAME": "llm-otel-tests"}
+
+
+@contextlib.contextmanager
+def environ(**values):
+    """Temporarily set environment variables (vLLM's spawned processes inherit them)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 @pytest.fixture(scope="session")
 def engine(tiny_model, receiver):
-    """One vLLM offline engine (vLLM defaults: disable_log_stats=True) for the whole session,
-    instrumented into in-memory exporters and, over both OTLP transports, into ``receiver``."""
+    """One vLLM offline engine (vLLM defaults: disable_log_stats=True) for the whole session.
+
+    The frontend exports into in-memory exporters and, over both OTLP transports, into
+    ``receiver``; the engine-core and worker processes (instrumented by the vllm.general_plugins
+    entry point) export to ``receiver`` over gRPC from the OTEL_* environment they inherit."""
     if not HAS_VLLM:
         pytest.skip("vLLM is not installed (pip install -e '.[vllm]')")
     for key, value in VLLM_ENV.items():
@@ -164,8 +187,9 @@ def engine(tiny_model, receiver):
                     settings=Settings(logit_dist_ratio=1.0))
     from vllm import LLM
 
-    llm = LLM(model=str(tiny_model), dtype="float32", max_model_len=512, seed=0, block_size=32,
-              enable_prefix_caching=True)
+    with environ(LLM_OTEL_ENABLED="1", OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint, **ENGINE_PROCESS_ENV):
+        llm = LLM(model=str(tiny_model), dtype="float32", max_model_len=512, seed=0, block_size=32,
+                  enable_prefix_caching=True)
     yield Engine(llm, cap, inst, receiver, str(tiny_model))
     cap.tracer_provider.force_flush()
     inst.uninstrument()

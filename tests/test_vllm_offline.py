@@ -42,6 +42,23 @@ def eng(engine):
     engine.captured.tracer_provider.force_flush()
 
 
+@pytest.fixture
+def frontend_logprobs(eng, monkeypatch):
+    """llm.logit_dist built in the frontend from log-probs vLLM returns (worker path off)."""
+    import dataclasses
+
+    adapter = eng.instrumentor.adapter
+    monkeypatch.setattr(adapter, "settings", dataclasses.replace(adapter.settings, vllm_worker_logits=False))
+    return eng
+
+
+def worker_logit_dist(eng, root) -> dict:
+    """The llm.logit_dist span the worker process emitted under ``root`` (from the receiver)."""
+    (span,) = eng.receiver.wait_for_spans(1, name="llm.logit_dist", parent_span_id=f"{root.context.span_id:016x}",
+                                          transport="grpc", timeout=15)
+    return span
+
+
 def generate(eng, prompts=PROMPTS, **params):
     from vllm import SamplingParams
 
@@ -57,7 +74,12 @@ def test_generate_emits_one_exact_tree_per_prompt(eng):
     trace_ids = set()
     for out, root, kids in pairs:
         assert root.kind == SpanKind.INTERNAL and root.parent is None
-        assert set(kids) == {"llm.prompt", "llm.token_stream", "llm.logit_dist"}
+        assert set(kids) == {"llm.prompt", "llm.token_stream"}  # llm.logit_dist comes from the worker
+        dist = worker_logit_dist(eng, root)
+        assert dist["trace_id"] == f"{root.context.trace_id:032x}"
+        assert dist["resource"]["llm.process.role"] == "worker"
+        assert dist["attributes"]["llm.logit.source"] == "full_vocab_logits"
+        assert dist["attributes"]["llm.logit.steps"] == 12
         for child in kids.values():
             assert child.context.trace_id == root.context.trace_id
             assert child.kind == SpanKind.INTERNAL
@@ -82,12 +104,15 @@ def test_timestamps_are_ordered_and_no_span_starts_after_its_children(eng):
     generate(eng)
     after = time.time_ns()
     for root, kids in trees(eng).values():
-        prompt, stream, dist = kids["llm.prompt"], kids["llm.token_stream"], kids["llm.logit_dist"]
+        prompt, stream = kids["llm.prompt"], kids["llm.token_stream"]
+        dist = worker_logit_dist(eng, root)
         assert before <= root.start_time <= prompt.start_time <= stream.start_time <= root.end_time <= after
         assert prompt.end_time <= stream.start_time + 1000  # first token ends the prompt phase
         for child in kids.values():
             assert root.start_time <= child.start_time <= child.end_time <= root.end_time
-        assert dist.start_time == stream.start_time and dist.end_time == stream.end_time
+        # the worker samples a token just before the engine core stamps its output
+        assert root.start_time <= dist["start_ns"] <= stream.start_time
+        assert dist["end_ns"] <= stream.end_time
         token_times = [e.timestamp for e in stream.events if e.name == "llm.token"]
         assert token_times == sorted(token_times)
         assert stream.start_time <= token_times[0] and token_times[-1] <= stream.end_time
@@ -156,7 +181,54 @@ def test_chat_requests_are_named_chat(eng):
     assert root.attributes["gen_ai.usage.output_tokens"] == 5
 
 
-def test_instrumentation_logprobs_do_not_reach_the_user(eng):
+def test_worker_logit_statistics_agree_with_the_logprobs_vllm_returns(eng):
+    outputs = generate(eng, logprobs=3, max_tokens=6)
+    for out, root, kids in by_prompt(eng, outputs):
+        assert "llm.logit_dist" not in kids
+        dist = worker_logit_dist(eng, root)
+        steps = [e for e in dist["events"] if e["name"] == "llm.logit.step"]
+        assert len(steps) == 6
+        for step, token_id, lp in zip(steps, out.outputs[0].token_ids, out.outputs[0].logprobs):
+            user_top = [k for k, v in sorted(lp.items(), key=lambda kv: kv[1].rank) if v.rank <= 3][:3]
+            assert list(step["attributes"]["llm.logit.top_token_ids"])[:3] == user_top
+            assert list(step["attributes"]["llm.logit.top_logprobs"])[:3] == pytest.approx(
+                [lp[t].logprob for t in user_top], abs=1e-4)
+            assert step["attributes"]["llm.logit.sampled_logprob"] == pytest.approx(lp[token_id].logprob, abs=1e-4)
+            assert 0.0 <= step["attributes"]["llm.logit.entropy"] <= np.log(2048) + 1e-6
+
+
+def test_engine_step_spans_link_to_the_request_spans_they_served(eng):
+    outputs = generate(eng, max_tokens=5)
+    pairs = by_prompt(eng, outputs)
+    roots = {f"{root.context.span_id:016x}": (out, root) for out, root, _ in pairs}
+    deadline = time.time() + 15
+    while True:
+        steps = [s for s in eng.receiver.spans(name="llm.engine.step")
+                 if any(link["span_id"] in roots for link in s["links"])]
+        linked = {link["span_id"] for s in steps for link in s["links"]}
+        if set(roots) <= linked and sum(s["attributes"]["llm.engine.step.decode_tokens"] for s in steps) >= 12 \
+                or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert set(roots) <= linked
+    for s in steps:
+        assert s["resource"]["llm.process.role"] == "engine_core"
+        assert s["parent_span_id"] == "" and s["kind"] == "SPAN_KIND_INTERNAL"
+        a = s["attributes"]
+        assert a["llm.engine.step.batch_size"] >= len([l for l in s["links"] if l["span_id"] in roots])
+        assert a["llm.engine.step.cpu_time"] > 0
+        for link in s["links"]:
+            if link["span_id"] in roots:
+                assert link["trace_id"] == f"{roots[link['span_id']][1].context.trace_id:032x}"
+    # every prompt token is prefilled once and every later token decoded once
+    prefill = sum(s["attributes"]["llm.engine.step.prefill_tokens"] for s in steps)
+    decode = sum(s["attributes"]["llm.engine.step.decode_tokens"] for s in steps)
+    assert prefill == sum(len(o.prompt_token_ids) - (o.num_cached_tokens or 0) for o, _ in roots.values())
+    assert decode == sum(len(o.outputs[0].token_ids) - 1 for o, _ in roots.values())
+
+
+def test_instrumentation_logprobs_do_not_reach_the_user(frontend_logprobs):
+    eng = frontend_logprobs
     outputs = generate(eng, logprobs=None)
     for out, root, kids in by_prompt(eng, outputs):
         assert out.outputs[0].logprobs is None
@@ -166,9 +238,10 @@ def test_instrumentation_logprobs_do_not_reach_the_user(eng):
         assert "llm.request.logprobs" not in root.attributes
 
 
-def test_logit_dist_ratio_limits_injected_logprobs_but_not_user_requested_ones(eng, monkeypatch):
+def test_logit_dist_ratio_limits_injected_logprobs_but_not_user_requested_ones(frontend_logprobs, monkeypatch):
     import dataclasses
 
+    eng = frontend_logprobs
     adapter = eng.instrumentor.adapter
     monkeypatch.setattr(adapter, "settings", dataclasses.replace(adapter.settings, logit_dist_ratio=0.0))
     generate(eng, max_tokens=4)
@@ -178,7 +251,8 @@ def test_logit_dist_ratio_limits_injected_logprobs_but_not_user_requested_ones(e
     assert all("llm.logit_dist" in kids for _, kids in trees(eng).values())
 
 
-def test_logit_dist_matches_the_logprobs_the_user_asked_for(eng):
+def test_logit_dist_matches_the_logprobs_the_user_asked_for(frontend_logprobs):
+    eng = frontend_logprobs
     outputs = generate(eng, logprobs=3, max_tokens=8)
     for out, root, kids in by_prompt(eng, outputs):
         user = out.outputs[0].logprobs
@@ -279,7 +353,8 @@ def test_c04_spans_reach_a_real_otlp_receiver_over_grpc_and_http(eng):
     for rid, (root, kids) in local.items():
         tid = f"{root.context.trace_id:032x}"
         for transport in ("grpc", "http"):
-            got = eng.receiver.wait_for_spans(4, trace_id=tid, transport=transport)
+            got = eng.receiver.wait_for_spans(3, trace_id=tid, transport=transport, scope_name="llm_otel.instrumentation.vllm")
+            got = [g for g in got if g["resource"].get("llm.process.role") is None]  # the frontend's own
             by_name = {s["name"]: s for s in got}
             r = by_name[root.name]
             assert r["kind"] == "SPAN_KIND_INTERNAL" and r["parent_span_id"] == ""
@@ -287,7 +362,7 @@ def test_c04_spans_reach_a_real_otlp_receiver_over_grpc_and_http(eng):
             assert r["start_ns"] == root.start_time and r["end_ns"] == root.end_time
             assert r["attributes"]["gen_ai.usage.output_tokens"] == 4
             assert r["scope_name"] == "llm_otel.instrumentation.vllm"
-            for name in ("llm.prompt", "llm.token_stream", "llm.logit_dist"):
+            for name in ("llm.prompt", "llm.token_stream"):
                 assert by_name[name]["parent_span_id"] == r["span_id"]
             assert [e["name"] for e in by_name["llm.token_stream"]["events"]].count("llm.token") == 4
     assert len(local) == len(outputs)

@@ -40,6 +40,10 @@ class Settings:
             them: 13 % throughput at ratio 1 and 4.5 % at ratio 0.1 on the tiny CPU benchmark
             model (64 concurrent requests), hence off by default. Requests that asked for
             log-probs always get ``llm.logit_dist``.
+        vllm_worker_logits: ``LLM_OTEL_VLLM_WORKER_LOGITS`` (true). ``llm.logit_dist`` is computed
+            by vLLM's worker from the full-vocabulary logits of the chosen requests' rows only
+            (needs llm-otel in the worker process: ``instrument()`` arranges it through the
+            ``vllm.general_plugins`` entry point). Off: from log-probs vLLM returns, as above.
         logit_events: ``LLM_OTEL_LOGIT_EVENTS`` (32). ``llm.logit.step`` events for the first N steps.
         vllm_engine_events: ``LLM_OTEL_VLLM_ENGINE_EVENTS`` (true). Ask vLLM's engine core to record
             per-request QUEUED/SCHEDULED/PREEMPTED timestamps even when the frontend runs with
@@ -56,6 +60,7 @@ class Settings:
     logprobs_top_k: int = 5
     logit_dist_ratio: float = 0.0
     logit_events: int = 32
+    vllm_worker_logits: bool = True
     vllm_engine_events: bool = True
     console: str = "auto"
 
@@ -73,6 +78,7 @@ class Settings:
             logit_dist_ratio=_float(env, "LLM_OTEL_LOGIT_DIST_RATIO", 0.0, lo=0.0, hi=1.0),
             logit_events=_int(env, "LLM_OTEL_LOGIT_EVENTS", 32, lo=0, hi=10_000),
             vllm_engine_events=_bool(env, "LLM_OTEL_VLLM_ENGINE_EVENTS", True),
+            vllm_worker_logits=_bool(env, "LLM_OTEL_VLLM_WORKER_LOGITS", True),
             console=_choice(env, "LLM_OTEL_CONSOLE", "auto", {"auto", "tree", "json", "off"}),
         )
 

@@ -19,8 +19,8 @@ class Hook:
     Attributes:
         module: import path of the module that owns the target (``vllm.v1.engine.llm_engine``).
         target: ``"Class.method"`` or ``"function"`` inside that module.
-        factory: name of the adapter method that returns the wrapt wrapper
-            ``wrapper(wrapped, instance, args, kwargs)``.
+        factory: name (dotted for sub-adapters, ``"core.engine_step"``) of the adapter method that
+            returns the wrapt wrapper ``wrapper(wrapped, instance, args, kwargs)``.
         layout: the engine layouts/versions in which the target lives there.
         purpose: what the hook reads, for the table in the docs.
     """
@@ -67,7 +67,9 @@ def apply_hooks(hooks: list[Hook], adapter: Any, engine: str) -> list[AppliedHoo
                            "the others keep working", engine, hook.qualname, type(exc).__name__, exc)
             continue
         try:
-            factory: Callable = getattr(adapter, hook.factory)
+            factory: Any = adapter
+            for part in hook.factory.split("."):
+                factory = getattr(factory, part)
             original = vars(owner)[attribute]
             wrapt.wrap_function_wrapper(owner, attribute, factory(hook.qualname))
         except Exception as exc:  # noqa: BLE001 - a broken hook must not break the application

@@ -71,6 +71,9 @@ GEN_AI_USAGE_OUTPUT_TOKENS = 'gen_ai.usage.output_tokens'
 LLM_ENGINE_STEP_BATCH_SIZE = 'llm.engine.step.batch_size'
 """Number of requests scheduled in the step. Type: int. Origin: llm-otel."""
 
+LLM_ENGINE_STEP_CPU_TIME = 'llm.engine.step.cpu_time'
+"""CPU seconds the engine-core thread spent in the step (schedule, launch or wait for the model, update). Type: double. Origin: llm-otel."""
+
 LLM_ENGINE_STEP_DECODE_TOKENS = 'llm.engine.step.decode_tokens'
 """Decode tokens scheduled in the step. Type: int. Origin: llm-otel."""
 
@@ -140,6 +143,9 @@ LLM_LOGIT_TOP_LOGPROBS = 'llm.logit.top_logprobs'
 LLM_LOGIT_TOP_TOKEN_IDS = 'llm.logit.top_token_ids'
 """Vocabulary ids of one step's top-k tokens, most likely first. Type: int[]. Origin: llm-otel."""
 
+LLM_PROCESS_ROLE = 'llm.process.role'
+"""Role of the engine process (a resource attribute of its providers). Type: enum (string). Origin: llm-otel."""
+
 LLM_REQUEST_CHOICE_INDEX = 'llm.request.choice.index'
 """Index of this choice among the `n` parallel samples of one request (0 when n=1). Type: int. Origin: llm-otel."""
 
@@ -195,6 +201,13 @@ class LlmLogitSourceValues:
     FULL_VOCAB_LOGITS = 'full_vocab_logits'
 
 
+class LlmProcessRoleValues:
+    """Values of llm.process.role."""
+    FRONTEND = 'frontend'
+    ENGINE_CORE = 'engine_core'
+    WORKER = 'worker'
+
+
 class LlmRequestTimingSourceValues:
     """Values of llm.request.timing.source."""
     ENGINE_EVENTS = 'engine_events'
@@ -225,6 +238,7 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'gen_ai.usage.input_tokens': 'int',
     'gen_ai.usage.output_tokens': 'int',
     'llm.engine.step.batch_size': 'int',
+    'llm.engine.step.cpu_time': 'double',
     'llm.engine.step.decode_tokens': 'int',
     'llm.engine.step.preempted': 'int',
     'llm.engine.step.prefill_tokens': 'int',
@@ -248,6 +262,7 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.logit.top_k': 'int',
     'llm.logit.top_logprobs': 'double[]',
     'llm.logit.top_token_ids': 'int[]',
+    'llm.process.role': 'string',
     'llm.request.choice.index': 'int',
     'llm.request.decode.duration': 'double',
     'llm.request.frontend.duration': 'double',

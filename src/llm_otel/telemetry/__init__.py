@@ -127,6 +127,7 @@ class Telemetry:
 
     def reject(self, *, operation: str, provider: str, model: str, arrival_s: float,
                error: BaseException, kind: SpanKind = SpanKind.INTERNAL,
+               parent: otel_context.Context | None = None,
                engine_version: str = "", request_attributes: Mapping[str, Any] | None = None) -> None:
         """A request the engine refused before scheduling it: one error span and the duration metric."""
         error_type = type(error).__qualname__
@@ -136,7 +137,7 @@ class Telemetry:
             attrs[A.LLM_ENGINE_VERSION] = engine_version
         if request_attributes:
             attrs.update(request_attributes)
-        span = self.tracer.start_span(f"{operation} {model}", kind=kind, attributes=attrs,
+        span = self.tracer.start_span(f"{operation} {model}", context=parent, kind=kind, attributes=attrs,
                                       start_time=round(arrival_s * 1e9))
         span.add_event(S.EVENT_LLM_REQUEST_REJECTED, {A.ERROR_TYPE: error_type})
         span.set_status(Status(StatusCode.ERROR, str(error)[:500]))

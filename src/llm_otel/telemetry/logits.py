@@ -105,25 +105,48 @@ def _xp_stats(x: Any, k: int) -> LogitStats:
 
 
 def _torch_stats(x: Any, k: int) -> LogitStats:
-    import torch
+    return TorchLogitStats(x, k).to_host()[0]
 
-    _check_shape(x.dim())
-    with torch.no_grad():
-        if x.dim() == 1:
-            x = x.unsqueeze(0)
-        x = x.float() if x.dtype not in (torch.float32, torch.float64) else x
-        k = min(k, x.shape[1])
-        bad = torch.isnan(x) | torch.isposinf(x)
-        nonfinite = bad.any(dim=1) | torch.isneginf(x).all(dim=1)
-        safe = x.masked_fill(bad, float("-inf"))
-        logp = torch.log_softmax(safe, dim=1)  # log-sum-exp inside; all -inf rows give NaN
-        p = logp.exp()
-        entropy = -torch.where(p > 0, p * logp, torch.zeros((), dtype=p.dtype, device=p.device)).sum(dim=1)
-        top_lp, top_ids = torch.topk(logp, k, dim=1)
-        packed = torch.cat([top_ids.double(), top_lp.double(), entropy[:, None].double(),
-                            nonfinite[:, None].double()], dim=1)
-        host = packed.cpu().numpy()  # the one transfer: (batch, 2k+2)
-    return _unpack(host, k)
+
+class TorchLogitStats:
+    """Statistics of a torch ``(rows, vocab)`` logits tensor, computed on its device at construction
+    (before the engine's sampler may modify the logits in place); :meth:`to_host` gathers the
+    sampled tokens' log-probs and moves everything to host in one ``(rows, 2k+3)`` transfer.
+
+    Raises ValueError for a tensor that is not 1-D or 2-D.
+    """
+
+    def __init__(self, x: Any, k: int) -> None:
+        import torch
+
+        _check_shape(x.dim())
+        with torch.no_grad():
+            if x.dim() == 1:
+                x = x.unsqueeze(0)
+            x = x.float() if x.dtype not in (torch.float32, torch.float64) else x
+            self.k = k = min(k, x.shape[1])
+            bad = torch.isnan(x) | torch.isposinf(x)
+            self.nonfinite = bad.any(dim=1) | torch.isneginf(x).all(dim=1)
+            self.logp = torch.log_softmax(x.masked_fill(bad, float("-inf")), dim=1)  # log-sum-exp inside
+            p = self.logp.exp()
+            zero = torch.zeros((), dtype=p.dtype, device=p.device)
+            self.entropy = -torch.where(p > 0, p * self.logp, zero).sum(dim=1)
+            self.top_lp, self.top_ids = torch.topk(self.logp, k, dim=1)
+
+    def to_host(self, sampled_ids: Any = None) -> tuple[LogitStats, np.ndarray | None]:
+        """``(LogitStats, sampled log-probs (rows,) or None)``; ``sampled_ids``: ``(rows,)`` token ids."""
+        import torch
+
+        with torch.no_grad():
+            parts = [self.top_ids.double(), self.top_lp.double(), self.entropy[:, None].double(),
+                     self.nonfinite[:, None].double()]
+            if sampled_ids is not None:
+                ids = sampled_ids.reshape(-1, 1).long().to(self.logp.device)
+                parts.append(self.logp.gather(1, ids).double())
+            host = torch.cat(parts, dim=1).cpu().numpy()
+        k = self.k
+        stats = _unpack(host[:, :2 * k + 2], k)
+        return stats, (host[:, 2 * k + 2].copy() if sampled_ids is not None else None)
 
 
 def _unpack(host: np.ndarray, k: int) -> LogitStats:

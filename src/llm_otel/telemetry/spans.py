@@ -150,54 +150,20 @@ class SpanBuilder:
         span.end(end_time=last_ns)
 
     def _logit_dist(self, rec: RequestRecord, ctx, first_ns: int, last_ns: int) -> None:
-        st = self.settings
         width = np.asarray(rec.logprob_rows[0][0]).shape[-1]
         ids = np.concatenate([np.asarray(i).reshape(-1, width) for i, _ in rec.logprob_rows])
         lps = np.concatenate([np.asarray(lp, dtype=np.float64).reshape(-1, width) for _, lp in rec.logprob_rows])
-        sampled_lp = lps[:, 0]
-        top_ids, top_lp = ids[:, 1:], lps[:, 1:]
-        if top_lp.shape[1] == 0:
+        if width < 2:
             return
+        top_ids, top_lp = ids[:, 1:], lps[:, 1:]
         entropy, margin, nonfinite = logits.topk_logprob_stats(top_lp, rec.vocab_size)
-        finite = ~nonfinite
-        attrs = {
-            A.LLM_LOGIT_SOURCE: "engine_logprobs",
-            A.LLM_LOGIT_TOP_K: int(top_lp.shape[1]),
-            A.LLM_LOGIT_STEPS: int(len(lps)),
-            A.LLM_LOGIT_NONFINITE_STEPS: int(nonfinite.sum()),
-        }
-        if finite.any():
-            attrs[A.LLM_LOGIT_ENTROPY_MEAN] = float(entropy[finite].mean())
-            attrs[A.LLM_LOGIT_ENTROPY_MAX] = float(entropy[finite].max())
-            m = margin[finite]
-            m = m[np.isfinite(m)]
-            if m.size:
-                attrs[A.LLM_LOGIT_MARGIN_MIN] = float(m.min())
-        ppl = logits.perplexity(sampled_lp)
-        if not math.isnan(ppl):
-            attrs[A.LLM_LOGIT_PERPLEXITY] = ppl
-        attrs[A.LLM_TOKEN_EVENTS_DROPPED] = max(0, len(lps) - st.logit_events)
-        span = self.tracer.start_span(S.LLM_LOGIT_DIST, context=ctx, kind=SpanKind.INTERNAL,
-                                      start_time=first_ns, attributes=attrs)
-        # one step per output token; stamp each with its step's time
+        # one step per output token, stamped with its step's time
         token_times = np.repeat(np.frombuffer(rec.step_times, dtype=np.float64),
-                                np.asarray(rec.step_token_counts, dtype=np.int64))
-        for i in range(min(len(lps), st.logit_events)):
-            order = np.argsort(-np.where(np.isnan(top_lp[i]), -np.inf, top_lp[i]), kind="stable")
-            ev = {
-                A.LLM_TOKEN_INDEX: i,
-                A.LLM_LOGIT_TOP_TOKEN_IDS: [int(v) for v in top_ids[i][order]],
-                A.LLM_LOGIT_TOP_LOGPROBS: [float(v) for v in top_lp[i][order]],
-                A.LLM_LOGIT_SAMPLED_LOGPROB: float(sampled_lp[i]),
-                A.LLM_LOGIT_ENTROPY: float(entropy[i]),
-                A.LLM_LOGIT_MARGIN: float(margin[i]),
-                A.LLM_LOGIT_NONFINITE: bool(nonfinite[i]),
-            }
-            ts = rec.epoch_ns(float(token_times[i])) if i < len(token_times) else last_ns
-            span.add_event(S.EVENT_LLM_LOGIT_STEP, ev, timestamp=min(max(ts, first_ns), last_ns))
-        if nonfinite.any():
-            span.set_status(Status(StatusCode.ERROR, f"{int(nonfinite.sum())} decode step(s) with non-finite log-probs"))
-        span.end(end_time=last_ns)
+                                np.asarray(rec.step_token_counts, dtype=np.int64))[:len(lps)]
+        times_ns = [min(max(rec.epoch_ns(float(t)), first_ns), last_ns) for t in token_times[:self.settings.logit_events]]
+        emit_logit_dist(self.tracer, self.settings, ctx, source="engine_logprobs", start_ns=first_ns,
+                        end_ns=last_ns, times_ns=times_ns, top_ids=top_ids, top_logprobs=top_lp,
+                        sampled_logprobs=lps[:, 0], entropy=entropy, margin=margin, nonfinite=nonfinite)
 
     def _finish_request_span(self, rec: RequestRecord, end_ns: int) -> None:
         span = rec.span
@@ -221,3 +187,55 @@ class SpanBuilder:
             span.set_status(Status(StatusCode.ERROR, rec.error_message or rec.error_type))
         span.set_attributes(attrs)
         span.end(end_time=end_ns)
+
+
+def emit_logit_dist(tracer: Tracer, settings: Settings, parent, *, source: str, start_ns: int, end_ns: int,
+                    times_ns: list[int], top_ids: np.ndarray, top_logprobs: np.ndarray,
+                    sampled_logprobs: np.ndarray | None, entropy: np.ndarray, margin: np.ndarray,
+                    nonfinite: np.ndarray) -> None:
+    """One ``llm.logit_dist`` span from per-step arrays (``(steps, k)`` and ``(steps,)``, nats).
+
+    ``parent``: the request span's Context (local or remote). ``times_ns``: epoch ns of the first
+    ``len(times_ns)`` steps, which get ``llm.logit.step`` events (capped by ``logit_events``).
+    ``source``: ``engine_logprobs`` (frontend, top-k returned by the engine) or
+    ``full_vocab_logits`` (worker).
+    """
+    steps = len(entropy)
+    finite = ~nonfinite
+    attrs = {
+        A.LLM_LOGIT_SOURCE: source,
+        A.LLM_LOGIT_TOP_K: int(top_logprobs.shape[1]),
+        A.LLM_LOGIT_STEPS: int(steps),
+        A.LLM_LOGIT_NONFINITE_STEPS: int(nonfinite.sum()),
+        A.LLM_TOKEN_EVENTS_DROPPED: max(0, steps - settings.logit_events),
+    }
+    if finite.any():
+        attrs[A.LLM_LOGIT_ENTROPY_MEAN] = float(entropy[finite].mean())
+        attrs[A.LLM_LOGIT_ENTROPY_MAX] = float(entropy[finite].max())
+        m = margin[finite]
+        m = m[np.isfinite(m)]
+        if m.size:
+            attrs[A.LLM_LOGIT_MARGIN_MIN] = float(m.min())
+    if sampled_logprobs is not None:
+        ppl = logits.perplexity(sampled_logprobs)
+        if not math.isnan(ppl):
+            attrs[A.LLM_LOGIT_PERPLEXITY] = ppl
+    span = tracer.start_span(S.LLM_LOGIT_DIST, context=parent, kind=SpanKind.INTERNAL,
+                             start_time=start_ns, attributes=attrs)
+    for i in range(min(steps, settings.logit_events, len(times_ns))):
+        row = top_logprobs[i]
+        order = np.argsort(-np.where(np.isnan(row), -np.inf, row), kind="stable")
+        ev = {
+            A.LLM_TOKEN_INDEX: i,
+            A.LLM_LOGIT_TOP_TOKEN_IDS: [int(v) for v in top_ids[i][order]],
+            A.LLM_LOGIT_TOP_LOGPROBS: [float(v) for v in row[order]],
+            A.LLM_LOGIT_ENTROPY: float(entropy[i]),
+            A.LLM_LOGIT_MARGIN: float(margin[i]),
+            A.LLM_LOGIT_NONFINITE: bool(nonfinite[i]),
+        }
+        if sampled_logprobs is not None:
+            ev[A.LLM_LOGIT_SAMPLED_LOGPROB] = float(sampled_logprobs[i])
+        span.add_event(S.EVENT_LLM_LOGIT_STEP, ev, timestamp=times_ns[i])
+    if nonfinite.any():
+        span.set_status(Status(StatusCode.ERROR, f"{int(nonfinite.sum())} decode step(s) with non-finite logits"))
+    span.end(end_time=end_ns)

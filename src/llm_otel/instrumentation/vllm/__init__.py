@@ -34,6 +34,7 @@ Configuration
 
 from __future__ import annotations
 
+import os
 from typing import Any, Collection
 
 from opentelemetry.instrumentation.dependencies import get_dependency_conflicts
@@ -59,6 +60,7 @@ class VLLMInstrumentor(BaseInstrumentor):
 
     adapter: VLLMAdapter | None = None
     _applied: list[AppliedHook] = []
+    _pending: dict | None = None
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments
@@ -67,18 +69,46 @@ class VLLMInstrumentor(BaseInstrumentor):
         return get_dependency_conflicts(_instruments, _instruments_any)
 
     def _instrument(self, **kwargs: Any) -> None:
-        from llm_otel._setup import ensure_providers
+        from llm_otel.instrumentation.vllm import plugin
 
+        if kwargs.get("tracer_provider") is None and kwargs.get("meter_provider") is None \
+                and plugin.unnamed_spawned_child():
+            # `opentelemetry-instrument` runs in vLLM's spawned engine processes before they know
+            # which one they are; the vllm.general_plugins entry point activates this later.
+            self._pending = kwargs
+            return
+        self._activate(**kwargs)
+
+    def _activate(self, **kwargs: Any) -> None:
+        from llm_otel._setup import ensure_providers
+        from llm_otel.instrumentation.vllm import plugin
+
+        self._pending = None
         settings = kwargs.get("settings") or Settings.from_env()
         tracer_provider = kwargs.get("tracer_provider")
         meter_provider = kwargs.get("meter_provider")
+        role = plugin.process_role()
         if tracer_provider is None and meter_provider is None:
-            ensure_providers(settings)
+            if role == "frontend":
+                ensure_providers(settings)
+            else:
+                tracer_provider, meter_provider = plugin.engine_process_providers(role)
         telemetry = Telemetry(tracer_provider, meter_provider, settings, scope=__name__)
         self.adapter = VLLMAdapter(telemetry)
         self._applied = apply_hooks(HOOKS, self.adapter, "vLLM")
+        self._set_enable_env = plugin.ENABLE_ENV not in os.environ
+        if self._set_enable_env:
+            # the engine-core and worker processes vLLM spawns from here inherit it and instrument
+            # themselves through the vllm.general_plugins entry point
+            os.environ[plugin.ENABLE_ENV] = "1"
 
     def _uninstrument(self, **kwargs: Any) -> None:
+        from llm_otel.instrumentation.vllm import plugin
+
         remove_hooks(self._applied)
         self._applied = []
         self.adapter = None
+        self._pending = None
+        if getattr(self, "_set_enable_env", False):
+            os.environ.pop(plugin.ENABLE_ENV, None)
+            self._set_enable_env = False

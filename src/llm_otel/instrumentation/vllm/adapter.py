@@ -18,11 +18,16 @@ from __future__ import annotations
 
 import contextvars
 import copy
+import inspect
 import logging
 import time
 import weakref
 from typing import Any
 
+from opentelemetry.trace import SpanKind
+
+from llm_otel.instrumentation.vllm.engine_core import CARRIER_KEY, CARRIER_TOPK_KEY, EngineCoreAdapter
+from llm_otel.propagation import carrier_from_span, context_from_carrier, extract_carrier
 from llm_otel.semconv import attributes as A
 from llm_otel.telemetry import RequestRecord, Telemetry
 
@@ -33,6 +38,21 @@ MAX_LIVE_REQUESTS = 1_000_000  # records beyond this are not tracked (one warnin
 
 # Operation of the LLM entry point on this thread/task ("chat" inside LLM.chat).
 _operation: contextvars.ContextVar[str | None] = contextvars.ContextVar("llm_otel_vllm_operation", default=None)
+# The HTTP request this task serves (OpenAI server), and trace headers given to AsyncLLM directly.
+_inbound: contextvars.ContextVar["_Inbound | None"] = contextvars.ContextVar("llm_otel_vllm_inbound", default=None)
+_engine_carrier: contextvars.ContextVar[dict | None] = contextvars.ContextVar("llm_otel_vllm_carrier", default=None)
+
+
+class _Inbound:
+    """One HTTP request seen by an OpenAI handler: its valid trace headers, and whether any engine
+    request was started for it (if none was and the handler failed, it was rejected)."""
+
+    __slots__ = ("carrier", "operation", "started")
+
+    def __init__(self, carrier: dict | None, operation: str) -> None:
+        self.carrier = carrier
+        self.operation = operation
+        self.started = 0
 
 _EVENT_KINDS = {1: "queued", 2: "scheduled", 3: "preempted"}  # vllm.v1.engine.EngineCoreEventType
 _FINISH = ("stop", "length", "abort", "error", "repetition")  # vllm.v1.engine.FINISH_REASON_STRINGS
@@ -71,6 +91,10 @@ class VLLMAdapter:
         self.version = engine_version()
         self._states: weakref.WeakKeyDictionary[Any, _EngineState] = weakref.WeakKeyDictionary()
         self._warned_capacity = False
+        self.core = EngineCoreAdapter(telemetry)
+        from llm_otel.instrumentation.vllm.worker import WorkerAdapter
+
+        self.worker = WorkerAdapter(telemetry)
 
     # --- engine facts -----------------------------------------------------------------------
     def _state_for(self, output_processor: Any) -> _EngineState:
@@ -127,15 +151,81 @@ class VLLMAdapter:
         def wrapper(wrapped, instance, args, kwargs):
             if self.settings.vllm_engine_events:
                 try:
-                    if "log_stats" in kwargs:
-                        kwargs = {**kwargs, "log_stats": True}
-                    elif len(args) >= 5:
-                        args = (*args[:4], True, *args[5:])
+                    import inspect
+
+                    bound = inspect.signature(wrapped).bind(*args, **kwargs)
+                    if "log_stats" in bound.arguments:
+                        bound.arguments["log_stats"] = True
+                        args, kwargs = bound.args, bound.kwargs
                 except Exception as exc:  # noqa: BLE001
                     self.telemetry.errors.report(hook, exc)
             return wrapped(*args, **kwargs)
 
         return wrapper
+
+    def async_add_request(self, hook: str):
+        """AsyncLLM.add_request: keep the trace headers vLLM drops when its own tracing is off."""
+
+        async def wrapper(wrapped, instance, args, kwargs):
+            try:
+                if instance.output_processor not in self._states:
+                    self._register_engine(instance)
+                headers = kwargs.get("trace_headers", args[6] if len(args) > 6 else None)
+                _engine_carrier.set(extract_carrier(headers) if headers else None)
+            except Exception as exc:  # noqa: BLE001
+                self.telemetry.errors.report(hook, exc)
+            return await wrapped(*args, **kwargs)
+
+        return wrapper
+
+    def http_handler(self, hook: str):
+        """OpenAI completions/chat handlers: inbound trace context, SERVER kind, rejected requests."""
+        operation = "chat" if "chat" in hook.rsplit(".", 1)[-1] else "text_completion"
+
+        async def wrapper(wrapped, instance, args, kwargs):
+            arrival = time.time()
+            inbound = None
+            try:
+                raw = kwargs.get("raw_request", args[1] if len(args) > 1 else None)
+                inbound = _Inbound(extract_carrier(raw.headers) if raw is not None else None, operation)
+                _inbound.set(inbound)  # the request's task (and the streaming tasks it starts) see it
+                _operation.set(operation)
+            except Exception as exc:  # noqa: BLE001
+                self.telemetry.errors.report(hook, exc)
+            try:
+                result = await wrapped(*args, **kwargs)
+            except Exception as error:
+                if inbound is not None and not inbound.started:
+                    self._rejected_http(hook, args, kwargs, inbound, arrival, type(error).__qualname__, str(error))
+                raise
+            if inbound is not None and not inbound.started:
+                err = getattr(result, "error", None)
+                if err is not None and hasattr(err, "message"):
+                    self._rejected_http(hook, args, kwargs, inbound, arrival,
+                                        str(getattr(err, "type", None) or "error"), str(err.message))
+            if inbound is not None and inspect.isasyncgen(result):
+                # vLLM runs the handler in a task of its own (with_cancellation) and the response
+                # iterates the stream from another: carry the request's context into that one.
+                return _in_context(result, inbound, operation)
+            return result
+
+        return wrapper
+
+    def _rejected_http(self, hook: str, args, kwargs, inbound: _Inbound, arrival: float,
+                       error_type: str, message: str) -> None:
+        try:
+            request = kwargs.get("request", args[0] if args else None)
+            model = getattr(request, "model", None) or "unknown"
+
+            class _Error(Exception):
+                pass
+
+            _Error.__qualname__ = error_type
+            self.telemetry.reject(operation=inbound.operation, provider=PROVIDER, model=str(model),
+                                  arrival_s=arrival, error=_Error(message), kind=SpanKind.SERVER,
+                                  parent=context_from_carrier(inbound.carrier), engine_version=self.version)
+        except Exception as exc:  # noqa: BLE001
+            self.telemetry.errors.report(hook, exc)
 
     def engine_init(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
@@ -210,23 +300,39 @@ class VLLMAdapter:
         n = getattr(parent_req, "n", None)
         if isinstance(n, int) and n != 1:
             attrs[A.GEN_AI_REQUEST_CHOICE_COUNT] = n
+        inbound = _inbound.get()
+        carrier = _engine_carrier.get() or (inbound.carrier if inbound is not None else None)
+        if inbound is not None:
+            inbound.started += 1
         rec = self.telemetry.start_request(
             rid, operation=_operation.get() or "text_completion", provider=PROVIDER, model=state.model,
+            kind=SpanKind.SERVER if inbound is not None else SpanKind.INTERNAL,
+            parent=context_from_carrier(carrier) if carrier else None,
             arrival_s=float(request.arrival_time), input_tokens=len(prompt_ids) if prompt_ids is not None else 0,
             engine_version=self.version, choice_index=int(request_index or 0),
             request_attributes=attrs, user_logprobs=user_logprobs, prompt_text=prompt)
         rec.vocab_size = state.vocab_size
         k = min(self.settings.logprobs_top_k, state.max_logprobs)
         user_asked = user_logprobs is not None or bool(getattr(sp, "logprob_token_ids", None))
-        if not rec.recording or k <= 0 or not (user_asked or self._wants_logit_dist(rec)):
-            rec.logprob_cap = 0
-        elif not user_asked:
-            # Ask the engine for k log-probs on its own copy of the params; the user's RequestState
-            # was built from the original (no log-probs) and process_outputs strips ours again.
+        wanted = rec.recording and k > 0 and (user_asked or self._wants_logit_dist(rec))
+        in_worker = wanted and self.settings.vllm_worker_logits
+        if not wanted or in_worker:
+            rec.logprob_cap = 0  # llm.logit_dist comes from the worker's logits, or not at all
+        rec.injected_logprobs = wanted and not in_worker and not user_asked
+        if rec.recording:
+            # The engine-bound copy of the params carries the request span's traceparent to the
+            # engine core (step-span links) and the worker (logit statistics for k > 0), or asks
+            # for k log-probs that process_outputs strips again. The user's RequestState was
+            # built from the original params.
             ours = copy.copy(sp)
-            ours.logprobs = k
+            extra = dict(sp.extra_args or {})
+            extra[CARRIER_KEY] = carrier_from_span(rec.span).get("traceparent", "")
+            if in_worker:
+                extra[CARRIER_TOPK_KEY] = k
+            ours.extra_args = extra
+            if rec.injected_logprobs:
+                ours.logprobs = k
             request.sampling_params = ours
-            rec.injected_logprobs = True
         state.records[rid] = rec
 
     def _wants_logit_dist(self, rec: RequestRecord) -> bool:
@@ -339,6 +445,18 @@ class VLLMAdapter:
             return aborted
 
         return wrapper
+
+
+async def _in_context(stream, inbound: "_Inbound", operation: str):
+    """Iterate ``stream`` with this request's inbound context set; closing us closes it (vLLM
+    aborts the request when its generator is closed by a client disconnect)."""
+    _inbound.set(inbound)
+    _operation.set(operation)
+    try:
+        async for item in stream:
+            yield item
+    finally:
+        await stream.aclose()
 
 
 def _bind_add_request(request, prompt=None, parent_req=None, request_index=0, queue=None):

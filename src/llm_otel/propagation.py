@@ -1,0 +1,100 @@
+"""W3C ``traceparent``/``tracestate`` to and from engine carriers.
+
+Inbound headers are validated before use: a malformed or oversized value is ignored with a debug
+log line and the request becomes a new root - it is never an error for the request.
+
+A *carrier* is the small ``{"traceparent": ..., "tracestate": ...}`` dict llm-otel puts on an
+engine request (vLLM: ``SamplingParams.extra_args``) so engine-core and worker processes can
+link to, or parent on, the request span.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Mapping
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanContext, TraceFlags, TraceState
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+logger = logging.getLogger("llm_otel")
+
+TRACEPARENT = "traceparent"
+TRACESTATE = "tracestate"
+MAX_TRACESTATE_CHARS = 512  # W3C: 32 list members; vendors cap the header around 512 bytes
+_TRACEPARENT_RE = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+def _get(headers: Any, name: str) -> str | None:
+    """Case-insensitive header lookup on dicts, Starlette Headers or lists of pairs."""
+    try:
+        value = headers.get(name)
+        if value is None and isinstance(headers, Mapping):
+            for k, v in headers.items():
+                if isinstance(k, str) and k.lower() == name:
+                    return v
+        return value
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def parse_traceparent(value: Any) -> SpanContext | None:
+    """A remote SpanContext from a ``traceparent`` value, or None (with a debug log) if invalid.
+
+    Accepts version 00 exactly and future versions with extra fields (W3C forward compatibility);
+    rejects version ff, all-zero ids, upper-case hex and values over 512 characters.
+    """
+    if not isinstance(value, str) or len(value) > 512:
+        logger.debug("llm-otel: ignoring malformed traceparent %.80r", value)
+        return None
+    m = _TRACEPARENT_RE.match(value.strip())
+    if not m or m.group(1) == "ff" or (m.group(1) == "00" and m.group(5)):
+        logger.debug("llm-otel: ignoring malformed traceparent %.80r", value)
+        return None
+    trace_id, span_id = int(m.group(2), 16), int(m.group(3), 16)
+    if not trace_id or not span_id:
+        logger.debug("llm-otel: ignoring traceparent with zero ids %.80r", value)
+        return None
+    return SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(int(m.group(4), 16) & 0x01))
+
+
+def extract_carrier(headers: Any) -> dict[str, str] | None:
+    """The valid ``traceparent`` (and ``tracestate``, if well-formed and not oversized) of inbound
+    headers, or None. Never raises."""
+    tp = _get(headers, TRACEPARENT)
+    if tp is None or parse_traceparent(tp) is None:
+        return None
+    carrier = {TRACEPARENT: tp.strip()}
+    ts = _get(headers, TRACESTATE)
+    if isinstance(ts, str) and ts.strip():
+        if len(ts) > MAX_TRACESTATE_CHARS:
+            logger.debug("llm-otel: ignoring oversized tracestate (%d chars)", len(ts))
+        else:
+            carrier[TRACESTATE] = ts.strip()
+    return carrier
+
+
+def context_from_carrier(carrier: Mapping[str, str] | None) -> Context | None:
+    """An OpenTelemetry Context whose current span is the carrier's remote parent, or None."""
+    if not carrier:
+        return None
+    sc = parse_traceparent(carrier.get(TRACEPARENT))
+    if sc is None:
+        return None
+    ts = carrier.get(TRACESTATE)
+    if ts:
+        try:
+            sc = SpanContext(sc.trace_id, sc.span_id, True, sc.trace_flags, TraceState.from_header([ts]))
+        except Exception:  # noqa: BLE001
+            logger.debug("llm-otel: ignoring malformed tracestate %.80r", ts)
+    return trace.set_span_in_context(trace.NonRecordingSpan(sc))
+
+
+def carrier_from_span(span: trace.Span) -> dict[str, str]:
+    """``traceparent``/``tracestate`` of a span, for engine request carriers."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+    return carrier

@@ -1,0 +1,46 @@
+"""W3C trace context from inbound headers: valid values are used, anything else ignored."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+
+from llm_otel.propagation import carrier_from_span, context_from_carrier, extract_carrier, parse_traceparent
+
+TID, SID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+
+
+def test_valid_traceparent_and_tracestate_are_kept_case_insensitively():
+    carrier = extract_carrier({"TraceParent": f"00-{TID}-{SID}-01", "tracestate": "vendor=probe,ot=th:8"})
+    assert carrier == {"traceparent": f"00-{TID}-{SID}-01", "tracestate": "vendor=probe,ot=th:8"}
+    sc = trace.get_current_span(context_from_carrier(carrier)).get_span_context()
+    assert (f"{sc.trace_id:032x}", f"{sc.span_id:016x}", sc.is_remote, sc.trace_flags.sampled) == (TID, SID, True, True)
+    assert sc.trace_state.get("ot") == "th:8"
+
+
+@pytest.mark.parametrize("value", [
+    "garbage", "", None, 42, f"00-{'0' * 32}-{SID}-01", f"00-{TID}-{'0' * 16}-01", f"00-{TID.upper()}-{SID}-01",
+    f"ff-{TID}-{SID}-01", f"00-{TID}-{SID}-01-extra", f"00-{TID}-{SID}", "00-" + "a" * 1000,
+])
+def test_malformed_traceparent_is_ignored(value):
+    assert parse_traceparent(value) is None
+    assert extract_carrier({"traceparent": value}) is None
+
+
+def test_future_versions_with_extra_fields_are_accepted():
+    assert parse_traceparent(f"01-{TID}-{SID}-01-whatever") is not None
+
+
+def test_oversized_or_broken_tracestate_is_dropped_but_the_parent_kept():
+    carrier = extract_carrier({"traceparent": f"00-{TID}-{SID}-00", "tracestate": "x" * 5000})
+    assert carrier == {"traceparent": f"00-{TID}-{SID}-00"}
+    sc = trace.get_current_span(context_from_carrier(carrier)).get_span_context()
+    assert not sc.trace_flags.sampled
+
+
+def test_carrier_from_span_round_trips():
+    span = TracerProvider().get_tracer("t").start_span("s")
+    carrier = carrier_from_span(span)
+    sc = parse_traceparent(carrier["traceparent"])
+    assert sc.trace_id == span.get_span_context().trace_id and sc.span_id == span.get_span_context().span_id

@@ -1,0 +1,83 @@
+"""Cases C05/C06: the vLLM hook table against module trees shaped like other vLLM releases
+(tests/vllm_layouts/), in a fresh interpreter where that tree *is* `vllm`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+SCRIPT = textwrap.dedent("""
+    import json, logging, time
+    records = []
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+    logging.getLogger("llm_otel").addHandler(Keep())
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from llm_otel.config import Settings
+    from llm_otel.instrumentation.vllm import HOOKS, VLLMInstrumentor
+    import vllm
+    exporter = InMemorySpanExporter()
+    tp = TracerProvider(); tp.add_span_processor(SimpleSpanProcessor(exporter))
+    inst = VLLMInstrumentor()
+    inst.instrument(tracer_provider=tp, meter_provider=MeterProvider(), settings=Settings(), skip_dep_check=True)
+    applied = [a.hook.qualname for a in inst._applied]
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, SamplingParams
+    from vllm.v1.engine.llm_engine import LLMEngine
+    engine = LLMEngine()
+    engine.output_processor.add_request(EngineCoreRequest("r1", [1, 2, 3], SamplingParams(max_tokens=2), time.time()), None)
+    t = time.monotonic()
+    engine.output_processor.process_outputs([EngineCoreOutput("r1", [5])], engine_core_timestamp=t)
+    engine.output_processor.process_outputs([EngineCoreOutput("r1", [6], finish_reason=1)], engine_core_timestamp=t + 0.01)
+    spans = {s.name: dict(s.attributes) for s in exporter.get_finished_spans()}
+    inst.uninstrument()
+    print(json.dumps({"version": vllm.__version__, "hooks": len(HOOKS), "applied": applied,
+                      "warnings": [r for r in records if "not found" in r], "spans": spans}))
+""")
+
+
+def run_layout(layout: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(HERE, "vllm_layouts", layout),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("layout, version, missing", [
+    ("v0_7", "0.7.3", {
+        "vllm.v1.engine.core_client:EngineCoreClient.make_async_mp_client",
+        "vllm.entrypoints.openai.completion.serving:OpenAIServingCompletion.create_completion",
+        "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat.create_chat_completion",
+        "vllm.v1.core.sched.scheduler:Scheduler.schedule",
+        "vllm.v1.engine.core:EngineCore.step_with_batch_queue",
+        "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
+    }),
+    ("v0_33", "0.33.0", {
+        "vllm.entrypoints.openai.serving_completion:OpenAIServingCompletion.create_completion",
+        "vllm.entrypoints.openai.serving_chat:OpenAIServingChat.create_chat_completion",
+        "vllm.v1.engine.core:EngineCore.step_with_batch_queue",
+        "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
+    }),
+])
+def test_c06_other_vllm_layouts_skip_missing_hooks_with_one_warning_each_and_still_trace(layout, version, missing):
+    result = run_layout(layout)
+    assert result["version"] == version  # the stand-in tree, not the installed vLLM
+    assert len(result["warnings"]) == len(missing)
+    assert {w.split(" hook target ")[1].split(" ")[0] for w in result["warnings"]} == missing
+    assert len(result["applied"]) == result["hooks"] - len(missing)
+    assert not missing & set(result["applied"])
+    # the hooks that did resolve still produce a correct request tree
+    assert set(result["spans"]) == {"text_completion fake-model", "llm.prompt", "llm.token_stream"}
+    assert result["spans"]["text_completion fake-model"]["gen_ai.usage.output_tokens"] == 2
+    assert result["spans"]["text_completion fake-model"]["gen_ai.usage.input_tokens"] == 3

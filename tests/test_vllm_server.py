@@ -1,0 +1,211 @@
+"""Served vLLM: the real OpenAI server (frontend, engine-core and worker processes), started once
+per session zero-code with `opentelemetry-instrument`, exporting to the test's OTLP receiver."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import HAS_VLLM, VLLM_ENV, record_received
+
+pytestmark = [pytest.mark.engine, pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")]
+
+httpx = pytest.importorskip("httpx")
+SERVED = "tiny"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model, receiver, tmp_path_factory):
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
+    env.update(VLLM_ENV)
+    env.update(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+               OTEL_BSP_SCHEDULE_DELAY="200", OTEL_METRIC_EXPORT_INTERVAL="1000",
+               OTEL_SERVICE_NAME="vllm-server-test", LLM_OTEL_LOGIT_DIST_RATIO="1",
+               VLLM_LOGGING_LEVEL="INFO")
+    instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
+    cmd = [instrument, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
+           "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+           "--max-model-len", "512", "--max-logprobs", "20"]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"vLLM server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"vLLM server not ready in 300 s:\n{log_path.read_text()[-4000:]}")
+        time.sleep(1)
+    yield {"base": base, "proc": proc, "log": log_path}
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    log.close()
+
+
+@pytest.fixture
+def rx(receiver, server):
+    receiver.clear()
+    yield receiver
+    record_received(receiver.spans())
+
+
+TP_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+TP_PARENT = "00f067aa0ba902b7"
+
+
+def request_spans(rx, trace_id: str, n: int = 1, timeout: float = 20) -> list[dict]:
+    return rx.wait_for_spans(n, trace_id=trace_id, kind="SPAN_KIND_SERVER", timeout=timeout)
+
+
+def children(rx, span: dict, name: str, n: int = 1, timeout: float = 20) -> list[dict]:
+    return rx.wait_for_spans(n, name=name, parent_span_id=span["span_id"], timeout=timeout)
+
+
+def test_completion_joins_the_callers_trace_across_all_three_processes(rx, server):
+    body = {"model": SERVED, "prompt": "def main():", "max_tokens": 8, "temperature": 0.7, "ignore_eos": True}
+    headers = {"traceparent": f"00-{TP_TRACE}-{TP_PARENT}-01", "tracestate": "vendor=probe"}
+    r = httpx.post(server["base"] + "/v1/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    (root,) = request_spans(rx, TP_TRACE)
+    assert root["name"] == f"text_completion {SERVED}"
+    assert root["parent_span_id"] == TP_PARENT and root["trace_state"] == "vendor=probe"
+    a = root["attributes"]
+    assert a["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
+    assert a["gen_ai.usage.output_tokens"] == usage["completion_tokens"] == 8
+    assert root["resource"]["service.name"] == "vllm-server-test"
+    (prompt,) = children(rx, root, "llm.prompt")
+    (stream,) = children(rx, root, "llm.token_stream")
+    (dist,) = children(rx, root, "llm.logit_dist")
+    assert dist["resource"]["llm.process.role"] == "worker" and dist["attributes"]["llm.logit.steps"] == 8
+    assert root["start_ns"] <= prompt["start_ns"] <= stream["start_ns"] <= root["end_ns"]
+    deadline = time.time() + 20
+    while not (steps := [s for s in rx.spans(name="llm.engine.step")
+                         if any(link["span_id"] == root["span_id"] for link in s["links"])]):
+        assert time.time() < deadline, "no llm.engine.step span links to the request"
+        time.sleep(0.2)
+    assert all(s["resource"]["llm.process.role"] == "engine_core" for s in steps)
+    assert all(link["trace_id"] == TP_TRACE for s in steps for link in s["links"] if link["span_id"] == root["span_id"])
+    assert sum(s["attributes"]["llm.engine.step.decode_tokens"] for s in steps) >= 7
+
+
+def test_streaming_chat_without_traceparent_is_a_new_root_shared_by_every_process(rx, server):
+    body = {"model": SERVED, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    chunks = []
+    with httpx.stream("POST", server["base"] + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    usage = chunks[-1]["usage"]
+    (root,) = rx.wait_for_spans(1, name=f"chat {SERVED}", timeout=20)
+    assert root["kind"] == "SPAN_KIND_SERVER" and root["parent_span_id"] == ""
+    assert root["attributes"]["gen_ai.usage.output_tokens"] == usage["completion_tokens"] == 6
+    (dist,) = children(rx, root, "llm.logit_dist")
+    assert dist["trace_id"] == root["trace_id"]
+
+
+def test_c02_client_disconnect_mid_stream_ends_the_spans_with_error_and_partial_counts(rx, server):
+    tid = "abcdef0123456789abcdef0123456789"
+    body = {"model": SERVED, "prompt": "import os", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    received = 0
+    with httpx.stream("POST", server["base"] + "/v1/completions", json=body, timeout=60,
+                      headers={"traceparent": f"00-{tid}-{TP_PARENT}-01"}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                received += 1
+            if received >= 5:
+                break  # closing the response disconnects the client mid-decode
+    (root,) = request_spans(rx, tid)
+    assert root["status_code"] == "STATUS_CODE_ERROR"
+    assert root["attributes"]["error.type"] == "aborted"
+    assert 5 <= root["attributes"]["gen_ai.usage.output_tokens"] < 400
+    (stream,) = children(rx, root, "llm.token_stream")
+    assert stream["status_code"] == "STATUS_CODE_ERROR"
+    # the engine keeps serving and the next request is traced normally
+    r = httpx.post(server["base"] + "/v1/completions", json={"model": SERVED, "prompt": "x", "max_tokens": 3,
+                                                            "ignore_eos": True},
+                   headers={"traceparent": f"00-{'1' * 32}-{TP_PARENT}-01"}, timeout=60)
+    assert r.status_code == 200
+    (ok,) = request_spans(rx, "1" * 32)
+    assert ok["status_code"] == "STATUS_CODE_UNSET" and ok["attributes"]["gen_ai.usage.output_tokens"] == 3
+
+
+@pytest.mark.parametrize("body, what", [
+    ({"prompt": "word " * 700, "max_tokens": 4}, "prompt too long"),
+    ({"prompt": "hi", "max_tokens": 4, "temperature": -1.0}, "invalid temperature"),
+])
+def test_c03_rejected_requests_yield_an_error_span_and_the_duration_metric(rx, server, body, what):
+    """error.type: the exception vLLM raised in the handler (its HTTP error type when it returned one)."""
+    tid = ("c03" + "0" * 29) if "long" in what else ("c03" + "1" * 29)
+    r = httpx.post(server["base"] + "/v1/completions", json={"model": SERVED, **body}, timeout=60,
+                   headers={"traceparent": f"00-{tid}-{TP_PARENT}-01"})
+    assert r.status_code == 400, r.text
+    (span,) = request_spans(rx, tid)
+    assert span["name"] == f"text_completion {SERVED}"
+    assert span["status_code"] == "STATUS_CODE_ERROR"
+    etype = span["attributes"]["error.type"]
+    assert etype in ("VLLMValidationError", r.json()["error"]["type"])
+    assert [e["name"] for e in span["events"]] == ["llm.request.rejected"]
+    points = rx.wait_for_metric("gen_ai.server.request.duration", timeout=20,
+                                predicate=lambda p: p["attributes"].get("error.type") == etype)
+    assert points and all(p["count"] >= 1 and p["unit"] == "s" for p in points)
+
+
+@pytest.mark.parametrize("traceparent", [
+    "garbage", "00-" + "0" * 32 + "-" + TP_PARENT + "-01", "00-" + "A" * 32 + "-" + TP_PARENT + "-01",
+    "00-" + "a" * 32 + "-" + TP_PARENT + "-01-extra", "00-" + "a" * 1000,
+])
+def test_malformed_traceparent_is_ignored_and_the_request_served_as_a_new_root(rx, server, traceparent):
+    r = httpx.post(server["base"] + "/v1/completions", json={"model": SERVED, "prompt": "x", "max_tokens": 2},
+                   headers={"traceparent": traceparent, "tracestate": "x" * 5000}, timeout=60)
+    assert r.status_code == 200
+    (root,) = rx.wait_for_spans(1, name=f"text_completion {SERVED}", timeout=20)
+    assert root["parent_span_id"] == "" and root["trace_state"] == ""
+
+
+def test_c10_concurrent_requests_keep_their_own_parents(rx, server):
+    def one(i: int):
+        tid = f"{i + 1:032x}"
+        r = httpx.post(server["base"] + "/v1/completions",
+                       json={"model": SERVED, "prompt": f"item {i}", "max_tokens": 4 + i % 3, "ignore_eos": True},
+                       headers={"traceparent": f"00-{tid}-{i + 1:016x}-01"}, timeout=120)
+        return tid, i, r.json()["usage"]["completion_tokens"]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(16)))
+    for tid, i, completion_tokens in results:
+        (root,) = request_spans(rx, tid)
+        assert root["parent_span_id"] == f"{i + 1:016x}"
+        assert root["attributes"]["gen_ai.usage.output_tokens"] == completion_tokens == 4 + i % 3
+        for name in ("llm.prompt", "llm.token_stream", "llm.logit_dist"):
+            (child,) = children(rx, root, name)
+            assert child["trace_id"] == tid
+    log = server["log"].read_text()
+    assert "Failed to detach context" not in log and "llm-otel: hook" not in log
