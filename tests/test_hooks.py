@@ -74,3 +74,17 @@ def test_removal_restores_the_exact_attribute_including_staticmethods(engine_mod
     assert vars(engine_module.Engine)["step"] is original_step
     assert vars(engine_module.Engine)["make"] is original_make
     assert isinstance(vars(engine_module.Engine)["make"], staticmethod)
+
+
+def test_alternative_layouts_of_one_function_warn_only_when_none_resolves(engine_module, caplog):
+    hooks = [
+        Hook("fake_engine_layout.old_module", "Engine.step", "tracer", "old", "", group="step"),
+        Hook("fake_engine_layout", "Engine.step", "tracer", "new", "", group="step"),
+        Hook("fake_engine_layout.gone", "Engine.step", "tracer", "old", "", group="other"),
+    ]
+    with caplog.at_level(logging.WARNING, logger="llm_otel"):
+        applied = apply_hooks(hooks, Adapter(), "FakeEngine")
+    assert [a.hook.layout for a in applied] == ["new"]
+    assert [r.getMessage().split(" hook target ")[1].split(" ")[0] for r in caplog.records] == [
+        "fake_engine_layout.gone:Engine.step"]
+    remove_hooks(applied)

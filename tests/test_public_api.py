@@ -31,9 +31,15 @@ def run_py(code: str, env: dict | None = None, argv_prefix: list[str] | None = N
 def test_instrument_is_idempotent_and_uninstrument_restores_every_attribute_exactly():
     out = run_py("""
         import importlib, llm_otel
-        from llm_otel.instrumentation._hooks import _resolve
+        from llm_otel.instrumentation._hooks import _resolve, missing_hooks
         from llm_otel.instrumentation.vllm.hooks import HOOKS
-        owners = [_resolve(h) for h in HOOKS]
+        assert missing_hooks(HOOKS) == []
+        owners = []
+        for h in HOOKS:
+            try:
+                owners.append(_resolve(h))
+            except (ImportError, AttributeError):
+                assert h.group, h.qualname  # only another layout's alternative may be absent
         before = [vars(o)[a] for o, a in owners]
         assert llm_otel.instrument() == ["vllm"]
         wrapped = [vars(o)[a] for o, a in owners]
@@ -44,9 +50,9 @@ def test_instrument_is_idempotent_and_uninstrument_restores_every_attribute_exac
         assert all(vars(o)[a] is b for (o, a), b in zip(owners, before)), "exact restore"
         llm_otel.instrument(); llm_otel.uninstrument()
         assert all(vars(o)[a] is b for (o, a), b in zip(owners, before))
-        print("OK", len(HOOKS))
+        print("OK", len(owners))
     """)
-    assert out.split() == ["OK", "8"]
+    assert out.split() == ["OK", "17"]  # 19 hooks, 2 of them the older OpenAI-server layout
 
 
 @needs_vllm

@@ -87,20 +87,15 @@ def doctor(env=None, out=None) -> int:
     if importlib.util.find_spec("vllm") is None:
         say("info", "vLLM not installed")
     else:
-        from llm_otel.instrumentation._hooks import _resolve
+        from llm_otel.instrumentation._hooks import missing_hooks
         from llm_otel.instrumentation.vllm.adapter import engine_version
         from llm_otel.instrumentation.vllm.hooks import HOOKS
 
-        missing = []
-        for hook in HOOKS:
-            try:
-                _resolve(hook)
-            except (ImportError, AttributeError):
-                missing.append(hook.qualname)
+        missing = [h.qualname for h in missing_hooks(HOOKS)]
         if missing:
             say("warn", f"vLLM {engine_version()}: {len(missing)} hook target(s) missing: {', '.join(missing)}")
         else:
-            say("ok", f"vLLM {engine_version()}: all {len(HOOKS)} hook targets found")
+            say("ok", f"vLLM {engine_version()}: every hook target found")
     return 0 if ok else 1
 
 

@@ -23,6 +23,8 @@ class Hook:
             returns the wrapt wrapper ``wrapper(wrapped, instance, args, kwargs)``.
         layout: the engine layouts/versions in which the target lives there.
         purpose: what the hook reads, for the table in the docs.
+        group: hooks with the same non-empty group are alternatives (one function in different
+            engine layouts): a missing one is only reported when none of its group resolves.
     """
 
     module: str
@@ -30,6 +32,7 @@ class Hook:
     factory: str
     layout: str
     purpose: str
+    group: str = ""
 
     @property
     def qualname(self) -> str:
@@ -59,12 +62,12 @@ def _resolve(hook: Hook) -> tuple[Any, str]:
 def apply_hooks(hooks: list[Hook], adapter: Any, engine: str) -> list[AppliedHook]:
     """Wrap every resolvable target; a missing one gets one warning and is skipped, never raised."""
     applied: list[AppliedHook] = []
+    missing: list[tuple[Hook, BaseException]] = []
     for hook in hooks:
         try:
             owner, attribute = _resolve(hook)
         except (ImportError, AttributeError) as exc:
-            logger.warning("llm-otel: %s hook target %s not found (%s: %s); this hook is skipped, "
-                           "the others keep working", engine, hook.qualname, type(exc).__name__, exc)
+            missing.append((hook, exc))
             continue
         try:
             factory: Any = adapter
@@ -76,7 +79,25 @@ def apply_hooks(hooks: list[Hook], adapter: Any, engine: str) -> list[AppliedHoo
             logger.warning("llm-otel: could not wrap %s (%s); this hook is skipped", hook.qualname, exc)
             continue
         applied.append(AppliedHook(hook, owner, attribute, original))
+    resolved_groups = {a.hook.group for a in applied if a.hook.group}
+    for hook, exc in missing:
+        if hook.group and hook.group in resolved_groups:
+            continue  # another layout's target for the same function resolved
+        logger.warning("llm-otel: %s hook target %s not found (%s: %s); this hook is skipped, "
+                       "the others keep working", engine, hook.qualname, type(exc).__name__, exc)
     return applied
+
+
+def missing_hooks(hooks: list[Hook]) -> list[Hook]:
+    """Hooks that would be reported missing by :func:`apply_hooks` (for ``llm-otel doctor``)."""
+    resolved, unresolved = set(), []
+    for hook in hooks:
+        try:
+            _resolve(hook)
+            resolved.add(hook.group)
+        except (ImportError, AttributeError):
+            unresolved.append(hook)
+    return [h for h in unresolved if not (h.group and h.group in resolved)]
 
 
 def remove_hooks(applied: list[AppliedHook]) -> None:

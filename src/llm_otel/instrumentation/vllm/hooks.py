@@ -41,13 +41,14 @@ HOOKS: list[Hook] = [
          "aborted requests (client disconnect, abort()) end with error.type=aborted"),
     # --- OpenAI server (frontend process) -------------------------------------------------------
     Hook("vllm.entrypoints.openai.completion.serving", "OpenAIServingCompletion.create_completion",
-         "http_handler", SERVE_032, "inbound traceparent/tracestate, kind SERVER, rejected requests"),
+         "http_handler", SERVE_032, "inbound traceparent/tracestate, kind SERVER, rejected requests",
+         group="openai.completion"),
     Hook("vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat.create_chat_completion",
-         "http_handler", SERVE_032, "the same for chat completions"),
+         "http_handler", SERVE_032, "the same for chat completions", group="openai.chat"),
     Hook("vllm.entrypoints.openai.serving_completion", "OpenAIServingCompletion.create_completion",
-         "http_handler", SERVE_OLD, "older module layout of the same handler"),
+         "http_handler", SERVE_OLD, "older module layout of the same handler", group="openai.completion"),
     Hook("vllm.entrypoints.openai.serving_chat", "OpenAIServingChat.create_chat_completion",
-         "http_handler", SERVE_OLD, "older module layout of the same handler"),
+         "http_handler", SERVE_OLD, "older module layout of the same handler", group="openai.chat"),
     # --- engine-core process: one llm.engine.step span per scheduler step ----------------------
     Hook("vllm.v1.core.sched.scheduler", "Scheduler.schedule", "core.schedule", V1,
          "batch composition: SchedulerOutput.num_scheduled_tokens, new vs running requests, preemptions"),

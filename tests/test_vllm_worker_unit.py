@@ -1,0 +1,84 @@
+"""Worker-side logit statistics on a stand-in model runner (torch on CPU): the shape of vLLM's
+GPUModelRunner._sample call (vllm/v1/worker/gpu_model_runner.py: _sample(logits, spec_decode_metadata),
+input_batch.req_ids, requests[req_id].sampling_params.extra_args / output_token_ids)."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+from conftest import make_captured
+
+from llm_otel.instrumentation.vllm.engine_core import CARRIER_KEY, CARRIER_TOPK_KEY
+from llm_otel.instrumentation.vllm.worker import WorkerAdapter
+
+torch = pytest.importorskip("torch")
+
+TID, SID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+
+
+def runner(rows: dict[str, dict | None], max_tokens=3):
+    requests = {}
+    for rid, extra in rows.items():
+        sp = types.SimpleNamespace(extra_args=extra, max_tokens=max_tokens)
+        requests[rid] = types.SimpleNamespace(sampling_params=sp, output_token_ids=[])
+    return types.SimpleNamespace(input_batch=types.SimpleNamespace(req_ids=list(rows)), requests=requests)
+
+
+def sample_fn(logits, spec_decode_metadata=None):
+    return types.SimpleNamespace(sampled_token_ids=logits.argmax(dim=1, keepdim=True))
+
+
+def test_only_chosen_rows_are_reduced_and_a_span_is_emitted_when_max_tokens_is_reached():
+    cap = make_captured()
+    worker = WorkerAdapter(cap.telemetry)
+    wrap = worker.sample("hook")
+    chosen = {CARRIER_KEY: f"00-{TID}-{SID}-01", CARRIER_TOPK_KEY: 3}
+    r = runner({"a": chosen, "b": None, "c": {"other": 1}})
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [5.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 9.0]])
+    for step in range(3):
+        out = wrap(sample_fn, r, (logits,), {})
+        assert out.sampled_token_ids.shape == (3, 1)  # the engine's result is untouched
+        r.requests["a"].output_token_ids.append(3)
+    (span,) = cap.finished()
+    assert span.name == "llm.logit_dist"
+    assert f"{span.context.trace_id:032x}" == TID and f"{span.parent.span_id:016x}" == SID
+    a = span.attributes
+    assert a["llm.logit.source"] == "full_vocab_logits" and a["llm.logit.steps"] == 3 and a["llm.logit.top_k"] == 3
+    p = torch.softmax(logits[0], 0)
+    assert a["llm.logit.entropy.mean"] == pytest.approx(float(-(p * p.log()).sum()), rel=1e-5)
+    assert a["llm.logit.perplexity"] == pytest.approx(math.exp(-float(p.log()[3])), rel=1e-5)
+    step = [e for e in span.events if e.name == "llm.logit.step"][0]
+    assert list(step.attributes["llm.logit.top_token_ids"]) == [3, 2, 1]
+
+
+def test_nan_logits_mark_the_step_and_never_raise():
+    cap = make_captured()
+    worker = WorkerAdapter(cap.telemetry)
+    r = runner({"a": {CARRIER_KEY: f"00-{TID}-{SID}-01", CARRIER_TOPK_KEY: 2}}, max_tokens=1)
+    out = worker.sample("hook")(sample_fn, r, (torch.tensor([[float("nan"), 1.0, 2.0]]),), {})
+    assert out is not None
+    (span,) = cap.finished()
+    assert span.attributes["llm.logit.nonfinite_steps"] == 1
+    assert span.status.status_code.name == "ERROR"
+
+
+def test_requests_that_stop_early_are_flushed_when_idle_or_dropped_by_vllm():
+    cap = make_captured()
+    worker = WorkerAdapter(cap.telemetry)
+    r = runner({"a": {CARRIER_KEY: f"00-{TID}-{SID}-01", CARRIER_TOPK_KEY: 2}}, max_tokens=100)
+    worker.sample("hook")(sample_fn, r, (torch.randn(1, 8),), {})
+    assert cap.finished() == []
+    assert worker.flush(idle_s=0.0) == 1
+    assert [s.name for s in cap.finished()] == ["llm.logit_dist"]
+
+
+def test_a_failing_reduction_is_counted_and_sampling_still_runs(monkeypatch):
+    cap = make_captured()
+    worker = WorkerAdapter(cap.telemetry)
+    monkeypatch.setattr(worker, "_prepare", lambda *a: 1 / 0)
+    r = runner({"a": {CARRIER_KEY: f"00-{TID}-{SID}-01", CARRIER_TOPK_KEY: 2}})
+    out = worker.sample("hook")(sample_fn, r, (torch.randn(1, 8),), {})
+    assert out.sampled_token_ids.shape == (1, 1)
+    assert cap.telemetry.errors.counts == {"hook": 1}
