@@ -35,11 +35,11 @@ class Settings:
             0 disables the span. For sampled requests that did not ask for log-probs, the
             instrumentation asks the engine for k of them and strips them from the user's output.
         logit_dist_ratio: ``LLM_OTEL_LOGIT_DIST_RATIO`` (0.0). Fraction of sampled requests, chosen
-            by trace id, for which llm-otel asks the engine for log-probs the user did not request.
-            vLLM then computes log-probs for its whole batch whenever one request in it wants
-            them: 13 % throughput at ratio 1 and 4.5 % at ratio 0.1 on the tiny CPU benchmark
-            model (64 concurrent requests), hence off by default. Requests that asked for
-            log-probs always get ``llm.logit_dist``.
+            by trace id, that get ``llm.logit_dist`` without having asked for log-probs (requests
+            that asked always get it). On the tiny CPU benchmark model (64 concurrent requests,
+            sampling dominates a step) ratio 1 costs 14 % throughput with the worker path and 13 %
+            with the log-probs path (vLLM then computes log-probs batch-wide: 4.5 % already at
+            0.1), hence off by default.
         vllm_worker_logits: ``LLM_OTEL_VLLM_WORKER_LOGITS`` (true). ``llm.logit_dist`` is computed
             by vLLM's worker from the full-vocabulary logits of the chosen requests' rows only
             (needs llm-otel in the worker process: ``instrument()`` arranges it through the
