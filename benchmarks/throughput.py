@@ -7,7 +7,7 @@ the median output tokens/s of each is reported with the ratio.
 
     .venv/bin/python benchmarks/throughput.py --reps 5 [--sampler always_on|always_off] [--json out.json]
 
-Workload (as in shared/research/vllm-cpu.md): 64 prompts x 64 output tokens, ignore_eos,
+Workload: 64 prompts x 64 output tokens, ignore_eos,
 temperature 0.8, top_p 0.95. Spans go to an in-memory exporter through a BatchSpanProcessor
 (export is off the engine's thread, as with OTLP); metrics to an in-memory reader.
 """

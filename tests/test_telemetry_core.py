@@ -220,6 +220,19 @@ def test_request_span_is_child_of_the_current_span(captured):
     assert root.parent.span_id == app.get_span_context().span_id
 
 
+def test_c12_rejection_messages_quoting_the_prompt_are_not_exported_unless_capture_is_on():
+    secret = "SECRET-7f3a9c"
+    cap = make_captured()
+    cap.telemetry.reject(operation="chat", provider="vllm", model="m", arrival_s=ARRIVAL,
+                         error=ValueError(f"template error near {secret}"))
+    (span,) = cap.finished()
+    assert secret not in span.to_json() and span.status.description == "ValueError"
+    cap = make_captured(Settings(capture_content=True))
+    cap.telemetry.reject(operation="chat", provider="vllm", model="m", arrival_s=ARRIVAL,
+                         error=ValueError(f"template error near {secret}"))
+    assert secret in cap.finished()[0].status.description
+
+
 def test_rejected_request_yields_one_error_span_and_duration_metric(captured):
     captured.telemetry.reject(operation="text_completion", provider="vllm", model="tiny", arrival_s=ARRIVAL,
                               error=ValueError("prompt too long"))
@@ -289,7 +302,7 @@ def test_broken_span_building_is_counted_and_the_request_span_still_ends(capture
     assert point.value == 1 and point.attributes["llm.instrumentation.hook"] == "telemetry.spans"
 
 
-def test_prompt_content_is_not_captured_by_default_and_truncated_when_opted_in():
+def test_c12_prompt_content_is_not_captured_by_default_and_truncated_when_opted_in():
     secret = "SECRET-" + "x" * 50
     cap = make_captured()
     rec = start(cap, prompt_text=secret)
@@ -299,7 +312,10 @@ def test_prompt_content_is_not_captured_by_default_and_truncated_when_opted_in()
     rec = start(cap, prompt_text=secret)
     cap.telemetry.finish(rec)
     root = next(s for s in cap.finished() if s.parent is None)
-    assert root.attributes["gen_ai.input.messages"] == secret[:10]
+    import json
+
+    (message,) = json.loads(root.attributes["gen_ai.input.messages"])
+    assert message == {"role": "user", "parts": [{"type": "text", "content": secret[:10]}]}
 
 
 def test_id_generator_ignores_the_seeded_global_random():

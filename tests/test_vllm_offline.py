@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 from opentelemetry.trace import SpanKind, StatusCode
 
+from llm_otel.config import Settings
+
 pytestmark = pytest.mark.engine
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "for key, value in sorted("]
@@ -366,3 +368,32 @@ def test_c04_spans_reach_a_real_otlp_receiver_over_grpc_and_http(eng):
                 assert by_name[name]["parent_span_id"] == r["span_id"]
             assert [e["name"] for e in by_name["llm.token_stream"]["events"]].count("llm.token") == 4
     assert len(local) == len(outputs)
+
+
+def test_uninstrument_while_requests_run_leaves_the_engine_and_the_users_output_intact(frontend_logprobs, monkeypatch):
+    """The log-probs llm-otel asked for are dropped by the request's own state, not by a hook that
+    uninstrument() removes."""
+    import dataclasses
+
+    from vllm import SamplingParams
+
+    eng = frontend_logprobs
+    adapter = eng.instrumentor.adapter
+    monkeypatch.setattr(adapter, "settings", dataclasses.replace(adapter.settings, logit_dist_ratio=1.0))
+    engine = eng.llm.llm_engine
+    engine.add_request("midflight", "def f(x):", SamplingParams(max_tokens=12, ignore_eos=True))
+    outputs = []
+    for _ in range(2):
+        outputs += engine.step()
+    eng.instrumentor.uninstrument()
+    try:
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        (out,) = [o for o in outputs if o.finished]
+        assert len(out.outputs[0].token_ids) == 12 and out.outputs[0].logprobs is None
+        (again,) = generate(eng, prompts=["x"], max_tokens=3)
+        assert len(again.outputs[0].token_ids) == 3
+    finally:
+        eng.instrumentor.instrument(tracer_provider=eng.captured.tracer_provider,
+                                    meter_provider=eng.captured.meter_provider,
+                                    settings=Settings(logit_dist_ratio=1.0))

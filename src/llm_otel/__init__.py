@@ -48,7 +48,7 @@ def instrument(tracer_provider: Any = None, meter_provider: Any = None, *, engin
     unknown = set(engines or ()) - set(_ENGINES)
     if unknown:
         raise ValueError(f"unknown engine(s) {sorted(unknown)}; known: {sorted(_ENGINES)}")
-    if tracer_provider is None and meter_provider is None:
+    if tracer_provider is None and meter_provider is None and not _in_vllm_engine_process():
         ensure_providers(settings)
     done = []
     for name, (module, path) in _ENGINES.items():
@@ -59,9 +59,23 @@ def instrument(tracer_provider: Any = None, meter_provider: Any = None, *, engin
         inst = _instrumentor(path)
         if not inst.is_instrumented_by_opentelemetry:
             inst.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider, settings=settings)
+        elif tracer_provider is not None or meter_provider is not None:
+            logger.warning("llm-otel: %s is already instrumented; the providers passed now are ignored "
+                           "(call uninstrument() first to change them)", name)
         if inst.is_instrumented_by_opentelemetry:
             done.append(name)
     return done
+
+
+def _in_vllm_engine_process() -> bool:
+    """True inside a vLLM engine-core/worker process (an application script that calls
+    instrument() at module level runs again there under spawn): providers come from the engine
+    process setup, not the frontend's console defaults."""
+    if importlib.util.find_spec("vllm") is None:
+        return False
+    from llm_otel.instrumentation.vllm import plugin
+
+    return plugin.unnamed_spawned_child() or plugin.process_role() != "frontend"
 
 
 def uninstrument() -> None:

@@ -34,8 +34,12 @@ class _Progress:
 
     def _run(self) -> None:
         start = time.monotonic()
-        while not self._stop.wait(1.0):
-            print(f"\r{self.text} {time.monotonic() - start:4.0f} s", end="", file=sys.stderr, flush=True)
+        tty = sys.stderr.isatty()
+        while not self._stop.wait(1.0 if tty else 10.0):
+            if tty:
+                print(f"\r{self.text} {time.monotonic() - start:4.0f} s", end="", file=sys.stderr, flush=True)
+            else:
+                print(".", end="", file=sys.stderr, flush=True)
 
     def __enter__(self):
         print(self.text, end="", file=sys.stderr, flush=True)
@@ -110,7 +114,8 @@ def run_demo(prompts: int = 4, max_tokens: int = 24, model_dir: str | None = Non
               f"'{os.environ.get('OTEL_SERVICE_NAME', 'unknown_service')}') in Jaeger at http://localhost:16686",
               flush=True)
     else:
-        print("\nspan tree (one trace; llm-otel spans are children of the application's 'demo batch' span):\n",
+        print("\nspan trees (the demo's trace: llm-otel's request spans under the application's 'demo batch'"
+              " span; vLLM's own start-up spans may print as separate traces):\n",
               flush=True)
         print(trees.getvalue(), flush=True)
         print(summary.summary(), flush=True)

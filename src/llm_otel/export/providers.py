@@ -6,6 +6,8 @@ Used by :func:`llm_otel.instrument` when the application has not set providers i
   export over OTLP, protocol from ``OTEL_EXPORTER_OTLP_{TRACES_,METRICS_,}PROTOCOL`` (``grpc``,
   the Python SDK's default, or ``http/protobuf``). The exporters read the rest of their
   ``OTEL_EXPORTER_OTLP_*`` variables (headers, timeout, compression, insecure) themselves.
+* ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER`` = ``none`` turns a signal off (e.g.
+  metrics when the backend, like Jaeger, takes traces only);
 * otherwise: readable console output - each finished trace as an indented tree on stderr
   (``LLM_OTEL_CONSOLE=tree``, default; ``json`` for one JSON span per line; ``off``), and a
   metrics summary at exit.
@@ -59,18 +61,27 @@ def _endpoint(env: Mapping[str, str], signal: str) -> str | None:
 
 
 def _protocol(env: Mapping[str, str], signal: str) -> str:
-    proto = (env.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip()
+    name = f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL"
+    if not env.get(name):
+        name = "OTEL_EXPORTER_OTLP_PROTOCOL"
+    proto = (env.get(name) or "grpc").strip()
     if proto not in ("grpc", "http/protobuf"):
         from llm_otel.config import ConfigError
 
-        raise ConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL={proto!r}: llm-otel supports 'grpc' and 'http/protobuf'")
+        raise ConfigError(f"{name}={proto!r}: llm-otel supports 'grpc' and 'http/protobuf'")
     return proto
+
+
+def exporter_choice(env: Mapping[str, str], signal: str) -> str:
+    """``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER``: ``otlp`` (default), ``console`` or ``none``."""
+    value = (env.get(f"OTEL_{signal}_EXPORTER") or "otlp").strip().lower()
+    return value if value in ("otlp", "console", "none") else "otlp"
 
 
 def span_exporter_from_env(env: Mapping[str, str] | None = None):
     """The OTLP span exporter the environment asks for, or None when no endpoint is set."""
     env = os.environ if env is None else env
-    if not _endpoint(env, "TRACES"):
+    if exporter_choice(env, "TRACES") != "otlp" or not _endpoint(env, "TRACES"):
         return None
     if _protocol(env, "TRACES") == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -82,7 +93,7 @@ def span_exporter_from_env(env: Mapping[str, str] | None = None):
 def metric_exporter_from_env(env: Mapping[str, str] | None = None):
     """The OTLP metric exporter the environment asks for, or None when no endpoint is set."""
     env = os.environ if env is None else env
-    if not _endpoint(env, "METRICS"):
+    if exporter_choice(env, "METRICS") != "otlp" or not _endpoint(env, "METRICS"):
         return None
     if _protocol(env, "METRICS") == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
@@ -107,6 +118,8 @@ def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
     stream = stream or sys.stderr
     if span_exporter is not None:
         tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
+    elif exporter_choice(env, "TRACES") == "none":
+        pass
     elif settings.console in ("auto", "tree"):
         tracer_provider.add_span_processor(SimpleSpanProcessor(ConsoleTreeExporter(stream)))
     elif settings.console == "json":
@@ -114,7 +127,7 @@ def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
     metric_exporter = metric_exporter_from_env(env)
     if metric_exporter is not None:
         readers.append(PeriodicExportingMetricReader(metric_exporter))
-    elif settings.console != "off":
+    elif exporter_choice(env, "METRICS") != "none" and settings.console in ("auto", "tree"):
         readers.append(ConsoleMetricsSummary(stream))
     meter_provider = MeterProvider(resource=resource, metric_readers=readers)
     return tracer_provider, meter_provider

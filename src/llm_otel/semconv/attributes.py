@@ -153,7 +153,7 @@ LLM_REQUEST_DECODE_DURATION = 'llm.request.decode.duration'
 """Seconds from the first to the last output token. Type: double. Origin: llm-otel."""
 
 LLM_REQUEST_FRONTEND_DURATION = 'llm.request.frontend.duration'
-"""Seconds from arrival at the engine frontend to entering the scheduler queue (tokenization, IPC). Type: double. Origin: llm-otel."""
+"""Seconds from arrival at the frontend to entering the scheduler's queue - tokenization, IPC, and waiting for the engine core to finish the step it was running (under load this is where requests wait). Type: double. Origin: llm-otel."""
 
 LLM_REQUEST_ID = 'llm.request.id'
 """The engine's internal request id (vLLM `EngineCoreRequest.request_id`). Type: string. Origin: llm-otel."""
@@ -168,7 +168,7 @@ LLM_REQUEST_PREFILL_DURATION = 'llm.request.prefill.duration'
 """Seconds from first scheduling to the first output token (prefill, including chunks and recompute). Type: double. Origin: llm-otel."""
 
 LLM_REQUEST_QUEUE_DURATION = 'llm.request.queue.duration'
-"""Seconds the request waited in the engine's scheduler queue (QUEUED to first SCHEDULED event). Type: double. Origin: llm-otel."""
+"""Seconds the request waited in the scheduler's waiting queue (QUEUED to first SCHEDULED event); time spent before it reached the scheduler is in llm.request.frontend.duration. Type: double. Origin: llm-otel."""
 
 LLM_REQUEST_TIMING_SOURCE = 'llm.request.timing.source'
 """Where the phase timestamps of the request came from. Type: enum (string). Origin: llm-otel."""
@@ -180,7 +180,7 @@ LLM_TIME_TO_FIRST_TOKEN = 'llm.time_to_first_token'
 """Seconds from request arrival to the first output token (queue and prefill included). Type: double. Origin: llm-otel."""
 
 LLM_TOKEN_EVENTS_DROPPED = 'llm.token.events.dropped'
-"""Token or stall events not recorded because the per-span event cap was reached. Type: int. Origin: llm-otel."""
+"""Events not recorded because of a per-span cap (llm.token.stall on llm.token_stream, llm.logit.step on llm.logit_dist); llm.token events cover only the first N tokens by design. Type: int. Origin: llm-otel."""
 
 LLM_TOKEN_ID = 'llm.token.id'
 """Vocabulary id of the output token (ids only; token text is never captured here). Type: int. Origin: llm-otel."""

@@ -11,6 +11,7 @@ Lifecycle of a request as an adapter sees it::
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any, Mapping
@@ -88,7 +89,9 @@ class Telemetry:
                             logprob_cap=(1 << 20) if st.logprobs_top_k else 0,
                             user_logprobs=user_logprobs)
         if rec.recording and st.capture_content and prompt_text is not None:
-            span.set_attribute(A.GEN_AI_INPUT_MESSAGES, self.truncate(prompt_text))
+            # GenAI message format; an offline prompt (or a rendered chat template) is one user part
+            span.set_attribute(A.GEN_AI_INPUT_MESSAGES, json.dumps(
+                [{"role": "user", "parts": [{"type": "text", "content": self.truncate(prompt_text)}]}]))
         return rec
 
     def truncate(self, text: str) -> str:
@@ -140,7 +143,10 @@ class Telemetry:
         span = self.tracer.start_span(f"{operation} {model}", context=parent, kind=kind, attributes=attrs,
                                       start_time=round(arrival_s * 1e9))
         span.add_event(S.EVENT_LLM_REQUEST_REJECTED, {A.ERROR_TYPE: error_type})
-        span.set_status(Status(StatusCode.ERROR, str(error)[:500]))
+        # engine error messages can quote the user's input (template errors, URLs): only with
+        # content capture on
+        detail = self.truncate(str(error)) if self.settings.capture_content else error_type
+        span.set_status(Status(StatusCode.ERROR, detail))
         span.end()
         self.instruments.duration.record(max(0.0, time.time() - arrival_s), {
             A.GEN_AI_OPERATION_NAME: operation, A.GEN_AI_PROVIDER_NAME: provider,

@@ -5,11 +5,11 @@ Usage
 .. code-block:: python
 
     import llm_otel
-    llm_otel.instrument()                      # before or after building the engine
-
     from vllm import LLM, SamplingParams
 
-    if __name__ == "__main__":                 # vLLM on CPU spawns its engine process
+    if __name__ == "__main__":                 # vLLM spawns its engine processes
+        llm_otel.instrument()                  # before building the engine (after it, the engine
+                                               # core's queue events and engine-process spans are missing)
         llm = LLM(model="/path/to/model")
         llm.generate(["Hello"], SamplingParams(max_tokens=16))
 

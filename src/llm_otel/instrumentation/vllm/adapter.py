@@ -332,6 +332,14 @@ class VLLMAdapter:
             ours.extra_args = extra
             if rec.injected_logprobs:
                 ours.logprobs = k
+                req_state = output_processor.request_states.get(rid)
+                if req_state is None or getattr(req_state, "logprobs_processor", None) is None:
+                    rec.injected_logprobs = False
+                    rec.logprob_cap = 0
+                else:
+                    # the user's request state drops the log-probs we asked for by itself, so this
+                    # holds even if our hooks fail or are removed while the request runs
+                    req_state.logprobs_processor = _DropSampleLogprobs(req_state.logprobs_processor)
             request.sampling_params = ours
         state.records[rid] = rec
 
@@ -356,7 +364,6 @@ class VLLMAdapter:
                 pending = self._before_step(state, outputs, time.monotonic() if ts is None else ts)
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
-                self._strip_injected(state, outputs)
             result = wrapped(*args, **kwargs)
             try:
                 if pending:
@@ -385,26 +392,10 @@ class VLLMAdapter:
             if rec.cached_tokens is None and out.prefill_stats is not None:
                 rec.cached_tokens = out.prefill_stats.num_cached_tokens
             lp = out.new_logprobs
-            if lp is not None:
-                if rec.logprob_cap:
-                    rec.on_logprobs(lp.logprob_token_ids, lp.logprobs)
-                if rec.injected_logprobs:
-                    out.new_logprobs = None
+            if lp is not None and rec.logprob_cap:
+                rec.on_logprobs(lp.logprob_token_ids, lp.logprobs)
             pending.append((rec, out, ts))
         return pending
-
-    @staticmethod
-    def _strip_injected(state: _EngineState, outputs: list) -> None:
-        """Remove the log-probs we asked for from outputs vLLM will hand to the user's request.
-
-        Not telemetry but correctness: vLLM's LogprobsProcessor asserts when a request that asked
-        for none receives some. Runs on its own when the stats pre-pass failed.
-        """
-        records = state.records
-        for out in outputs:
-            rec = records.get(out.request_id)
-            if rec is not None and rec.injected_logprobs:
-                out.new_logprobs = None
 
     def _after_step(self, state: _EngineState, output_processor: Any, pending: list) -> None:
         live = output_processor.request_states
@@ -445,6 +436,25 @@ class VLLMAdapter:
             return aborted
 
         return wrapper
+
+
+class _DropSampleLogprobs:
+    """Stands in for one request's vLLM ``LogprobsProcessor`` when llm-otel asked the engine for
+    log-probs the user did not: sample log-probs are dropped before vLLM's processor sees them
+    (it asserts on unrequested ones); everything else is the original processor's."""
+
+    def __init__(self, inner: Any) -> None:
+        object.__setattr__(self, "_inner", inner)
+
+    def update_from_output(self, output: Any) -> None:
+        output.new_logprobs = None
+        return self._inner.update_from_output(output)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._inner, name, value)
 
 
 async def _in_context(stream, inbound: "_Inbound", operation: str):
