@@ -40,7 +40,7 @@ class RequestRecord:
         "queued_mono", "scheduled_mono", "preempted_mono", "step_times", "step_token_counts",
         "num_output_tokens", "head_token_ids", "head_cap", "input_tokens", "cached_tokens",
         "finish_reason", "error_type", "error_message", "request_attributes", "choice_index",
-        "logprob_rows", "logprob_cap", "user_logprobs", "content_prompt", "content_completion",
+        "logprob_rows", "logprob_cap", "user_logprobs",
         "finished", "timing_source", "injected_logprobs", "vocab_size",
     )
 
@@ -93,8 +93,6 @@ class RequestRecord:
         self.logprob_rows: list[tuple] = []
         self.logprob_cap = logprob_cap
         self.user_logprobs = user_logprobs
-        self.content_prompt: str | None = None
-        self.content_completion: str | None = None
         self.finished = False
         self.timing_source = "engine_steps"
         self.injected_logprobs = False  # the instrumentation asked the engine for log-probs

@@ -180,8 +180,6 @@ class SpanBuilder:
         ttft = rec.time_to_first_token_s()
         if ttft is not None:
             attrs[A.LLM_TIME_TO_FIRST_TOKEN] = ttft
-        if rec.content_completion is not None:
-            attrs[A.GEN_AI_OUTPUT_MESSAGES] = rec.content_completion
         if rec.error_type is not None:
             attrs[A.ERROR_TYPE] = rec.error_type
             span.set_status(Status(StatusCode.ERROR, rec.error_message or rec.error_type))

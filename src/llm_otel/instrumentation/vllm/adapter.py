@@ -151,8 +151,6 @@ class VLLMAdapter:
         def wrapper(wrapped, instance, args, kwargs):
             if self.settings.vllm_engine_events:
                 try:
-                    import inspect
-
                     bound = inspect.signature(wrapped).bind(*args, **kwargs)
                     if "log_stats" in bound.arguments:
                         bound.arguments["log_stats"] = True
