@@ -48,6 +48,13 @@ class Settings:
         vllm_engine_events: ``LLM_OTEL_VLLM_ENGINE_EVENTS`` (true). Ask vLLM's engine core to record
             per-request QUEUED/SCHEDULED/PREEMPTED timestamps even when the frontend runs with
             ``disable_log_stats=True`` (the offline default), so queue and prefill are separable.
+        outlier_ttft_s / outlier_e2e_s: ``LLM_OTEL_OUTLIER_TTFT_S`` / ``LLM_OTEL_OUTLIER_E2E_S``
+            (unset). A request the head sampler dropped is still recorded, as its own root with a
+            link to its trace and ``llm.sampling.reason=outlier``, when it ended in error or its
+            TTFT / end-to-end seconds exceed these (with llm-otel's adaptive sampler).
+        adaptive_sampling: ``LLM_OTEL_ADAPTIVE_SAMPLING`` (auto). Providers llm-otel creates use the
+            adaptive sampler when NVML sees a GPU (``auto``), always (``on``) or never (``off``);
+            ``OTEL_TRACES_SAMPLER``, when set, wins.
         console: ``LLM_OTEL_CONSOLE`` (auto). ``tree`` / ``json`` / ``off``: console output used when
             no ``OTEL_EXPORTER_OTLP_*ENDPOINT`` is set; ``auto`` = ``tree``.
     """
@@ -61,6 +68,9 @@ class Settings:
     logit_dist_ratio: float = 0.0
     logit_events: int = 32
     vllm_worker_logits: bool = True
+    outlier_ttft_s: float | None = None
+    outlier_e2e_s: float | None = None
+    adaptive_sampling: str = "auto"
     vllm_engine_events: bool = True
     console: str = "auto"
 
@@ -79,6 +89,9 @@ class Settings:
             logit_events=_int(env, "LLM_OTEL_LOGIT_EVENTS", 32, lo=0, hi=10_000),
             vllm_engine_events=_bool(env, "LLM_OTEL_VLLM_ENGINE_EVENTS", True),
             vllm_worker_logits=_bool(env, "LLM_OTEL_VLLM_WORKER_LOGITS", True),
+            outlier_ttft_s=_optional_float(env, "LLM_OTEL_OUTLIER_TTFT_S"),
+            outlier_e2e_s=_optional_float(env, "LLM_OTEL_OUTLIER_E2E_S"),
+            adaptive_sampling=_choice(env, "LLM_OTEL_ADAPTIVE_SAMPLING", "auto", {"auto", "on", "off"}),
             console=_choice(env, "LLM_OTEL_CONSOLE", "auto", {"auto", "tree", "json", "off"}),
         )
 
@@ -129,6 +142,13 @@ def _float(env: Mapping[str, str], name: str, default: float, lo: float, hi: flo
     if not value >= lo or (hi is not None and not value <= hi):
         raise ConfigError(f"{name}={raw!r}: expected a number in [{lo}, {hi if hi is not None else 'inf'}]")
     return value
+
+
+def _optional_float(env: Mapping[str, str], name: str) -> float | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    return _float(env, name, 0.0, lo=0.0)
 
 
 def _choice(env: Mapping[str, str], name: str, default: str, choices: set[str]) -> str:

@@ -112,7 +112,8 @@ def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
 
     env = os.environ if env is None else env
     resource = Resource.create()  # OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES
-    tracer_provider = TracerProvider(resource=resource, id_generator=SystemRandomIdGenerator())
+    sampler, poller = _adaptive_sampler(settings, env)
+    tracer_provider = TracerProvider(resource=resource, id_generator=SystemRandomIdGenerator(), sampler=sampler)
     span_exporter = span_exporter_from_env(env)
     readers: list[MetricReader] = []
     stream = stream or sys.stderr
@@ -130,4 +131,40 @@ def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
     elif exporter_choice(env, "METRICS") != "none" and settings.console in ("auto", "tree"):
         readers.append(ConsoleMetricsSummary(stream))
     meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+    if poller is not None:
+        register_utilization_gauge(meter_provider, poller)
     return tracer_provider, meter_provider
+
+
+def _adaptive_sampler(settings: Settings, env: Mapping[str, str]):
+    """llm-otel's adaptive sampler when configured (``LLM_OTEL_ADAPTIVE_SAMPLING``: ``on``, or
+    ``auto`` with a GPU NVML can see) and ``OTEL_TRACES_SAMPLER`` is unset; else (None, None)."""
+    if (env.get("OTEL_TRACES_SAMPLER") or "").strip().lower() == "llm_otel_adaptive":
+        from llm_otel.sampling import traces_sampler_factory
+
+        sampler = traces_sampler_factory(env.get("OTEL_TRACES_SAMPLER_ARG"))
+        return sampler, sampler.root.poller
+    if env.get("OTEL_TRACES_SAMPLER") or settings.adaptive_sampling == "off":
+        return None, None
+    from llm_otel.gpu.nvml import UtilizationPoller
+    from llm_otel.sampling import adaptive_sampler
+
+    poller = UtilizationPoller.from_nvml()
+    if poller.source is None and settings.adaptive_sampling != "on":
+        return None, None
+    return adaptive_sampler(poller=poller.start()), poller
+
+
+def register_utilization_gauge(meter_provider, poller) -> None:
+    """Observable gauge ``hw.gpu.utilization`` (1) reading the poller's smoothed value."""
+    from opentelemetry.metrics import Observation
+
+    from llm_otel.semconv import metrics as M
+
+    def observe(_options):
+        value = poller.utilization
+        return [] if value is None else [Observation(value)]
+
+    meter_provider.get_meter("llm_otel").create_observable_gauge(
+        M.HW_GPU_UTILIZATION, callbacks=[observe], unit=M.HW_GPU_UTILIZATION_UNIT,
+        description="Smoothed utilisation of the GPUs this process uses (0-1).")

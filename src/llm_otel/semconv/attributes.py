@@ -173,6 +173,9 @@ LLM_REQUEST_QUEUE_DURATION = 'llm.request.queue.duration'
 LLM_REQUEST_TIMING_SOURCE = 'llm.request.timing.source'
 """Where the phase timestamps of the request came from. Type: enum (string). Origin: llm-otel."""
 
+LLM_SAMPLING_REASON = 'llm.sampling.reason'
+"""Why the adaptive sampler kept this trace. Type: enum (string). Origin: llm-otel."""
+
 LLM_TIME_PER_OUTPUT_TOKEN = 'llm.time_per_output_token'
 """Mean seconds per output token after the first ((last - first token time) / (output tokens - 1)). Type: double. Origin: llm-otel."""
 
@@ -212,6 +215,13 @@ class LlmRequestTimingSourceValues:
     """Values of llm.request.timing.source."""
     ENGINE_EVENTS = 'engine_events'
     ENGINE_STEPS = 'engine_steps'
+
+
+class LlmSamplingReasonValues:
+    """Values of llm.sampling.reason."""
+    HEAD = 'head'
+    DRIFT_BOOST = 'drift_boost'
+    OUTLIER = 'outlier'
 
 
 ATTRIBUTE_TYPES: dict[str, str] = {
@@ -272,6 +282,7 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.request.prefill.duration': 'double',
     'llm.request.queue.duration': 'double',
     'llm.request.timing.source': 'string',
+    'llm.sampling.reason': 'string',
     'llm.time_per_output_token': 'double',
     'llm.time_to_first_token': 'double',
     'llm.token.events.dropped': 'int',

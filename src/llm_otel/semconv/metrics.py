@@ -17,6 +17,10 @@ GEN_AI_SERVER_TIME_TO_FIRST_TOKEN = 'gen_ai.server.time_to_first_token'
 GEN_AI_SERVER_TIME_TO_FIRST_TOKEN_UNIT = 's'
 GEN_AI_SERVER_TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 
+HW_GPU_UTILIZATION = 'hw.gpu.utilization'
+"""Smoothed (EWMA) utilisation of the GPUs this process uses, as the adaptive sampler sees it (0-1). Instrument: gauge, unit: 1."""
+HW_GPU_UTILIZATION_UNIT = '1'
+
 LLM_SERVER_REQUEST_QUEUE_TIME = 'llm.server.request.queue_time'
 """Seconds requests waited in the engine's scheduler queue before first being scheduled. Instrument: histogram, unit: s."""
 LLM_SERVER_REQUEST_QUEUE_TIME_UNIT = 's'

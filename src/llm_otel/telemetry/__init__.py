@@ -55,6 +55,9 @@ class Telemetry:
         self.instruments = Instruments(meter)
         self.errors = HookErrors(meter)
         self.spans = SpanBuilder(self.tracer, self.settings)
+        provider = tracer_provider if tracer_provider is not None else trace.get_tracer_provider()
+        # llm-otel's adaptive sampler (if the provider uses it) learns latency drift from every request
+        self.sampling_root = getattr(getattr(provider, "sampler", None), "root", None)
 
     def start_request(self, request_id: str, *, operation: str, provider: str, model: str,
                       arrival_s: float, input_tokens: int, kind: SpanKind = SpanKind.INTERNAL,
@@ -108,12 +111,20 @@ class Telemetry:
             return
         rec.finished = True
         end_ns = time.time_ns() if end_ns is None else end_ns
+        duration_s = max(0.0, (end_ns - rec.arrival_ns) / 1e9)
         try:
-            self.instruments.record(rec, max(0.0, (end_ns - rec.arrival_ns) / 1e9))
+            self.instruments.record(rec, duration_s)
+            if self.sampling_root is not None:
+                self._observe_latency(rec)
         except Exception as exc:  # noqa: BLE001
             self.errors.report("telemetry.metrics", exc)
         if rec.span is None:
             return
+        if not rec.recording and self.sampling_root is not None:
+            try:
+                self._capture_outlier(rec, duration_s)
+            except Exception as exc:  # noqa: BLE001
+                self.errors.report("telemetry.outlier", exc)
         try:
             if rec.recording:
                 self.spans.emit(rec, end_ns)
@@ -127,6 +138,33 @@ class Telemetry:
                 pass
         finally:
             rec.logprob_rows = []  # free the per-step arrays now, whatever holds the record
+
+    def _observe_latency(self, rec: RequestRecord) -> None:
+        drift = self.sampling_root.drift
+        ttft = rec.time_to_first_token_s()
+        if ttft is not None:
+            drift.observe("ttft", ttft)
+        tpot = rec.time_per_output_token_s()
+        if tpot is not None:
+            drift.observe("itl", tpot)
+
+    def _capture_outlier(self, rec: RequestRecord, duration_s: float) -> None:
+        """A request the head sampler dropped that failed or breached an SLO: record its tree as its
+        own root, linked to its real trace, marked outlier (no threshold, so no count bias)."""
+        st = self.settings
+        ttft = rec.time_to_first_token_s()
+        if not (rec.error_type is not None
+                or (st.outlier_ttft_s is not None and ttft is not None and ttft > st.outlier_ttft_s)
+                or (st.outlier_e2e_s is not None and duration_s > st.outlier_e2e_s)):
+            return
+        original = rec.span.get_span_context()
+        rec.span.end()
+        attrs = {**rec.request_attributes, A.LLM_SAMPLING_REASON: "outlier"}
+        span = self.tracer.start_span(f"{rec.operation} {rec.model}", context=otel_context.Context(),
+                                      kind=SpanKind.INTERNAL, attributes=attrs, links=[trace.Link(original)],
+                                      start_time=rec.arrival_ns)
+        if span.is_recording():
+            rec.span, rec.recording = span, True
 
     def reject(self, *, operation: str, provider: str, model: str, arrival_s: float,
                error: BaseException, kind: SpanKind = SpanKind.INTERNAL,

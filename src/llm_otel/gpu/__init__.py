@@ -1,0 +1,1 @@
+"""GPU-side telemetry: utilisation signals (NVML) for the adaptive sampler."""

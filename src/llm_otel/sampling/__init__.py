@@ -1,0 +1,234 @@
+"""Adaptive consistent-probability sampling driven by GPU utilisation and latency health.
+
+The root decision uses OpenTelemetry's consistent probability sampling (W3C tracestate
+``ot=th:<hex>``; the SDK's composable samplers do the threshold arithmetic and the tracestate):
+a trace is kept iff its randomness (the low 56 bits of the trace id, or ``rv``) is >= the
+threshold. The threshold comes from :class:`UtilizationPolicy` (high utilisation -> lower
+probability, floor/ceiling, hysteresis, bounded change per interval, quantised) and is raised to
+1 by :class:`DriftDetector` while P99 latency drifts upward. It never depends on the trace's
+randomness, so traces stay whole across processes and adjusted counts (1/p) stay unbiased.
+Children reuse the parent's threshold. Spans started with ``llm.sampling.reason=outlier`` (a
+request the head decision dropped that ended in error or breached an SLO) are kept without a
+threshold, so they do not bias adjusted counts.
+
+Usage: ``TracerProvider(sampler=adaptive_sampler())`` or ``OTEL_TRACES_SAMPLER=llm_otel_adaptive``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from typing import Sequence
+
+import numpy as np
+from opentelemetry.sdk.trace._sampling_experimental import (
+    ComposableSampler,
+    SamplingIntent,
+    composable_parent_threshold,
+    composite_sampler,
+)
+from opentelemetry.sdk.trace._sampling_experimental._util import MAX_THRESHOLD, calculate_threshold
+from opentelemetry import trace
+from opentelemetry.sdk.trace.sampling import Sampler, SamplingResult
+
+from llm_otel.semconv import attributes as A
+
+__all__ = ["UtilizationPolicy", "DriftDetector", "AdaptiveRootSampler", "adaptive_sampler", "traces_sampler_factory",
+           "quantize_threshold"]
+
+QUANT_BITS = 12  # thresholds keep their top 12 bits: at most 3 hex digits in `th`
+
+
+def quantize_threshold(probability: float) -> int:
+    """Threshold for ``probability`` rounded to a multiple of 2**(56-QUANT_BITS) (short ``th``)."""
+    p = min(1.0, max(0.0, probability))
+    step = 1 << (56 - QUANT_BITS)
+    return min(MAX_THRESHOLD, round(calculate_threshold(p) / step) * step)
+
+
+class UtilizationPolicy:
+    """Maps smoothed utilisation in [0, 1] to a sampling probability.
+
+    Linear from ``ceiling`` at ``low`` utilisation down to ``floor`` at ``high``; the probability
+    moves at most ``max_step`` (factor) per ``interval_s`` and only when the target differs by more
+    than ``hysteresis`` (relative), so it does not flap with noisy utilisation.
+    """
+
+    def __init__(self, floor: float = 0.01, ceiling: float = 1.0, low: float = 0.5, high: float = 0.95,
+                 max_step: float = 2.0, hysteresis: float = 0.1, interval_s: float = 1.0,
+                 base: float | None = None) -> None:
+        if not 0 < floor <= ceiling <= 1 or not 0 <= low < high <= 1 or max_step < 1:
+            raise ValueError("need 0 < floor <= ceiling <= 1, 0 <= low < high <= 1, max_step >= 1")
+        self.floor, self.ceiling, self.low, self.high = floor, ceiling, low, high
+        self.max_step, self.hysteresis, self.interval_s = max_step, hysteresis, interval_s
+        self.base = ceiling if base is None else base
+        self.probability = self.base
+        self._last_change = -math.inf
+
+    def target(self, utilization: float | None) -> float:
+        if utilization is None:
+            return self.base
+        u = min(1.0, max(0.0, utilization))
+        frac = min(1.0, max(0.0, (u - self.low) / (self.high - self.low)))
+        return self.ceiling + (self.floor - self.ceiling) * frac
+
+    def update(self, utilization: float | None, now: float | None = None) -> float:
+        """Move toward the target for ``utilization``; returns the current probability."""
+        now = time.monotonic() if now is None else now
+        target = self.target(utilization)
+        if abs(target - self.probability) <= self.hysteresis * self.probability:
+            return self.probability
+        if now - self._last_change < self.interval_s:
+            return self.probability
+        lo, hi = self.probability / self.max_step, self.probability * self.max_step
+        self.probability = min(self.ceiling, max(self.floor, min(hi, max(lo, target))))
+        self._last_change = now
+        return self.probability
+
+
+class DriftDetector:
+    """Sustained P99 latency rise detector (TTFT and inter-token latency, seconds).
+
+    Observations fill windows of ``window_s`` seconds; each closed window's P99 is compared with
+    the baseline (median of the previous ``baseline_windows`` windows). A rise >= ``rise`` (0.15 =
+    15 %) in ``consecutive`` windows in a row starts a boost lasting ``cooldown_s`` seconds.
+    """
+
+    def __init__(self, window_s: float = 10.0, rise: float = 0.15, consecutive: int = 3,
+                 cooldown_s: float = 60.0, baseline_windows: int = 6, min_samples: int = 20) -> None:
+        self.window_s, self.rise, self.consecutive = window_s, rise, consecutive
+        self.cooldown_s, self.min_samples = cooldown_s, min_samples
+        self._series: dict[str, list[float]] = {}
+        self._history: dict[str, deque] = {}
+        self._streak: dict[str, int] = {}
+        self._window_start: float | None = None
+        self.boost_until = -math.inf
+        self.boosts = 0
+        self._lock = threading.Lock()
+        self._baseline_windows = baseline_windows
+
+    def observe(self, metric: str, value: float, now: float | None = None) -> None:
+        """Add one latency observation (s) of ``metric`` (e.g. ``"ttft"``, ``"itl"``)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if self._window_start is None:
+                self._window_start = now
+            while now - self._window_start >= self.window_s:
+                self._close_window(self._window_start + self.window_s)
+                self._window_start += self.window_s
+            self._series.setdefault(metric, []).append(value)
+
+    def _close_window(self, now: float) -> None:
+        for metric, values in self._series.items():
+            if len(values) < self.min_samples:
+                continue
+            p99 = float(np.percentile(values, 99))
+            history = self._history.setdefault(metric, deque(maxlen=self._baseline_windows))
+            if len(history) >= 2:
+                baseline = float(np.median(history))
+                if p99 >= baseline * (1 + self.rise):
+                    self._streak[metric] = self._streak.get(metric, 0) + 1
+                    if self._streak[metric] >= self.consecutive:
+                        if now >= self.boost_until:
+                            self.boosts += 1
+                        self.boost_until = now + self.cooldown_s
+                        self._streak[metric] = 0
+                    continue  # a drifting window does not become the new baseline
+                self._streak[metric] = 0
+            history.append(p99)
+        self._series = {}
+
+    def boosting(self, now: float | None = None) -> bool:
+        return (time.monotonic() if now is None else now) < self.boost_until
+
+
+class AdaptiveRootSampler(ComposableSampler):
+    """Composable root sampler: threshold from the policy (and drift boost); outliers kept untracked."""
+
+    def __init__(self, policy: UtilizationPolicy | None = None, poller=None,
+                 drift: DriftDetector | None = None) -> None:
+        self.policy = policy or UtilizationPolicy()
+        self.poller = poller
+        self.drift = drift or DriftDetector()
+        self._threshold = quantize_threshold(self.policy.probability)
+        self._next_update = 0.0
+
+    def current_probability(self) -> float:
+        now = time.monotonic()
+        if now >= self._next_update:
+            self._next_update = now + 0.1
+            util = self.poller.utilization if self.poller is not None else None
+            p = 1.0 if self.drift.boosting(now) else self.policy.update(util, now)
+            self._threshold = quantize_threshold(p)
+        return (MAX_THRESHOLD - self._threshold) / MAX_THRESHOLD
+
+    def sampling_intent(self, parent_ctx, name, span_kind, attributes, links, trace_state=None) -> SamplingIntent:
+        if attributes and attributes.get(A.LLM_SAMPLING_REASON) == "outlier":
+            return SamplingIntent(threshold=0, threshold_reliable=False)  # kept, no `th`: no count bias
+        self.current_probability()
+        reason = "drift_boost" if self.drift.boosting() else "head"
+        return SamplingIntent(threshold=self._threshold, attributes={A.LLM_SAMPLING_REASON: reason})
+
+    def get_description(self) -> str:
+        return f"LlmOtelAdaptive{{floor={self.policy.floor},ceiling={self.policy.ceiling}}}"
+
+
+def adaptive_sampler(policy: UtilizationPolicy | None = None, poller=None,
+                     drift: DriftDetector | None = None) -> Sampler:
+    """A complete SDK sampler: parent threshold for children, :class:`AdaptiveRootSampler` for roots.
+
+    ``poller`` defaults to an NVML poller (started), unavailable without a GPU.
+    """
+    from llm_otel.gpu.nvml import UtilizationPoller
+
+    if poller is None:
+        poller = UtilizationPoller.from_nvml().start()
+    return _AdaptiveSampler(AdaptiveRootSampler(policy, poller, drift))
+
+
+class _AdaptiveSampler(Sampler):
+    """SDK Sampler around the SDK's composite sampler that (a) hands it the parent's tracestate -
+    the SDK tracer does not pass one, so children would lose ``th`` - and (b) keeps the span's own
+    attributes: the SDK uses the sampler's result attributes as the span's attributes, and the
+    experimental composite sampler returns only the intent's."""
+
+    def __init__(self, root: AdaptiveRootSampler) -> None:
+        self.root = root  # Telemetry feeds its drift detector
+        self._inner = composite_sampler(composable_parent_threshold(root))
+
+    def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None,
+                      trace_state=None) -> SamplingResult:
+        if trace_state is None:
+            parent = trace.get_current_span(parent_context).get_span_context()
+            if parent.is_valid:
+                trace_state = parent.trace_state
+        result = self._inner.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
+        if attributes:
+            merged = dict(attributes)
+            merged.update(result.attributes)
+            return SamplingResult(result.decision, merged, result.trace_state)
+        return result
+
+    def get_description(self) -> str:
+        return self._inner.get_description()
+
+
+def traces_sampler_factory(arg: str | None = None) -> Sampler:
+    """``opentelemetry_traces_sampler`` entry point (``OTEL_TRACES_SAMPLER=llm_otel_adaptive``).
+
+    ``OTEL_TRACES_SAMPLER_ARG``: ``floor[,ceiling]`` probabilities, e.g. ``0.01,1``.
+    """
+    floor, ceiling = 0.01, 1.0
+    if arg:
+        parts: Sequence[str] = [p for p in arg.split(",") if p.strip()]
+        try:
+            floor = float(parts[0])
+            if len(parts) > 1:
+                ceiling = float(parts[1])
+        except ValueError:
+            from llm_otel.config import ConfigError
+
+            raise ConfigError(f"OTEL_TRACES_SAMPLER_ARG={arg!r}: expected 'floor[,ceiling]'") from None
+    return adaptive_sampler(UtilizationPolicy(floor=floor, ceiling=ceiling))
