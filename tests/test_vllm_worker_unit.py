@@ -10,7 +10,7 @@ import types
 import pytest
 from conftest import make_captured
 
-from llm_otel.instrumentation.vllm.engine_core import CARRIER_KEY, CARRIER_TOPK_KEY
+from llm_otel.instrumentation.vllm.engine_core import CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY
 from llm_otel.instrumentation.vllm.worker import WorkerAdapter
 
 torch = pytest.importorskip("torch")
@@ -82,3 +82,13 @@ def test_a_failing_reduction_is_counted_and_sampling_still_runs(monkeypatch):
     out = worker.sample("hook")(sample_fn, r, (torch.randn(1, 8),), {})
     assert out.sampled_token_ids.shape == (1, 1)
     assert cap.telemetry.errors.counts == {"hook": 1}
+
+
+def test_the_request_spans_tracestate_reaches_the_worker_span():
+    cap = make_captured()
+    worker = WorkerAdapter(cap.telemetry)
+    r = runner({"a": {CARRIER_KEY: f"00-{TID}-{SID}-01", CARRIER_STATE_KEY: "ot=th:c,vendor=x",
+                      CARRIER_TOPK_KEY: 2}}, max_tokens=1)
+    worker.sample("hook")(sample_fn, r, (torch.randn(1, 8),), {})
+    (span,) = cap.finished()
+    assert span.context.trace_state.get("ot") == "th:c" and span.context.trace_state.get("vendor") == "x"

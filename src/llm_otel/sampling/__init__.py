@@ -42,10 +42,15 @@ QUANT_BITS = 12  # thresholds keep their top 12 bits: at most 3 hex digits in `t
 
 
 def quantize_threshold(probability: float) -> int:
-    """Threshold for ``probability`` rounded to a multiple of 2**(56-QUANT_BITS) (short ``th``)."""
+    """Threshold for ``probability`` rounded down to a multiple of 2**(56-QUANT_BITS) (short ``th``):
+    the effective probability is never below the requested one, and any p > 0 keeps at least
+    2**-QUANT_BITS (about 2.4e-4) of traces."""
     p = min(1.0, max(0.0, probability))
     step = 1 << (56 - QUANT_BITS)
-    return min(MAX_THRESHOLD, round(calculate_threshold(p) / step) * step)
+    threshold = calculate_threshold(p) // step * step
+    if p > 0 and threshold >= MAX_THRESHOLD:
+        threshold = MAX_THRESHOLD - step
+    return threshold
 
 
 class UtilizationPolicy:
@@ -59,11 +64,14 @@ class UtilizationPolicy:
     def __init__(self, floor: float = 0.01, ceiling: float = 1.0, low: float = 0.5, high: float = 0.95,
                  max_step: float = 2.0, hysteresis: float = 0.1, interval_s: float = 1.0,
                  base: float | None = None) -> None:
-        if not 0 < floor <= ceiling <= 1 or not 0 <= low < high <= 1 or max_step < 1:
-            raise ValueError("need 0 < floor <= ceiling <= 1, 0 <= low < high <= 1, max_step >= 1")
+        base = ceiling if base is None else base
+        if not (0 < floor <= ceiling <= 1 and 0 <= low < high <= 1 and max_step >= 1 and hysteresis >= 0
+                and interval_s >= 0 and floor <= base <= ceiling):
+            raise ValueError("need 0 < floor <= base <= ceiling <= 1, 0 <= low < high <= 1, max_step >= 1, "
+                             "hysteresis >= 0, interval_s >= 0")
         self.floor, self.ceiling, self.low, self.high = floor, ceiling, low, high
         self.max_step, self.hysteresis, self.interval_s = max_step, hysteresis, interval_s
-        self.base = ceiling if base is None else base
+        self.base = base
         self.probability = self.base
         self._last_change = -math.inf
 
@@ -121,8 +129,10 @@ class DriftDetector:
             self._series.setdefault(metric, []).append(value)
 
     def _close_window(self, now: float) -> None:
-        for metric, values in self._series.items():
+        for metric in set(self._series) | set(self._history):
+            values = self._series.get(metric, ())
             if len(values) < self.min_samples:
+                self._streak[metric] = 0  # too few samples: the run of drifting windows is broken
                 continue
             p99 = float(np.percentile(values, 99))
             history = self._history.setdefault(metric, deque(maxlen=self._baseline_windows))
@@ -135,7 +145,10 @@ class DriftDetector:
                             self.boosts += 1
                         self.boost_until = now + self.cooldown_s
                         self._streak[metric] = 0
-                    continue  # a drifting window does not become the new baseline
+                        # the new level becomes the baseline: a lasting shift boosts once, not forever
+                        history.clear()
+                        history.append(p99)
+                    continue  # until then a drifting window does not become the baseline
                 self._streak[metric] = 0
             history.append(p99)
         self._series = {}
@@ -152,24 +165,31 @@ class AdaptiveRootSampler(ComposableSampler):
         self.policy = policy or UtilizationPolicy()
         self.poller = poller
         self.drift = drift or DriftDetector()
-        self._threshold = quantize_threshold(self.policy.probability)
+        self._state = (quantize_threshold(self.policy.probability), {A.LLM_SAMPLING_REASON: "head"})
         self._next_update = 0.0
+        self._lock = threading.Lock()
 
     def current_probability(self) -> float:
+        """The effective probability now (re-evaluated at most every 100 ms)."""
         now = time.monotonic()
         if now >= self._next_update:
-            self._next_update = now + 0.1
-            util = self.poller.utilization if self.poller is not None else None
-            p = 1.0 if self.drift.boosting(now) else self.policy.update(util, now)
-            self._threshold = quantize_threshold(p)
-        return (MAX_THRESHOLD - self._threshold) / MAX_THRESHOLD
+            with self._lock:
+                if now >= self._next_update:
+                    self._next_update = now + 0.1
+                    util = self.poller.utilization if self.poller is not None else None
+                    boosting = self.drift.boosting(now)
+                    p = 1.0 if boosting else self.policy.update(util, now)
+                    # threshold and reason change together (one tuple, swapped atomically)
+                    self._state = (quantize_threshold(p),
+                                   {A.LLM_SAMPLING_REASON: "drift_boost" if boosting else "head"})
+        return (MAX_THRESHOLD - self._state[0]) / MAX_THRESHOLD
 
     def sampling_intent(self, parent_ctx, name, span_kind, attributes, links, trace_state=None) -> SamplingIntent:
         if attributes and attributes.get(A.LLM_SAMPLING_REASON) == "outlier":
             return SamplingIntent(threshold=0, threshold_reliable=False)  # kept, no `th`: no count bias
         self.current_probability()
-        reason = "drift_boost" if self.drift.boosting() else "head"
-        return SamplingIntent(threshold=self._threshold, attributes={A.LLM_SAMPLING_REASON: reason})
+        threshold, attrs = self._state
+        return SamplingIntent(threshold=threshold, attributes=attrs)
 
     def get_description(self) -> str:
         return f"LlmOtelAdaptive{{floor={self.policy.floor},ceiling={self.policy.ceiling}}}"
@@ -228,7 +248,10 @@ def traces_sampler_factory(arg: str | None = None) -> Sampler:
             if len(parts) > 1:
                 ceiling = float(parts[1])
         except ValueError:
-            from llm_otel.config import ConfigError
+            floor = math.nan
+    if not 0 < floor <= ceiling <= 1:
+        from llm_otel.config import ConfigError
 
-            raise ConfigError(f"OTEL_TRACES_SAMPLER_ARG={arg!r}: expected 'floor[,ceiling]'") from None
+        raise ConfigError(f"OTEL_TRACES_SAMPLER_ARG={arg!r}: expected 'floor[,ceiling]' with "
+                          "0 < floor <= ceiling <= 1")
     return adaptive_sampler(UtilizationPolicy(floor=floor, ceiling=ceiling))

@@ -26,7 +26,7 @@ from typing import Any
 
 from opentelemetry.trace import SpanKind
 
-from llm_otel.instrumentation.vllm.engine_core import CARRIER_KEY, CARRIER_TOPK_KEY, EngineCoreAdapter
+from llm_otel.instrumentation.vllm.engine_core import CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY, EngineCoreAdapter
 from llm_otel.propagation import carrier_from_span, context_from_carrier, extract_carrier
 from llm_otel.semconv import attributes as A
 from llm_otel.telemetry import RequestRecord, Telemetry
@@ -324,7 +324,10 @@ class VLLMAdapter:
             # built from the original params.
             ours = copy.copy(sp)
             extra = dict(sp.extra_args or {})
-            extra[CARRIER_KEY] = carrier_from_span(rec.span).get("traceparent", "")
+            carrier = carrier_from_span(rec.span)
+            extra[CARRIER_KEY] = carrier.get("traceparent", "")
+            if carrier.get("tracestate"):
+                extra[CARRIER_STATE_KEY] = carrier["tracestate"]
             if in_worker:
                 extra[CARRIER_TOPK_KEY] = k
             ours.extra_args = extra

@@ -25,6 +25,7 @@ from llm_otel.semconv import spans as S
 from llm_otel.telemetry import Telemetry
 
 CARRIER_KEY = "llm_otel.traceparent"  # key in vLLM SamplingParams.extra_args
+CARRIER_STATE_KEY = "llm_otel.tracestate"  # the request span's tracestate (ot=th:, vendors), if any
 CARRIER_TOPK_KEY = "llm_otel.logit_top_k"  # present: the worker computes llm.logit_dist (k)
 MAX_CACHED_LINKS = 100_000
 

@@ -21,10 +21,9 @@ import time
 from typing import Any
 
 import numpy as np
-from opentelemetry import trace
 
-from llm_otel.instrumentation.vllm.engine_core import CARRIER_KEY, CARRIER_TOPK_KEY
-from llm_otel.propagation import parse_traceparent
+from llm_otel.instrumentation.vllm.engine_core import CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY
+from llm_otel.propagation import context_from_carrier
 from llm_otel.telemetry import Telemetry
 from llm_otel.telemetry.spans import emit_logit_dist
 
@@ -113,10 +112,11 @@ class WorkerAdapter:
             for j, (req_id, extra, state) in enumerate(members):
                 stream = self._streams.get(req_id)
                 if stream is None:
-                    sc = parse_traceparent(extra.get(CARRIER_KEY))
-                    if sc is None:
+                    parent = context_from_carrier({"traceparent": extra.get(CARRIER_KEY),
+                                                   "tracestate": extra.get(CARRIER_STATE_KEY)})
+                    if parent is None:
                         continue
-                    stream = self._streams[req_id] = _Stream(trace.set_span_in_context(trace.NonRecordingSpan(sc)))
+                    stream = self._streams[req_id] = _Stream(parent)
                 if len(stream.times_ns) >= MAX_STEPS_PER_REQUEST:
                     continue
                 k = int(extra[CARRIER_TOPK_KEY])
