@@ -120,10 +120,13 @@ def _closed_port() -> int:
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
 def test_c04_doctor_reports_a_broken_exporter(protocol, capsys):
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{_closed_port()}", "OTEL_EXPORTER_OTLP_PROTOCOL": protocol}
+    port = _closed_port()
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+           "OTEL_METRICS_EXPORTER": "none"}
     assert doctor(env) == 1
     out = capsys.readouterr().out
     assert "[FAIL] OTLP exporter" in out and "did not accept a probe span" in out
+    assert f"127.0.0.1:{port}" in out  # the endpoint the environment named, not a default
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
@@ -139,3 +142,16 @@ def test_c04_doctor_confirms_a_working_exporter(protocol, receiver, capsys, monk
 def test_doctor_rejects_an_unsupported_protocol(capsys):
     assert doctor({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}) == 1
     assert "http/json" in capsys.readouterr().out
+
+
+def test_c04_doctor_probes_the_metrics_exporter_too(receiver, capsys):
+    env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.grpc_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+           "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": f"http://127.0.0.1:{_closed_port()}"}
+    assert doctor(env) == 1
+    out = capsys.readouterr().out
+    assert "[  ok] OTLP exporter" in out and "[FAIL] OTLP metric exporter" in out
+    env["OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"] = receiver.grpc_endpoint
+    assert doctor(env) == 0
+    assert "[  ok] OTLP metric exporter" in capsys.readouterr().out
+    assert receiver.wait_for_metric("llm_otel.doctor.probe")
+    assert doctor({**env, "OTEL_METRICS_EXPORTER": "none"}) == 0

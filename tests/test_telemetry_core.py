@@ -326,3 +326,20 @@ def test_id_generator_ignores_the_seeded_global_random():
     b = [gen.generate_span_id() for _ in range(3)] + [gen.generate_trace_id()]
     assert a != b and len(set(a)) == 4 and all(a)
     assert isinstance(trace.INVALID_SPAN_ID, int)
+
+
+def test_completion_text_needs_content_capture():
+    import json
+
+    cap = make_captured()
+    rec = start(cap)
+    cap.telemetry.set_completion(rec, "hello world", "stop")
+    cap.telemetry.finish(rec)
+    assert "gen_ai.output.messages" not in next(s for s in cap.finished() if s.parent is None).attributes
+    cap = make_captured(Settings(capture_content=True, content_max_chars=5))
+    rec = start(cap)
+    cap.telemetry.set_completion(rec, "hello world", "stop")
+    cap.telemetry.finish(rec)
+    root = next(s for s in cap.finished() if s.parent is None)
+    assert json.loads(root.attributes["gen_ai.output.messages"]) == [
+        {"role": "assistant", "parts": [{"type": "text", "content": "hello"}], "finish_reason": "stop"}]

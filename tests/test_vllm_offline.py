@@ -397,3 +397,26 @@ def test_uninstrument_while_requests_run_leaves_the_engine_and_the_users_output_
         eng.instrumentor.instrument(tracer_provider=eng.captured.tracer_provider,
                                     meter_provider=eng.captured.meter_provider,
                                     settings=Settings(logit_dist_ratio=1.0))
+
+
+def test_c12_prompt_and_completion_text_only_with_content_capture(eng, monkeypatch):
+    import dataclasses
+    import json
+
+    secret = "SECRET-7f3a9c"
+    (out,) = generate(eng, prompts=[f"password {secret}"], max_tokens=4)
+    ((root, kids),) = trees(eng).values()
+    for span in [root, *kids.values()]:
+        assert secret not in span.to_json() and "gen_ai.output.messages" not in span.attributes
+    eng.clear()
+    adapter = eng.instrumentor.adapter
+    on = dataclasses.replace(adapter.settings, capture_content=True, content_max_chars=64)
+    monkeypatch.setattr(adapter, "settings", on)
+    monkeypatch.setattr(adapter.telemetry, "settings", on)
+    (out,) = generate(eng, prompts=[f"password {secret}"], max_tokens=4)
+    ((root, _),) = trees(eng).values()
+    (prompt_msg,) = json.loads(root.attributes["gen_ai.input.messages"])
+    assert secret in prompt_msg["parts"][0]["content"]
+    (completion,) = json.loads(root.attributes["gen_ai.output.messages"])
+    assert completion == {"role": "assistant", "parts": [{"type": "text", "content": out.outputs[0].text[:64]}],
+                          "finish_reason": "length"}

@@ -42,7 +42,7 @@ def doctor(env=None, out=None) -> int:
     from opentelemetry.sdk.trace.export import SpanExportResult
 
     from llm_otel.config import ConfigError, Settings
-    from llm_otel.export.providers import span_exporter_from_env
+    from llm_otel.export.providers import metric_exporter_from_env, span_exporter_from_env
 
     env = os.environ if env is None else env
     out = out or sys.stdout
@@ -84,6 +84,31 @@ def doctor(env=None, out=None) -> int:
             ok = False
             say("FAIL", f"OTLP exporter -> {endpoint} did not accept a probe span ({result}); "
                         "spans would be lost. Is the collector running, and is the protocol right?")
+    try:
+        metric_exporter = metric_exporter_from_env(env)
+    except ConfigError as exc:
+        say("FAIL", str(exc))
+        return 1
+    if metric_exporter is not None:
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricExportResult
+
+        reader = InMemoryMetricReader()
+        MeterProvider(metric_readers=[reader]).get_meter("llm_otel.doctor").create_counter(
+            "llm_otel.doctor.probe").add(1)
+        endpoint = getattr(metric_exporter, "_endpoint", "?")
+        try:
+            result = metric_exporter.export(reader.get_metrics_data(), timeout_millis=5_000)
+        except Exception as exc:  # noqa: BLE001
+            result = exc
+        finally:
+            metric_exporter.shutdown(timeout_millis=1_000)
+        if result is MetricExportResult.SUCCESS:
+            say("ok", f"OTLP metric exporter -> {endpoint} accepted a probe metric")
+        else:
+            ok = False
+            say("FAIL", f"OTLP metric exporter -> {endpoint} did not accept a probe metric ({result}); metrics "
+                        "would be lost (a traces-only backend such as Jaeger needs OTEL_METRICS_EXPORTER=none)")
     if importlib.util.find_spec("vllm") is None:
         say("info", "vLLM not installed")
     else:

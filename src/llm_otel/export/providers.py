@@ -78,28 +78,44 @@ def exporter_choice(env: Mapping[str, str], signal: str) -> str:
     return value if value in ("otlp", "console", "none") else "otlp"
 
 
+def _signal_endpoint(env: Mapping[str, str], signal: str, proto: str) -> str:
+    """The endpoint as the OTLP exporter specification derives it from ``env``."""
+    specific = env.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
+    if specific:
+        return specific
+    base = env["OTEL_EXPORTER_OTLP_ENDPOINT"]
+    if proto == "grpc":
+        return base
+    return base.rstrip("/") + ("/v1/traces" if signal == "TRACES" else "/v1/metrics")
+
+
 def span_exporter_from_env(env: Mapping[str, str] | None = None):
-    """The OTLP span exporter the environment asks for, or None when no endpoint is set."""
+    """The OTLP span exporter ``env`` (default ``os.environ``) asks for, or None without an endpoint.
+
+    The endpoint is taken from ``env``; headers, timeout, compression and TLS settings from the
+    process environment, as the exporters read them."""
     env = os.environ if env is None else env
     if exporter_choice(env, "TRACES") != "otlp" or not _endpoint(env, "TRACES"):
         return None
-    if _protocol(env, "TRACES") == "grpc":
+    proto = _protocol(env, "TRACES")
+    if proto == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    return OTLPSpanExporter()
+    return OTLPSpanExporter(endpoint=_signal_endpoint(env, "TRACES", proto))
 
 
 def metric_exporter_from_env(env: Mapping[str, str] | None = None):
-    """The OTLP metric exporter the environment asks for, or None when no endpoint is set."""
+    """The OTLP metric exporter ``env`` asks for, or None without an endpoint (as above)."""
     env = os.environ if env is None else env
     if exporter_choice(env, "METRICS") != "otlp" or not _endpoint(env, "METRICS"):
         return None
-    if _protocol(env, "METRICS") == "grpc":
+    proto = _protocol(env, "METRICS")
+    if proto == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
     else:
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-    return OTLPMetricExporter()
+    return OTLPMetricExporter(endpoint=_signal_endpoint(env, "METRICS", proto))
 
 
 def build_providers(settings: Settings, env: Mapping[str, str] | None = None,

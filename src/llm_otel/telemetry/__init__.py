@@ -97,6 +97,16 @@ class Telemetry:
                 [{"role": "user", "parts": [{"type": "text", "content": self.truncate(prompt_text)}]}]))
         return rec
 
+    def set_completion(self, rec: RequestRecord, text: str, finish_reason: str | None) -> None:
+        """Completion text on the request span as ``gen_ai.output.messages`` - only with content
+        capture on, truncated to ``content_max_chars``."""
+        if not (self.settings.capture_content and rec.recording):
+            return
+        message = {"role": "assistant", "parts": [{"type": "text", "content": self.truncate(text)}]}
+        if finish_reason:
+            message["finish_reason"] = finish_reason
+        rec.span.set_attribute(A.GEN_AI_OUTPUT_MESSAGES, json.dumps([message]))
+
     def truncate(self, text: str) -> str:
         """Captured content cut to ``content_max_chars``."""
         limit = self.settings.content_max_chars

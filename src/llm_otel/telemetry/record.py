@@ -41,7 +41,7 @@ class RequestRecord:
         "num_output_tokens", "head_token_ids", "head_cap", "input_tokens", "cached_tokens",
         "finish_reason", "error_type", "error_message", "request_attributes", "choice_index",
         "logprob_rows", "logprob_cap", "user_logprobs",
-        "finished", "timing_source", "injected_logprobs", "vocab_size",
+        "finished", "timing_source", "injected_logprobs", "vocab_size", "output_state",
     )
 
     def __init__(
@@ -97,6 +97,7 @@ class RequestRecord:
         self.timing_source = "engine_steps"
         self.injected_logprobs = False  # the instrumentation asked the engine for log-probs
         self.vocab_size: int | None = None  # for the entropy estimate from top-k log-probs
+        self.output_state = None  # engine object holding the completion text (content capture only)
 
     # --- hot path ---------------------------------------------------------------------------
     def on_tokens(self, token_ids: list[int], engine_mono: float) -> None:

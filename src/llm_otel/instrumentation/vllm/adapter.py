@@ -342,6 +342,8 @@ class VLLMAdapter:
                     # holds even if our hooks fail or are removed while the request runs
                     req_state.logprobs_processor = _DropSampleLogprobs(req_state.logprobs_processor)
             request.sampling_params = ours
+        if rec.recording and self.settings.capture_content:
+            rec.output_state = output_processor.request_states.get(rid)
         state.records[rid] = rec
 
     def _wants_logit_dist(self, rec: RequestRecord) -> bool:
@@ -409,6 +411,11 @@ class VLLMAdapter:
             rec.finish_reason = _FINISH[int(reason)] if reason is not None and 0 <= int(reason) < len(_FINISH) else "stop"
             rec.error_type = _ERROR_TYPES.get(rec.finish_reason)
             state.records.pop(out.request_id, None)
+            if rec.output_state is not None:  # content capture is on: the detokenized completion
+                text = getattr(getattr(rec.output_state, "detokenizer", None), "output_text", None)
+                rec.output_state = None
+                if text is not None:
+                    self.telemetry.set_completion(rec, text, rec.finish_reason)
             if rec.logprob_rows and len(rec.logprob_rows) > rec.num_output_tokens:
                 del rec.logprob_rows[rec.num_output_tokens:]
             self.telemetry.finish(rec)
