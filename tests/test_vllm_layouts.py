@@ -1,10 +1,12 @@
 """Cases C05/C06: the vLLM hook table against module trees shaped like other vLLM releases
-(tests/vllm_layouts/), in a fresh interpreter where that tree *is* `vllm`."""
+(tests/vllm_layouts/<layout>/ over the modules they share in tests/vllm_layouts/common/), in a
+fresh interpreter where that tree *is* `vllm`."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -46,9 +48,11 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def run_layout(layout: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(HERE, "vllm_layouts", layout),
-                                                       os.environ.get("PYTHONPATH", "")]))
+def run_layout(layout: str, tmp_path) -> dict:
+    tree = tmp_path / layout
+    shutil.copytree(os.path.join(HERE, "vllm_layouts", "common"), tree)
+    shutil.copytree(os.path.join(HERE, "vllm_layouts", layout), tree, dirs_exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -69,8 +73,8 @@ def run_layout(layout: str) -> dict:
     }, 4),
 ])
 def test_c06_other_vllm_layouts_skip_missing_hooks_with_one_warning_each_and_still_trace(layout, version, missing,
-                                                                                       unresolved):
-    result = run_layout(layout)
+                                                                                       unresolved, tmp_path):
+    result = run_layout(layout, tmp_path)
     assert result["version"] == version  # the stand-in tree, not the installed vLLM
     assert len(result["warnings"]) == len(missing)
     assert {w.split(" hook target ")[1].split(" ")[0] for w in result["warnings"]} == missing
