@@ -318,10 +318,10 @@ class VLLMAdapter:
             rec.logprob_cap = 0  # llm.logit_dist comes from the worker's logits, or not at all
         rec.injected_logprobs = wanted and not in_worker and not user_asked
         if rec.recording:
-            # The engine-bound copy of the params carries the request span's traceparent to the
+            # The engine-bound copy of the params carries the request span's trace context to the
             # engine core (step-span links) and the worker (logit statistics for k > 0), or asks
-            # for k log-probs that process_outputs strips again. The user's RequestState was
-            # built from the original params.
+            # for k log-probs that the request's own state drops again. The user's RequestState
+            # was built from the original params.
             ours = copy.copy(sp)
             extra = dict(sp.extra_args or {})
             carrier = carrier_from_span(rec.span)
@@ -332,15 +332,15 @@ class VLLMAdapter:
                 extra[CARRIER_TOPK_KEY] = k
             ours.extra_args = extra
             if rec.injected_logprobs:
-                ours.logprobs = k
                 req_state = output_processor.request_states.get(rid)
                 if req_state is None or getattr(req_state, "logprobs_processor", None) is None:
-                    rec.injected_logprobs = False
+                    rec.injected_logprobs = False  # cannot keep them from the user: do not ask
                     rec.logprob_cap = 0
                 else:
                     # the user's request state drops the log-probs we asked for by itself, so this
                     # holds even if our hooks fail or are removed while the request runs
                     req_state.logprobs_processor = _DropSampleLogprobs(req_state.logprobs_processor)
+                    ours.logprobs = k
             request.sampling_params = ours
         if rec.recording and self.settings.capture_content:
             rec.output_state = output_processor.request_states.get(rid)
