@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
-from typing import Any, Callable
+from typing import Any
 
 import wrapt
 
