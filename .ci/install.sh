@@ -3,6 +3,16 @@
 # test tools. Safe to run again. On a GPU machine install plain `vllm` instead (see README).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# prometheus + promtool (Debian package) for the operations-kit tests (tests/test_ops_*.py)
+if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1; then
+        SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+        $SUDO apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    else
+        echo "install.sh: no apt-get; install prometheus/promtool yourself for tests/test_ops_*.py" >&2
+    fi
+fi
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv

@@ -68,6 +68,12 @@ GEN_AI_USAGE_INPUT_TOKENS = 'gen_ai.usage.input_tokens'
 GEN_AI_USAGE_OUTPUT_TOKENS = 'gen_ai.usage.output_tokens'
 """The number of tokens used in the GenAI response (completion). Type: int. Origin: official."""
 
+HW_ID = 'hw.id'
+"""An identifier for the hardware component, unique within the monitored host; for GPUs llm-otel uses the NVML device index. Type: string. Origin: official."""
+
+LLM_ENGINE_PHASE = 'llm.engine.phase'
+"""What the engine spent most of the last GPU sampling period (1 s) on - `prefill` (steps that scheduled prompt tokens, mixed batches included), `decode` (steps that only generated) or `idle` (no step). Type: string. Origin: llm-otel."""
+
 LLM_ENGINE_STEP_BATCH_SIZE = 'llm.engine.step.batch_size'
 """Number of requests scheduled in the step. Type: int. Origin: llm-otel."""
 
@@ -173,6 +179,9 @@ LLM_REQUEST_QUEUE_DURATION = 'llm.request.queue.duration'
 LLM_REQUEST_TIMING_SOURCE = 'llm.request.timing.source'
 """Where the phase timestamps of the request came from. Type: enum (string). Origin: llm-otel."""
 
+LLM_RESPONSE_FINISH_REASON = 'llm.response.finish_reason'
+"""Why the engine stopped generating this choice (vLLM `FinishReason`; `stop` also for stop strings matched by the detokenizer). One value per choice, so usable as a metric dimension, unlike the array gen_ai.response.finish_reasons. Type: string. Origin: llm-otel."""
+
 LLM_SAMPLING_REASON = 'llm.sampling.reason'
 """Why the adaptive sampler kept this trace. Type: enum (string). Origin: llm-otel."""
 
@@ -247,6 +256,8 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'gen_ai.usage.cache_read.input_tokens': 'int',
     'gen_ai.usage.input_tokens': 'int',
     'gen_ai.usage.output_tokens': 'int',
+    'hw.id': 'string',
+    'llm.engine.phase': 'string',
     'llm.engine.step.batch_size': 'int',
     'llm.engine.step.cpu_time': 'double',
     'llm.engine.step.decode_tokens': 'int',
@@ -282,6 +293,7 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.request.prefill.duration': 'double',
     'llm.request.queue.duration': 'double',
     'llm.request.timing.source': 'string',
+    'llm.response.finish_reason': 'string',
     'llm.sampling.reason': 'string',
     'llm.time_per_output_token': 'double',
     'llm.time_to_first_token': 'double',

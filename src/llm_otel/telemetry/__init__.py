@@ -196,6 +196,7 @@ class Telemetry:
         detail = self.truncate(str(error)) if self.settings.capture_content else error_type
         span.set_status(Status(StatusCode.ERROR, detail))
         span.end()
-        self.instruments.duration.record(max(0.0, time.time() - arrival_s), {
+        self.instruments.record_rejected({
             A.GEN_AI_OPERATION_NAME: operation, A.GEN_AI_PROVIDER_NAME: provider,
-            A.GEN_AI_REQUEST_MODEL: model, A.ERROR_TYPE: error_type})
+            A.GEN_AI_REQUEST_MODEL: model, A.ERROR_TYPE: error_type}, max(0.0, time.time() - arrival_s),
+            trace.set_span_in_context(span) if span.is_recording() else None)

@@ -94,6 +94,13 @@ class VLLMInstrumentor(BaseInstrumentor):
             else:
                 tracer_provider, meter_provider = plugin.engine_process_providers(role)
         telemetry = Telemetry(tracer_provider, meter_provider, settings, scope=__name__)
+        if role == "frontend":  # where requests start: the head-sampling probability applies here
+            from opentelemetry import trace
+
+            try:
+                telemetry.instruments.observe_sampling(tracer_provider or trace.get_tracer_provider())
+            except Exception as exc:  # noqa: BLE001
+                telemetry.errors.report("sampling.probability", exc)
         self.adapter = VLLMAdapter(telemetry)
         self._applied = apply_hooks(HOOKS, self.adapter, "vLLM")
         self._set_enable_env = plugin.ENABLE_ENV not in os.environ

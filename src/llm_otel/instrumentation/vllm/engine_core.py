@@ -6,6 +6,10 @@ with ``req_ids``/``num_output_tokens`` (0 = still prefilling), ``preempted_req_i
 ``finished_req_ids``); ``Scheduler.requests[req_id].sampling_params.extra_args`` holds the carrier
 the frontend put there (the request span's ``traceparent``).
 
+``Scheduler.make_stats()`` returns the step's ``SchedulerStats`` (KV-cache usage, prefix-cache
+hits/queries, running/waiting requests) for :class:`~llm_otel.telemetry.engine_state.EngineStateMetrics`;
+each step's interval and whether it scheduled prompt tokens feed the GPU metrics' phase.
+
 The step span is the root of its own trace (batching is fan-in) and **links** to the request
 spans it served; it is emitted only when at least one of them is sampled, so unsampled traffic
 costs a dict lookup per request per step. Batching never blocks: the span is built after the
@@ -23,6 +27,7 @@ from llm_otel.propagation import parse_traceparent
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import spans as S
 from llm_otel.telemetry import Telemetry
+from llm_otel.telemetry.engine_state import EngineStateMetrics, PhaseClock, step_has_prefill
 
 CARRIER_KEY = "llm_otel.traceparent"  # key in vLLM SamplingParams.extra_args
 CARRIER_STATE_KEY = "llm_otel.tracestate"  # the request span's tracestate (ot=th:, vendors), if any
@@ -42,6 +47,36 @@ class EngineCoreAdapter:
         self._links: dict[str, Link | None] = {}
         self._last_output: Any = None
         self.step_listeners: list[Callable] = []
+        self.phase_clock = PhaseClock()
+        self.state_metrics: EngineStateMetrics | None = None
+        self.gpu_metrics = None
+        self._model: str | None = None
+
+    def _engine_metrics(self) -> EngineStateMetrics:
+        """Engine-state and GPU instruments, created on first use: only in the process that runs
+        the scheduler (vLLM's engine core, or the frontend when the core runs in-process)."""
+        if self.state_metrics is None:
+            from llm_otel.gpu.metrics import register_gpu_metrics
+
+            meter = self.telemetry.instruments.meter
+            self.state_metrics = EngineStateMetrics(meter)
+            self.gpu_metrics = register_gpu_metrics(meter, self.phase_clock.phase)
+        return self.state_metrics
+
+    def make_stats(self, hook: str):
+        """Scheduler.make_stats: read the statistics vLLM builds for its own loggers."""
+
+        def wrapper(wrapped, instance, args, kwargs):
+            stats = wrapped(*args, **kwargs)
+            try:
+                if self._model is None:
+                    self._model = _served_model(instance)
+                self._engine_metrics().on_scheduler_stats(stats, self._model)
+            except Exception as exc:  # noqa: BLE001
+                self.telemetry.errors.report(hook, exc)
+            return stats
+
+        return wrapper
 
     def schedule(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
@@ -55,10 +90,15 @@ class EngineCoreAdapter:
         def wrapper(wrapped, instance, args, kwargs):
             self._last_output = None
             start_ns = time.time_ns()
+            start_mono = time.monotonic()
             cpu0 = time.thread_time_ns()
             result = wrapped(*args, **kwargs)
             try:
                 output = self._last_output
+                if output is not None and getattr(output, "total_num_scheduled_tokens", 0):
+                    if self.state_metrics is None:
+                        self._engine_metrics()
+                    self.phase_clock.on_step(start_mono, time.monotonic(), step_has_prefill(output))
                 if output is not None and getattr(output, "total_num_scheduled_tokens", 0):
                     self._emit(instance, output, start_ns, time.time_ns(), time.thread_time_ns() - cpu0)
             except Exception as exc:  # noqa: BLE001
@@ -110,3 +150,12 @@ class EngineCoreAdapter:
         for listener in self.step_listeners:
             listener(span, output, start_ns, end_ns)
         span.end(end_time=end_ns)
+
+
+def _served_model(scheduler: Any) -> str:
+    """The served model name from the scheduler's ``vllm_config.model_config`` ("unknown" if absent)."""
+    model_config = getattr(getattr(scheduler, "vllm_config", None), "model_config", None)
+    name = getattr(model_config, "served_model_name", None) or getattr(model_config, "model", None)
+    if isinstance(name, (list, tuple)):
+        name = name[0] if name else None
+    return str(name) if name else "unknown"

@@ -52,6 +52,9 @@ HOOKS: list[Hook] = [
     # --- engine-core process: one llm.engine.step span per scheduler step ----------------------
     Hook("vllm.v1.core.sched.scheduler", "Scheduler.schedule", "core.schedule", V1,
          "batch composition: SchedulerOutput.num_scheduled_tokens, new vs running requests, preemptions"),
+    Hook("vllm.v1.core.sched.scheduler", "Scheduler.make_stats", "core.make_stats", V1,
+         "SchedulerStats each step: kv_cache_usage, prefix_cache_stats.{queries,hits}, "
+         "num_running_reqs, num_waiting_reqs (engine-state metrics)"),
     Hook("vllm.v1.engine.core", "EngineCore.step", "core.step", V1,
          "step timing (wall, CPU) around schedule + execute + update"),
     Hook("vllm.v1.engine.core", "EngineCore.step_with_batch_queue", "core.step", V1,
