@@ -119,6 +119,27 @@ def test_unsampled_requests_leave_no_exemplars_but_are_measured():
     assert point.count == 1 and not point.exemplars
 
 
+def test_itl_exemplar_is_the_requests_largest_gap(captured):
+    rec = _finished(captured, steps=((0.0, 1), (0.01, 1), (0.02, 1), (0.32, 1), (0.33, 1)))
+    (point,) = _points(captured, M.LLM_SERVER_INTER_TOKEN_LATENCY)
+    assert point.count == 4
+    assert [e.value for e in point.exemplars] == [pytest.approx(0.3)]
+    assert point.exemplars[0].trace_id == rec.span.get_span_context().trace_id
+
+
+def test_unsampled_request_finished_inside_another_sampled_span_takes_no_exemplar_from_it():
+    from opentelemetry import trace
+
+    cap = make_captured(sampler=ALWAYS_OFF)
+    app = TracerProvider().get_tracer("app").start_span("app work")  # sampled, current at finish
+    with trace.use_span(app, end_on_exit=True):
+        _finished(cap, steps=((0.0, 1), (0.1, 1)))
+    data = cap.metrics.get_metrics_data()
+    exemplars = [e for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+                 for p in m.data.data_points for e in getattr(p, "exemplars", ())]
+    assert exemplars == []
+
+
 # --- sampling probability -----------------------------------------------------------------------
 @pytest.mark.parametrize("sampler, expected", [(TraceIdRatioBased(0.25), 0.25), (ParentBased(TraceIdRatioBased(0.1)), 0.1),
                                                (ParentBased(ALWAYS_OFF), 0.0)])

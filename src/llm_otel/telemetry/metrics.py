@@ -1,8 +1,11 @@
 """GenAI server metrics, recorded for every finished request - sampled or not.
 
-Exemplars: each observation is recorded in the request span's context when the span is sampled,
-so the SDK's default ``trace_based`` exemplar filter keeps the trace id of sampled requests on
-the latency histograms (one exemplar per bucket, the SDK's aligned-bucket reservoir).
+Exemplars: latency observations are recorded in the request span's context when the span is
+sampled, so the SDK's default ``trace_based`` exemplar filter keeps the trace id of sampled
+requests on the latency histograms (one exemplar per bucket, the SDK's aligned-bucket reservoir);
+for inter-token latency only the request's largest gap carries it. Other observations use an empty
+context, so a span that happens to be current when the engine finishes a request never lends its
+trace id.
 
 Cardinality: attributes are model, provider, operation, finish reason and ``error.type`` only -
 never request ids or text. ``error.type`` values are capped at :data:`MAX_ERROR_TYPES` distinct
@@ -25,6 +28,10 @@ logger = logging.getLogger("llm_otel")
 
 MAX_ERROR_TYPES = 32
 OTHER = "_OTHER"  # OpenTelemetry's fallback value for error.type
+# Context for observations that must not pick up an exemplar from whatever span is current when
+# the engine finishes a request (the SDK falls back to the current context for None - and for an
+# empty Context, which is falsy): the invalid span is never sampled.
+_NO_TRACE = trace.set_span_in_context(trace.INVALID_SPAN)
 
 
 class Instruments:
@@ -93,7 +100,7 @@ class Instruments:
             A.GEN_AI_REQUEST_MODEL: rec.model,
             A.GEN_AI_RESPONSE_MODEL: rec.response_model,
         }
-        ctx = trace.set_span_in_context(rec.span) if rec.recording else None
+        ctx = trace.set_span_in_context(rec.span) if rec.recording else _NO_TRACE
         ok = rec.error_type is None
         count_attrs = {k: v for k, v in attrs.items() if k != A.GEN_AI_RESPONSE_MODEL}
         if rec.finish_reason is not None:
@@ -106,28 +113,43 @@ class Instruments:
             tpot = rec.time_per_output_token_s()
             if tpot is not None:
                 self.tpot.record(max(0.0, tpot), attrs, ctx)
-            times, counts = rec.step_times, rec.step_token_counts
-            for i in range(1, len(times)):
-                self.itl.record(max(0.0, times[i] - times[i - 1]) / max(1, counts[i]), attrs, ctx)
+            self._record_itl(rec, attrs, ctx)
             if rec.num_output_tokens and duration_s > 0:
                 self.token_rate.record(rec.num_output_tokens / duration_s, attrs, ctx)
         else:
             error_type = self.error_type(rec.error_type)
             self.duration.record(duration_s, {**attrs, A.ERROR_TYPE: error_type}, ctx)
             count_attrs[A.ERROR_TYPE] = error_type
-        self.requests.add(1, count_attrs)
+        self.requests.add(1, count_attrs, ctx)
         queue = rec.queue_time_s()
         if queue is not None:
             self.queue.record(queue, attrs, ctx)
         token_attrs = {k: v for k, v in attrs.items() if k != A.GEN_AI_RESPONSE_MODEL}
-        self.tokens.record(rec.input_tokens, {**token_attrs, A.GEN_AI_TOKEN_TYPE: "input"})
-        self.tokens.record(rec.num_output_tokens, {**token_attrs, A.GEN_AI_TOKEN_TYPE: "output"})
+        self.tokens.record(rec.input_tokens, {**token_attrs, A.GEN_AI_TOKEN_TYPE: "input"}, _NO_TRACE)
+        self.tokens.record(rec.num_output_tokens, {**token_attrs, A.GEN_AI_TOKEN_TYPE: "output"}, _NO_TRACE)
+
+    def _record_itl(self, rec: RequestRecord, attrs: dict, ctx) -> None:
+        """One ITL observation per token-producing step after the first. Only the request's
+        largest gap carries its trace context: the bucket's exemplar then leads to a request that
+        stalled there, and the other observations skip the exemplar path (one SDK ``record`` per
+        step is the cost of this metric; docs/operations.md)."""
+        times, counts = rec.step_times, rec.step_token_counts
+        n = len(times)
+        if n < 2:
+            return
+        gaps = [max(0.0, times[i] - times[i - 1]) / max(1, counts[i]) for i in range(1, n)]
+        worst = max(range(len(gaps)), key=gaps.__getitem__)
+        record = self.itl.record
+        for i, gap in enumerate(gaps):
+            record(gap, attrs, ctx if i == worst else _NO_TRACE)
 
     def record_rejected(self, attrs: dict, duration_s: float, ctx=None) -> None:
-        """A request the engine refused: ``attrs`` are operation, provider, model and ``error.type``."""
+        """A request the engine refused: ``attrs`` are operation, provider, model and ``error.type``;
+        ``ctx`` the context of its (sampled) error span, for the exemplar."""
         attrs = {**attrs, A.ERROR_TYPE: self.error_type(str(attrs.get(A.ERROR_TYPE, OTHER)))}
+        ctx = ctx if ctx is not None else _NO_TRACE
         self.duration.record(duration_s, attrs, ctx)
-        self.requests.add(1, attrs)
+        self.requests.add(1, attrs, ctx)
 
     def observe_sampling(self, tracer_provider) -> bool:
         """Register ``llm_otel.sampling.probability`` for ``tracer_provider``'s sampler; returns
