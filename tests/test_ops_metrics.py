@@ -459,3 +459,21 @@ def test_instrument_rejects_a_bad_prometheus_port():
 
     with pytest.raises(ConfigError, match="prometheus_port"):
         llm_otel.instrument(prometheus_port=70000)
+
+
+def test_doctor_reports_the_prometheus_ports_and_a_busy_one():
+    import io
+
+    from llm_otel.cli import doctor
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1] - 1  # the engine core's port (port + 1) is taken
+        out = io.StringIO()
+        code = doctor({"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_PORT": str(port),
+                       "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1", "OTEL_TRACES_EXPORTER": "none"}, out)
+    text = out.getvalue()
+    assert code == 1
+    assert f"frontend process would serve http://127.0.0.1:{port}/metrics" in text
+    assert f"127.0.0.1:{port + 1} for the engine_core process is not available" in text

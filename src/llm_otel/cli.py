@@ -28,6 +28,41 @@ def main(argv: list[str] | None = None) -> int:
     return semconv_main(["--check"])
 
 
+def _doctor_prometheus(env, say) -> bool:
+    """With OTEL_METRICS_EXPORTER=prometheus: the exporter package and the ports each process would
+    serve on (frontend, engine core). False when metrics could not be served."""
+    import socket
+
+    from llm_otel.config import ConfigError
+    from llm_otel.export.providers import exporter_choice
+
+    if exporter_choice(env, "METRICS") != "prometheus":
+        return True
+    try:
+        from llm_otel.export.prometheus import DEFAULT_HOST, prometheus_port
+    except ImportError as exc:
+        say("FAIL", f"OTEL_METRICS_EXPORTER=prometheus needs opentelemetry-exporter-prometheus "
+                    f"(pip install 'llm-otel[prometheus]'): {exc}")
+        return False
+    try:
+        ports = [(role, prometheus_port(env, role, "EngineCore_DP0")) for role in ("frontend", "engine_core")]
+    except ConfigError as exc:
+        say("FAIL", str(exc))
+        return False
+    host = (env.get("OTEL_EXPORTER_PROMETHEUS_HOST") or DEFAULT_HOST).strip()
+    good = True
+    for role, port in ports:
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+                say("ok", f"Prometheus: the {role} process would serve http://{host}:{port}/metrics")
+            except OSError as exc:
+                good = False
+                say("FAIL", f"Prometheus: {host}:{port} for the {role} process is not available ({exc}); "
+                            "its metrics would not be exposed")
+    return good
+
+
 def doctor(env=None, out=None) -> int:
     """Print a health report; exit status 1 when something would lose telemetry.
 
@@ -109,6 +144,8 @@ def doctor(env=None, out=None) -> int:
             ok = False
             say("FAIL", f"OTLP metric exporter -> {endpoint} did not accept a probe metric ({result}); metrics "
                         "would be lost (a traces-only backend such as Jaeger needs OTEL_METRICS_EXPORTER=none)")
+    if metric_exporter is None:
+        ok = _doctor_prometheus(env, say) and ok
     if importlib.util.find_spec("vllm") is None:
         say("info", "vLLM not installed")
     else:
