@@ -102,6 +102,11 @@ class VLLMInstrumentor(BaseInstrumentor):
             except Exception as exc:  # noqa: BLE001
                 telemetry.errors.report("sampling.probability", exc)
         self.adapter = VLLMAdapter(telemetry)
+        if role == "engine_core":  # engine-state and GPU instruments now, not on the first step
+            try:
+                self.adapter.core.engine_metrics()
+            except Exception as exc:  # noqa: BLE001
+                telemetry.errors.report("core.engine_metrics", exc)
         self._applied = apply_hooks(HOOKS, self.adapter, "vLLM")
         self._set_enable_env = plugin.ENABLE_ENV not in os.environ
         if self._set_enable_env:

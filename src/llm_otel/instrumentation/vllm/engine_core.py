@@ -52,7 +52,7 @@ class EngineCoreAdapter:
         self.gpu_metrics = None
         self._model: str | None = None
 
-    def _engine_metrics(self) -> EngineStateMetrics:
+    def engine_metrics(self) -> EngineStateMetrics:
         """Engine-state and GPU instruments, created on first use: only in the process that runs
         the scheduler (vLLM's engine core, or the frontend when the core runs in-process)."""
         if self.state_metrics is None:
@@ -71,7 +71,7 @@ class EngineCoreAdapter:
             try:
                 if self._model is None:
                     self._model = _served_model(instance)
-                self._engine_metrics().on_scheduler_stats(stats, self._model)
+                self.engine_metrics().on_scheduler_stats(stats, self._model)
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
             return stats
@@ -97,7 +97,7 @@ class EngineCoreAdapter:
                 output = self._last_output
                 if output is not None and getattr(output, "total_num_scheduled_tokens", 0):
                     if self.state_metrics is None:
-                        self._engine_metrics()
+                        self.engine_metrics()
                     self.phase_clock.on_step(start_mono, time.monotonic(), step_has_prefill(output))
                 if output is not None and getattr(output, "total_num_scheduled_tokens", 0):
                     self._emit(instance, output, start_ns, time.time_ns(), time.thread_time_ns() - cpu0)
