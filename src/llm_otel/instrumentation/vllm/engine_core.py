@@ -99,7 +99,6 @@ class EngineCoreAdapter:
                     if self.state_metrics is None:
                         self.engine_metrics()
                     self.phase_clock.on_step(start_mono, time.monotonic(), step_has_prefill(output))
-                if output is not None and getattr(output, "total_num_scheduled_tokens", 0):
                     self._emit(instance, output, start_ns, time.time_ns(), time.thread_time_ns() - cpu0)
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
