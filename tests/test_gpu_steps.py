@@ -266,3 +266,13 @@ def test_c12_no_prompt_text_reaches_nvtx_messages_or_ring_records():
     messages = [c[1]["message"] for c in domain.calls if c[0] in ("push", "start")]
     assert all(secret not in m for m in messages)
     assert secret.encode() not in words.tobytes() and secret.encode() not in ring._words.tobytes()
+
+
+def test_a_step_that_is_never_ended_is_completed_after_the_timeout():
+    cap = make_captured()
+    steps = tracker(cap, step_timeout_s=0.0)
+    ctx = steps.begin(["a"], span=cap.telemetry.tracer.start_span("llm.engine.step"))
+    time.sleep(0.001)
+    steps.drain()
+    (s,) = cap.finished()
+    assert s.end_time == ctx.launch_ns and steps._pending == {}

