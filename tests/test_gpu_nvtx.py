@@ -8,6 +8,11 @@ what it was given.
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
 import threading
 
 import numpy as np
@@ -49,9 +54,9 @@ def test_values_outside_uint64_are_refused(bad):
 def test_request_payload_carries_the_full_trace_id_and_span_id():
     trace_id = 0x4BF92F3577B34DA6A3CE929D0E0E4736
     p = request_payload(trace_id, 0x00F067AA0BA902B7)
-    assert p.dtype.names == ("trace_id_hi", "trace_id_lo", "span_id") and p.dtype.itemsize == 24
-    assert (int(p["trace_id_hi"][0]) << 64) | int(p["trace_id_lo"][0]) == trace_id
-    assert int(p["span_id"][0]) == 0x00F067AA0BA902B7
+    assert p.dtype.names == ("trace_id_hi", "trace_id_lo", "span_id") and p.nbytes == 24 and p.ndim == 0
+    assert (int(p["trace_id_hi"]) << 64) | int(p["trace_id_lo"]) == trace_id
+    assert int(p["span_id"]) == 0x00F067AA0BA902B7
     assert hasattr(nvtx, "numpy_dtype")  # this nvtx version has structured (extended) payloads
 
 
@@ -137,7 +142,7 @@ def test_request_range_starts_once_and_ends_from_another_thread():
     starts = [c for c in domain.calls if c[0] == "start"]
     assert len(starts) == 1
     payload = starts[0][1]["payload"]
-    assert isinstance(payload, np.ndarray) and int(payload["span_id"][0]) == span_id
+    assert isinstance(payload, np.ndarray) and int(payload["span_id"]) == span_id
     t = threading.Thread(target=ranges.end_request, args=("r1",))
     t.start()
     t.join()
@@ -169,3 +174,64 @@ def test_a_failing_domain_turns_ranges_off_with_one_log_line(caplog):
         ranges.begin_step(2)
     assert ranges.active is False
     assert len([r for r in caplog.records if "NVTX ranges turned off" in r.getMessage()]) == 1
+
+
+# --- with a real NVTX tool attached ---------------------------------------------------------
+NVTX_HEADERS = [d for d in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda") if d
+                and os.path.exists(os.path.join(d, "include", "nvtx3", "nvToolsExt.h"))]
+
+TOOL_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    from conftest import make_captured
+    from llm_otel.telemetry.steps import StepTracker
+    cap = make_captured()
+    steps = StepTracker(cap.telemetry, backend="numpy", nvtx=True, start_thread=False)
+    assert steps.nvtx.active, "the nvtx package did not see the tool"
+    req = cap.telemetry.tracer.start_span("text_completion m").get_span_context()
+    ctx = steps.begin(["r1"], phase="decode", request_spans={"r1": (req.trace_id, req.span_id)})
+    steps.end(ctx)
+    steps.end_requests(["r1"])
+    steps.close()
+    print(ctx.span_id, req.trace_id, req.span_id)
+""")
+
+
+@pytest.fixture(scope="module")
+def nvtx_tool(tmp_path_factory):
+    """tests/nvtx_tool/recorder.c built as an NVTX injection library (what Nsight attaches)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None or not NVTX_HEADERS:
+        pytest.skip("needs a C compiler and the NVTX 3 headers (CUDA toolkit include/nvtx3) to build the tool")
+    lib = tmp_path_factory.mktemp("nvtx") / "librecorder.so"
+    src = os.path.join(os.path.dirname(__file__), "nvtx_tool", "recorder.c")
+    proc = subprocess.run([cc, "-shared", "-fPIC", "-O1", "-I", os.path.join(NVTX_HEADERS[0], "include"),
+                           "-o", str(lib), src, "-lpthread"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return lib
+
+
+def test_with_a_tool_attached_the_real_package_carries_the_step_and_request_ids(nvtx_tool, tmp_path):
+    record = tmp_path / "nvtx.txt"
+    env = dict(os.environ, NVTX_INJECTION64_PATH=str(nvtx_tool), LLM_OTEL_NVTX_RECORD=str(record))
+    env.pop("NVTX_DISABLE", None)
+    proc = subprocess.run([sys.executable, "-c", TOOL_SCRIPT, os.path.dirname(__file__)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    step_span_id, trace_id, request_span_id = map(int, proc.stdout.split())
+    lines = [line.split() for line in record.read_text().splitlines()]
+    categories = {int(line[2]): line[3] for line in lines if line[0] == "category"}
+    (push,) = [line for line in lines if line[0] == "push"]
+    assert push[1:3] == ["llm_otel", "llm.engine.step"] and categories[int(push[3])] == "decode"
+    assert push[4] == "2"  # NVTX_PAYLOAD_TYPE_INT64
+    assert int64_to_span_id(int(push[5])) == step_span_id
+    assert ["pop", "llm_otel"] in lines
+    (start,) = [line for line in lines if line[0] == "start"]
+    assert start[1:3] == ["llm_otel", "llm.request"]
+    assert int(start[4]) & 0xFFFFFFFF == 0xDFBD0009  # NVTX_PAYLOAD_TYPE_EXT: a structured payload
+    raw = bytes.fromhex(start[5])
+    assert len(raw) == 24
+    hi, lo, sid = (int.from_bytes(raw[i:i + 8], "little") for i in (0, 8, 16))
+    assert (hi << 64 | lo, sid) == (trace_id, request_span_id)
+    assert ["end", start[6]] in lines  # the same range ended
+    assert {line[2] for line in lines if line[0] in ("push", "start")} == {"llm.engine.step", "llm.request"}

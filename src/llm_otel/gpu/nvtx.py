@@ -56,10 +56,10 @@ def request_payload_dtype(np_module: Any):
 
 
 def request_payload(trace_id: int, span_id: int):
-    """A one-element structured array ``(trace_id_hi, trace_id_lo, span_id)`` for a request range."""
+    """A 0-d structured array ``(trace_id_hi, trace_id_lo, span_id)`` (24 bytes) for a request range."""
     import numpy as np
 
-    return np.array([(trace_id >> 64, trace_id & (_U64 - 1), span_id)], dtype=request_payload_dtype(np))
+    return np.array((trace_id >> 64, trace_id & (_U64 - 1), span_id), dtype=request_payload_dtype(np))
 
 
 class NvtxRanges:
