@@ -80,7 +80,14 @@ class Env:
         return (a.float().sum() + a.abs().max()).item() if step < 0 else a
 
     def busy(self, ms: float):
-        """Enqueue roughly ``ms`` of device work (4096 matmuls)."""
+        """Enqueue roughly ``ms`` of device work: torch's spin kernel (clock cycles at the GPU's
+        clock rate), else 4096 matmuls."""
+        torch = self.torch
+        if not self.dry and hasattr(torch.cuda, "_sleep"):
+            rate_khz = torch.cuda.get_device_properties(0).clock_rate if hasattr(
+                torch.cuda.get_device_properties(0), "clock_rate") else 1_500_000
+            torch.cuda._sleep(int(ms * rate_khz))
+            return None
         a = self.mats[4096] if not self.dry else self.mats[256]
         for _ in range(max(1, int(ms / 2))):
             a = a @ self.mats[4096 if not self.dry else 256]
@@ -226,6 +233,9 @@ def check_never_blocks(env: Env, results: dict, failures: list):
     results["queue_delay_while_busy_ms"] = (ctx.queue_delay_ns or 0) / 1e6
     if not env.dry and host_us > 20_000:
         failures.append(f"begin/end/drain took {host_us:.0f} us while the stream was busy: something waited")
+    if not env.dry and results["queue_delay_while_busy_ms"] < 20:
+        failures.append(f"queue delay behind ~100 ms of queued work read {results['queue_delay_while_busy_ms']:.1f} ms "
+                        "(launch -> execution mapping or clock calibration is off)")
     tracker.close()
 
 
