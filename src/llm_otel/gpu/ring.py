@@ -181,11 +181,8 @@ class NumpyRing:
         now = time.time_ns()
         index = next(self._claim)
         row = self._words[index % self.capacity]
-        row[0] = _u64(span_id)
-        row[1] = kind
-        row[2] = now
-        row[3] = now
-        row[4] = index + 1
+        row[:4] = (_u64(span_id), kind, now, now)
+        row[4] = index + 1  # the sequence word last, as the kernel does
         if index + 1 > self._claimed:
             self._claimed = index + 1
 

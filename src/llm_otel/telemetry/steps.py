@@ -35,7 +35,6 @@ import dataclasses
 import logging
 import threading
 import time
-from collections import OrderedDict
 from typing import Any, Iterable, Sequence
 
 from opentelemetry import trace
@@ -124,7 +123,7 @@ class StepTracker:
         self.max_requests = max_requests
         self._pending: dict[int, StepContext] = {}
         self._local_spans: dict[int, Span] = {}  # register_span: step spans owned by another layer
-        self._requests: OrderedDict[str, list] = OrderedDict()  # request id -> [device ns, steps]
+        self._requests: dict[str, list] = {}  # request id -> [device ns, steps], insertion-ordered
         self._lock = threading.Lock()
         self._drain_lock = threading.Lock()
         self._overwritten_reported = 0
@@ -334,12 +333,13 @@ class StepTracker:
             self._pending.pop(ctx.span_id, None)
             duration = ctx.device_duration_ns
             if duration is not None:
+                requests = self._requests
                 for rid in ctx.request_ids:
-                    acc = self._requests.get(rid)
+                    acc = requests.get(rid)
                     if acc is None:
-                        if len(self._requests) >= self.max_requests:
-                            self._requests.popitem(last=False)
-                        acc = self._requests[rid] = [0, 0]
+                        if len(requests) >= self.max_requests:
+                            del requests[next(iter(requests))]  # the oldest request
+                        acc = requests[rid] = [0, 0]
                     acc[0] += duration
                     acc[1] += 1
         try:
