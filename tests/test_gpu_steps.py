@@ -276,3 +276,16 @@ def test_a_step_that_is_never_ended_is_completed_after_the_timeout():
     steps.drain()
     (s,) = cap.finished()
     assert s.end_time == ctx.launch_ns and steps._pending == {}
+
+
+def test_records_drained_before_the_owner_releases_complete_the_span_at_release():
+    cap = make_captured()
+    steps = tracker(cap)
+    span = cap.telemetry.tracer.start_span("llm.engine.step")
+    steps.register_span(span)
+    steps.end(steps.begin(["a"], parent=span.get_span_context()))
+    steps.drain()  # both records read; the span still waits for its owner
+    assert cap.finished() == []
+    assert steps.release_span(span, 42) is True
+    (s,) = cap.finished()  # completed by release itself, no further drain needed
+    assert s.end_time == 42 and DEVICE_KEYS <= set(s.attributes)

@@ -129,6 +129,7 @@ class StepTracker:
         self._overwritten_reported = 0
         self._counter = None
         self._last_calibration = time.monotonic()
+        self._last_scan = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._start_thread = start_thread
@@ -240,8 +241,9 @@ class StepTracker:
             if ctx is None or ctx.span is not span:
                 return False
             ctx.span_end_ns = span_end_ns
-            now = self.ring is None and ctx.end_launch_ns is not None
-        if now:
+            drained = ctx.device_begin_ns is not None and ctx.device_end_ns is not None
+            now = ctx.end_launch_ns is not None and (self.ring is None or drained)
+        if now:  # otherwise the drain completes it when the records arrive
             self._complete(ctx)
         return True
 
@@ -308,9 +310,15 @@ class StepTracker:
                     if ctx.device_begin_ns is not None and ctx.device_end_ns is not None \
                             and ctx.span_end_ns is not None:
                         finished.append(self._pending.pop(ctx.span_id))
+        now = time.monotonic()
+        if now - self._last_scan < 1.0 and self.ring is not None:
+            for ctx in finished:
+                self._complete(ctx)
+            return len(finished)
+        self._last_scan = now  # timeouts: a full scan at most once a second
         cutoff = time.time_ns() - int(self.step_timeout_s * 1e9)
         with self._lock:
-            # steps whose records arrived before end() was called, and steps that never got records
+            # steps that never got their records, or were never ended / released
             for sid, ctx in list(self._pending.items()):
                 if ctx.launch_ns < cutoff and ctx.span_end_ns is None:
                     # never ended, or the owner never released it: end where we last saw it
