@@ -289,3 +289,15 @@ def test_records_drained_before_the_owner_releases_complete_the_span_at_release(
     assert steps.release_span(span, 42) is True
     (s,) = cap.finished()  # completed by release itself, no further drain needed
     assert s.end_time == 42 and DEVICE_KEYS <= set(s.attributes)
+
+
+def test_a_step_begun_before_the_ring_was_ready_ends_at_once_without_device_times():
+    cap = make_captured()
+    steps = tracker(cap, backend="off")  # as while CuPy is still being imported in the background
+    ctx = steps.begin(["a"], span=cap.telemetry.tracer.start_span("llm.engine.step"))
+    steps.ring = ring = R.NumpyRing(8)  # the ring becomes ready mid-step
+    steps.end(ctx, span_end_ns=7)
+    (s,) = cap.finished()
+    assert s.end_time == 7 and not DEVICE_KEYS & set(s.attributes)
+    assert len(ring.poll()) == 0  # no orphan end record
+    assert steps.wait_ready(0) is True

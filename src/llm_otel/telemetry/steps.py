@@ -32,7 +32,9 @@ or draining -> the ring turns itself off with one log line, spans are still comp
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
+import sys
 import threading
 import time
 from typing import Any, Iterable, Sequence
@@ -41,7 +43,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, SpanKind, TraceFlags
 
 from llm_otel.gpu.nvtx import NvtxRanges
-from llm_otel.gpu.ring import KIND_BEGIN, KIND_END, RingBackend, make_ring
+from llm_otel.gpu.ring import KIND_BEGIN, KIND_END, CupyRing, RingBackend, RingError, make_ring
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import metrics as M
 from llm_otel.semconv import spans as S
@@ -81,6 +83,7 @@ class StepContext:
     completed: bool = False
     thread: int = 0
     owner_ends: bool = False  # the span's owner (register_span) gives span_end_ns
+    recorded: bool = False  # the begin record was written (the ring was running)
 
     @property
     def device_duration_ns(self) -> int | None:
@@ -111,11 +114,15 @@ class StepTracker:
         self.tracer = telemetry.tracer
         self.nvtx = nvtx if isinstance(nvtx, NvtxRanges) else NvtxRanges(enabled=bool(nvtx))
         self.ring: RingBackend | None = None
-        try:
-            self.ring = make_ring(backend, capacity) if isinstance(backend, str) else backend
-        except Exception as exc:  # noqa: BLE001 - configuration asked for cupy on a machine without it
-            logger.warning("llm-otel: GPU step timing off (%s: %s); the engine runs without it",
-                           type(exc).__name__, exc)
+        self._ready = threading.Event()
+        if isinstance(backend, str) and backend in ("auto", "cupy") and importlib.util.find_spec("cupy"):
+            # importing CuPy and compiling the kernel take up to seconds: never on the engine's
+            # step; steps begun before the ring is ready simply carry no device times
+            device = _current_cuda_device()
+            threading.Thread(target=self._build_ring, args=(backend, capacity, device),
+                             name="llm-otel-gpu-ring-init", daemon=True).start()
+        else:
+            self._build_ring(backend, capacity, None)
         self.step_timeout_s = step_timeout_s
         self.calibrate_every_s = calibrate_every_s
         self.drain_period_s = drain_period_s
@@ -140,6 +147,29 @@ class StepTracker:
             self._counter = meter.create_counter(
                 M.LLM_OTEL_GPU_RING_OVERWRITTEN, unit=M.LLM_OTEL_GPU_RING_OVERWRITTEN_UNIT,
                 description="Step records the device ring buffer overwrote before the drain read them.")
+
+    def _build_ring(self, backend: Any, capacity: int, device: int | None) -> None:
+        try:
+            if not isinstance(backend, str):
+                self.ring = backend
+            elif backend in ("auto", "cupy") and device is not None:
+                try:
+                    self.ring = CupyRing(capacity, device=device)
+                except RingError:
+                    if backend == "cupy":
+                        raise
+                    self.ring = make_ring("numpy", capacity)
+            else:
+                self.ring = make_ring(backend, capacity)
+        except Exception as exc:  # noqa: BLE001 - configuration asked for cupy on a machine without it
+            logger.warning("llm-otel: GPU step timing off (%s: %s); the engine runs without it",
+                           type(exc).__name__, exc)
+        finally:
+            self._ready.set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the ring is built (or failed); True when done. For tests and tools."""
+        return self._ready.wait(timeout)
 
     # --- the adapter-facing API -----------------------------------------------------------
     @property
@@ -189,7 +219,7 @@ class StepTracker:
                 if len(self._pending) < self.max_pending:
                     self._pending[ctx.span_id] = ctx
             self.counts["steps"] += 1
-            self._record(ctx.span_id, KIND_BEGIN, stream)
+            ctx.recorded = self._record(ctx.span_id, KIND_BEGIN, stream)
             self._ensure_thread()
             return ctx
         except Exception as exc:  # noqa: BLE001
@@ -210,13 +240,15 @@ class StepTracker:
                 ctx.span_end_ns = span_end_ns if span_end_ns is not None else ctx.end_launch_ns
             if threading.get_ident() == ctx.thread:
                 self.nvtx.end_step(ctx.span_id)
-            self._record(ctx.span_id, KIND_END, stream)
-            if self.ring is not None:
+            if ctx.recorded and self._record(ctx.span_id, KIND_END, stream):
                 try:
                     self.ring.mark_step(stream)
                 except Exception as exc:  # noqa: BLE001
                     self._ring_failed(exc)
-            if (self.ring is None or ctx.span_id not in self._pending) and ctx.span_end_ns is not None:
+            else:
+                ctx.recorded = False
+            if (not ctx.recorded or self.ring is None or ctx.span_id not in self._pending) \
+                    and ctx.span_end_ns is not None:
                 self._complete(ctx)
         except Exception as exc:  # noqa: BLE001
             self.telemetry.errors.report("gpu.step.end", exc)
@@ -242,7 +274,7 @@ class StepTracker:
                 return False
             ctx.span_end_ns = span_end_ns
             drained = ctx.device_begin_ns is not None and ctx.device_end_ns is not None
-            now = ctx.end_launch_ns is not None and (self.ring is None or drained)
+            now = ctx.end_launch_ns is not None and (self.ring is None or not ctx.recorded or drained)
         if now:  # otherwise the drain completes it when the records arrive
             self._complete(ctx)
         return True
@@ -385,14 +417,16 @@ class StepTracker:
         return attrs
 
     # --- plumbing ---------------------------------------------------------------------------
-    def _record(self, span_id: int, kind: int, stream: Any) -> None:
+    def _record(self, span_id: int, kind: int, stream: Any) -> bool:
         ring = self.ring
         if ring is None:
-            return
+            return False
         try:
             ring.record(span_id, kind, stream)
+            return True
         except Exception as exc:  # noqa: BLE001
             self._ring_failed(exc)
+            return False
 
     def _ring_failed(self, exc: BaseException) -> None:
         ring, self.ring = self.ring, None
@@ -438,6 +472,18 @@ class StepTracker:
         ring, self.ring = self.ring, None
         if ring is not None:
             ring.close()
+
+
+def _current_cuda_device() -> int | None:
+    """The engine thread's CUDA device as torch sees it (vLLM sets it per worker), or None when
+    torch has not initialised CUDA in this process."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_initialized():
+            return int(torch.cuda.current_device())
+    except Exception:  # noqa: BLE001
+        pass
+    return None
 
 
 def step_parent(trace_id: int, span_id: int, sampled: bool = True) -> SpanContext:
