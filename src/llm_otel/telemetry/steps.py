@@ -287,9 +287,10 @@ class StepTracker:
     def request_device_time(self, request_id: str) -> tuple[float, int] | None:
         """Pop ``(device seconds, steps)`` accumulated for ``request_id`` (None if none).
 
-        Drains first (non-blocking), so steps that already ran on the device are counted.
+        Drains first, so steps that already ran on the device are counted; if the drain thread
+        is busy, waits for it at most 2 ms (a drain pass takes tens of microseconds).
         """
-        self.drain(blocking=False)
+        self.drain(timeout=0.002)
         with self._lock:
             acc = self._requests.pop(request_id, None)
         if acc is None:
@@ -297,13 +298,13 @@ class StepTracker:
         return acc[0] / 1e9, acc[1]
 
     # --- drain ----------------------------------------------------------------------------
-    def drain(self, blocking: bool = True) -> int:
+    def drain(self, blocking: bool = True, timeout: float = -1) -> int:
         """Read new ring records and complete the steps they finish; expire stale steps.
 
-        Returns the number of steps completed. ``blocking=False`` returns 0 at once if another
-        thread is draining.
+        Returns the number of steps completed. ``blocking=False`` returns 0 at once, and
+        ``timeout`` (s) after that long, if another thread is draining.
         """
-        if not self._drain_lock.acquire(blocking=blocking):
+        if not self._drain_lock.acquire(blocking=blocking, timeout=timeout if blocking else -1):
             return 0
         try:
             return self._drain_locked()
