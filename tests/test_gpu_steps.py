@@ -301,3 +301,14 @@ def test_a_step_begun_before_the_ring_was_ready_ends_at_once_without_device_time
     assert s.end_time == 7 and not DEVICE_KEYS & set(s.attributes)
     assert len(ring.poll()) == 0  # no orphan end record
     assert steps.wait_ready(0) is True
+
+
+def test_ended_requests_drop_their_sums_and_the_sums_are_bounded():
+    cap = make_captured()
+    steps = tracker(cap, max_requests=3)
+    for rid in ("a", "b", "c", "d"):
+        steps.end(steps.begin([rid], span=cap.telemetry.tracer.start_span("llm.engine.step")))
+    steps.drain()
+    assert list(steps._requests) == ["b", "c", "d"]  # "a", the oldest, went first
+    steps.end_requests(["c"])
+    assert list(steps._requests) == ["b", "d"]

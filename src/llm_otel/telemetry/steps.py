@@ -104,12 +104,14 @@ class StepTracker:
         drain_period_s: how often the drain thread polls (it sleeps longer while idle).
         step_timeout_s: a step with no device records after this long is completed without them.
         calibrate_every_s: device clock re-calibration period (CuPy backend).
+        max_pending / max_requests: bounds on steps in flight and on per-request device-time sums
+            (the oldest sum is dropped first).
         start_thread: False for tests that drive :meth:`drain` themselves.
     """
 
     def __init__(self, telemetry: Any, *, backend: Any = "auto", capacity: int = 4096, nvtx: Any = True,
                  drain_period_s: float = 0.005, step_timeout_s: float = 10.0, calibrate_every_s: float = 10.0,
-                 max_pending: int = 65536, max_requests: int = 1 << 20, start_thread: bool = True) -> None:
+                 max_pending: int = 65536, max_requests: int = 1 << 16, start_thread: bool = True) -> None:
         self.telemetry = telemetry
         self.tracer = telemetry.tracer
         self.nvtx = nvtx if isinstance(nvtx, NvtxRanges) else NvtxRanges(enabled=bool(nvtx))
@@ -280,9 +282,14 @@ class StepTracker:
         return True
 
     def end_requests(self, request_ids: Iterable[str]) -> None:
-        """Requests that left the engine: end their NVTX process ranges."""
+        """Requests that left the engine: end their NVTX process ranges and drop their device-time
+        sums (call it after the request's ``Telemetry.finish`` when both run in one process;
+        where nobody finishes requests - a worker process - this is what keeps the sums bounded)."""
         for rid in request_ids:
             self.nvtx.end_request(rid)
+            if self._requests:
+                with self._lock:
+                    self._requests.pop(rid, None)
 
     def request_device_time(self, request_id: str) -> tuple[float, int] | None:
         """Pop ``(device seconds, steps)`` accumulated for ``request_id`` (None if none).
