@@ -60,7 +60,9 @@ class _Stream:
 
 
 class WorkerAdapter:
-    """Wrapper factory for ``GPUModelRunner._sample`` (inherited by vLLM's CPU model runner)."""
+    """Wrapper factories for ``GPUModelRunner.execute_model`` / ``sample_tokens`` (device timing
+    of steps) and ``GPUModelRunner._sample`` (logit statistics); vLLM's CPU model runner inherits
+    all three."""
 
     def __init__(self, telemetry: Telemetry) -> None:
         self.telemetry = telemetry
