@@ -77,6 +77,24 @@ LLM_ENGINE_STEP_CPU_TIME = 'llm.engine.step.cpu_time'
 LLM_ENGINE_STEP_DECODE_TOKENS = 'llm.engine.step.decode_tokens'
 """Decode tokens scheduled in the step. Type: int. Origin: llm-otel."""
 
+LLM_ENGINE_STEP_DEVICE_CLOCK = 'llm.engine.step.device.clock'
+"""Which clock stamped the step's device records. Type: enum (string). Origin: llm-otel."""
+
+LLM_ENGINE_STEP_DEVICE_CLOCK_ERROR = 'llm.engine.step.device.clock_error'
+"""Half-width in seconds of the last device-to-host clock calibration window (bound on the offset error; 0 for the host clock). Type: double. Origin: llm-otel."""
+
+LLM_ENGINE_STEP_DEVICE_DURATION = 'llm.engine.step.device.duration'
+"""Seconds between the step's begin and end records on the device - the device time of the model execution (forward and sampling). Type: double. Origin: llm-otel."""
+
+LLM_ENGINE_STEP_DEVICE_END_NS = 'llm.engine.step.device.end_ns'
+"""Unix epoch nanoseconds at which the step's end record executed on the device (after the step's last kernel, same stream). Type: int. Origin: llm-otel."""
+
+LLM_ENGINE_STEP_DEVICE_QUEUE_DELAY = 'llm.engine.step.device.queue_delay'
+"""Seconds between launching the step's begin record on the host and its execution on the device (work queued ahead of it on the stream). Type: double. Origin: llm-otel."""
+
+LLM_ENGINE_STEP_DEVICE_START_NS = 'llm.engine.step.device.start_ns'
+"""Unix epoch nanoseconds at which the step's begin record executed on the device (before the model's first kernel, same stream). Type: int. Origin: llm-otel."""
+
 LLM_ENGINE_STEP_PREEMPTED = 'llm.engine.step.preempted'
 """Requests preempted in the step. Type: int. Origin: llm-otel."""
 
@@ -85,6 +103,9 @@ LLM_ENGINE_STEP_PREFILL_TOKENS = 'llm.engine.step.prefill_tokens'
 
 LLM_ENGINE_VERSION = 'llm.engine.version'
 """Version of the serving engine distribution. Type: string. Origin: llm-otel."""
+
+LLM_GPU_RING_BACKEND = 'llm.gpu.ring.backend'
+"""Which ring buffer backend recorded the steps. Type: enum (string). Origin: llm-otel."""
 
 LLM_INSTRUMENTATION_HOOK = 'llm.instrumentation.hook'
 """The instrumentation hook that failed (engine target it wraps). Type: string. Origin: llm-otel."""
@@ -152,6 +173,12 @@ LLM_REQUEST_CHOICE_INDEX = 'llm.request.choice.index'
 LLM_REQUEST_DECODE_DURATION = 'llm.request.decode.duration'
 """Seconds from the first to the last output token. Type: double. Origin: llm-otel."""
 
+LLM_REQUEST_DEVICE_STEPS = 'llm.request.device_steps'
+"""Number of engine steps with device timing whose batch contained the request. Type: int. Origin: llm-otel."""
+
+LLM_REQUEST_DEVICE_TIME = 'llm.request.device_time'
+"""Sum in seconds of the device durations of the engine steps whose batch contained the request (a shared step counts in full for each of its requests). Type: double. Origin: llm-otel."""
+
 LLM_REQUEST_FRONTEND_DURATION = 'llm.request.frontend.duration'
 """Seconds from arrival at the frontend to entering the scheduler's queue - tokenization, IPC, and waiting for the engine core to finish the step it was running (under load this is where requests wait). Type: double. Origin: llm-otel."""
 
@@ -196,6 +223,18 @@ LLM_TOKEN_LATENCY = 'llm.token.latency'
 
 LLM_TOKEN_STALL_THRESHOLD = 'llm.token.stall.threshold'
 """Inter-token latency above which a token is reported as a stall (k x median ITL), seconds. Type: double. Origin: llm-otel."""
+
+
+class LlmEngineStepDeviceClockValues:
+    """Values of llm.engine.step.device.clock."""
+    GLOBALTIMER = 'globaltimer'
+    HOST = 'host'
+
+
+class LlmGpuRingBackendValues:
+    """Values of llm.gpu.ring.backend."""
+    CUPY = 'cupy'
+    NUMPY = 'numpy'
 
 
 class LlmLogitSourceValues:
@@ -250,9 +289,16 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.engine.step.batch_size': 'int',
     'llm.engine.step.cpu_time': 'double',
     'llm.engine.step.decode_tokens': 'int',
+    'llm.engine.step.device.clock': 'string',
+    'llm.engine.step.device.clock_error': 'double',
+    'llm.engine.step.device.duration': 'double',
+    'llm.engine.step.device.end_ns': 'int',
+    'llm.engine.step.device.queue_delay': 'double',
+    'llm.engine.step.device.start_ns': 'int',
     'llm.engine.step.preempted': 'int',
     'llm.engine.step.prefill_tokens': 'int',
     'llm.engine.version': 'string',
+    'llm.gpu.ring.backend': 'string',
     'llm.instrumentation.hook': 'string',
     'llm.inter_token_latency.max': 'double',
     'llm.inter_token_latency.p50': 'double',
@@ -275,6 +321,8 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.process.role': 'string',
     'llm.request.choice.index': 'int',
     'llm.request.decode.duration': 'double',
+    'llm.request.device_steps': 'int',
+    'llm.request.device_time': 'double',
     'llm.request.frontend.duration': 'double',
     'llm.request.id': 'string',
     'llm.request.logprobs': 'int',

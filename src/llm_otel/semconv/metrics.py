@@ -31,6 +31,10 @@ LLM_SERVER_TOKEN_USAGE = 'llm.server.token.usage'
 LLM_SERVER_TOKEN_USAGE_UNIT = '{token}'
 LLM_SERVER_TOKEN_USAGE_BUCKETS = (1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0, 4194304.0, 16777216.0, 67108864.0)
 
+LLM_OTEL_GPU_RING_OVERWRITTEN = 'llm_otel.gpu.ring.overwritten'
+"""Step records the ring buffer overwrote before the drain thread read them (the ring never blocks the engine). Instrument: counter, unit: {record}."""
+LLM_OTEL_GPU_RING_OVERWRITTEN_UNIT = '{record}'
+
 LLM_OTEL_INSTRUMENTATION_ERRORS = 'llm_otel.instrumentation.errors'
 """Exceptions raised inside llm-otel's hooks, caught and kept away from the engine. Instrument: counter, unit: {error}."""
 LLM_OTEL_INSTRUMENTATION_ERRORS_UNIT = '{error}'

@@ -5,6 +5,9 @@
 LLM_ENGINE_STEP = 'llm.engine.step'
 """One engine scheduler step / model execution; links to the request spans it served. Kind: internal."""
 
+LLM_ENGINE_STEP_DEVICE = 'llm.engine.step.device'
+"""The model execution of one engine step on the device, emitted by the process that ran the model when the llm.engine.step span lives in another process (child of it). Kind: internal."""
+
 LLM_LOGIT_DIST = 'llm.logit_dist'
 """Next-token distribution statistics over a request's decode steps (sampled requests only). Kind: internal."""
 
