@@ -204,10 +204,12 @@ class HttpAdapter:
         parent = inbound if inbound is not None else otel_context.get_current()
         sp = bound.get("sampling_params")
         attrs: dict[str, Any] = {}
-        for attr, field in ((A.GEN_AI_REQUEST_MAX_TOKENS, "max_new_tokens"), (A.GEN_AI_REQUEST_TOP_K, "top_k")):
-            value = getattr(sp, field, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                attrs[attr] = value
+        value = getattr(sp, "max_new_tokens", None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            attrs[A.GEN_AI_REQUEST_MAX_TOKENS] = value
+        value = getattr(sp, "top_k", None)  # LightLLM: -1 = disabled
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            attrs[A.GEN_AI_REQUEST_TOP_K] = float(value)
         for attr, field in ((A.GEN_AI_REQUEST_TEMPERATURE, "temperature"), (A.GEN_AI_REQUEST_TOP_P, "top_p")):
             value = getattr(sp, field, None)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
