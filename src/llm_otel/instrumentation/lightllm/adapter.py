@@ -455,7 +455,10 @@ class RouterAdapter:
     @staticmethod
     def _read(req) -> dict:
         finished, aborted, reason = _finish_info(getattr(req, "finish_status", None))
-        return {"output": getattr(req, "shm_cur_output_len", None), "cache": getattr(req, "prompt_cache_len", None),
+        output = getattr(req, "shm_cur_output_len", None)
+        if output is None:  # 2024 layout: io_struct.Req
+            output = getattr(req, "cur_output_len", None)
+        return {"output": output, "cache": getattr(req, "prompt_cache_len", None),
                 "input": getattr(req, "input_len", None), "reason": reason,
                 "aborted": bool(getattr(req, "is_aborted", False)) or aborted}
 

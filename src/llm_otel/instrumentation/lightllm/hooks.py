@@ -59,7 +59,10 @@ HOOKS: list[Hook] = [
     Hook(f"{QUEUE}.continues_batch.impl_for_pd_decode", "QueueForPDDecode.generate_new_batch",
          "router.admit", "main, pr965", "the same, P/D decode node"),
     Hook("lightllm.server.router.batch", "Batch.filter_out_finished_req", "router.filter_finished", SHM,
-         "released requests: shm_cur_output_len, prompt_cache_len, is_aborted, finish_status"),
+         "released requests: shm_cur_output_len, prompt_cache_len, is_aborted, finish_status",
+         group="router.filter"),
+    Hook("lightllm.server.io_struct", "Batch.filter_out_finished_req", "router.filter_finished", "2024",
+         "the same in the 2024 layout (Req.cur_output_len, FinishStatus enum)", group="router.filter"),
     # --- model-infer worker (master rank of each DP group only) ---------------------------------
     Hook(INFER, "InferenceContext.add_reqs", "worker.add_reqs", SHM,
          "request tuples (request_id, shm_index, multimodal_params, dp_index): the carrier"),
@@ -103,6 +106,8 @@ def detect_layout(module_name: str, module) -> str | None:
         return "2024" if "prompt_ids" in params else None
     if module_name == INFER:
         cls = getattr(module, "InferReq", None)
+        if not hasattr(module, "InferenceContext"):
+            return "2024" if hasattr(module, "InferBatch") else None  # 2024: rpyc workers, InferBatch
         if cls is None:
             return None
         return "pr965" if "output_len" in _params(cls, "set_next_gen_token_id") else "main"
