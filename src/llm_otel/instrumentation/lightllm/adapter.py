@@ -35,6 +35,7 @@ failures are counted in ``llm_otel.instrumentation.errors`` and never reach Ligh
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import math
@@ -251,6 +252,7 @@ class HttpAdapter:
 
     async def _traced(self, hook: str, state: _HttpRequest, agen):
         error: str | None = None
+        failure: BaseException | None = None
         try:
             while True:
                 token = otel_context.attach(state.context)
@@ -270,11 +272,15 @@ class HttpAdapter:
             await agen.aclose()
             raise
         except BaseException as exc:
-            error = "aborted" if state.aborted else type(exc).__qualname__
+            failure = exc
+            # LightLLM ends a disconnected client's request with abort() and a plain Exception
+            # (and its own except-handler aborts on any error, so abort() alone says nothing)
+            aborted = isinstance(exc, asyncio.CancelledError) or (state.aborted and type(exc) is Exception)
+            error = "aborted" if aborted else type(exc).__qualname__
             raise
         finally:
             try:
-                self._end(state, error)
+                self._end(state, error, failure)
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
 
@@ -315,11 +321,17 @@ class HttpAdapter:
         state.done.add(index)
         self.telemetry.finish(rec)
 
-    def _end(self, state: _HttpRequest, error: str | None) -> None:
+    def _end(self, state: _HttpRequest, error: str | None, failure: BaseException | None = None) -> None:
         if state.group_id is not None:
             self.live.pop(state.group_id, None)
         if error is None and state.aborted:
             error = "aborted"
+        if not state.records and not state.health and failure is not None and error != "aborted":
+            # refused before it was handed to the router (prompt too long, bad parameters, ...)
+            self.telemetry.reject(operation=state.operation, provider=PROVIDER, model=self.model,
+                                  arrival_s=state.arrival_s, error=failure, kind=state.kind, parent=state.parent,
+                                  engine_version=self.version, request_attributes=state.attrs)
+            return
         for index, rec in state.records.items():
             if index in state.done:
                 continue
