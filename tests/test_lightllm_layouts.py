@@ -48,7 +48,7 @@ REQUESTS = [
 HEALTH = {"name": "health", "prompt": "h", "max_new_tokens": 1, "health": True}
 
 
-def run_layout(layout: str, receiver, tmp_path_factory, requests: list) -> dict:
+def run_layout(layout: str, receiver, tmp_path_factory, requests: list, **extra_env: str) -> dict:
     tree = tmp_path_factory.mktemp(layout)
     shutil.copytree(os.path.join(LAYOUTS, "common"), tree, dirs_exist_ok=True)
     shutil.copytree(os.path.join(LAYOUTS, layout), tree, dirs_exist_ok=True)
@@ -67,6 +67,7 @@ def run_layout(layout: str, receiver, tmp_path_factory, requests: list) -> dict:
         OTEL_PYTHON_DISABLED_INSTRUMENTATIONS="vllm",  # not needed here, and slow to import
         LLM_OTEL_ADAPTIVE_SAMPLING="off",
         LIGHTLLM_START_ARGS=json.dumps({"model_name": MODEL, "model_dir": "/models/x"}),
+        **extra_env,
     )
     instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
     done = subprocess.run([instrument, sys.executable, os.path.join(LAYOUTS, "driver.py"),
@@ -121,7 +122,8 @@ def event_time(span: dict, name: str) -> int:
 
 @pytest.fixture(scope="module")
 def main_run(receiver, tmp_path_factory):
-    return run_layout("main", receiver, tmp_path_factory, REQUESTS + [HEALTH])
+    # every sampled request gets llm.logit_dist from the worker's logits
+    return run_layout("main", receiver, tmp_path_factory, REQUESTS + [HEALTH], LLM_OTEL_LOGIT_DIST_RATIO="1")
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +168,22 @@ def test_c01_request_span_tree_spans_three_processes_and_covers_the_request(main
     assert [e["attributes"]["llm.token.index"] for e in tokens] == [0, 1, 2, 3]
     assert infer["attributes"]["llm.logit.perplexity"] == pytest.approx(2.718281828 ** 0.25, rel=1e-5)  # mean logprob -0.25
     assert [e["attributes"]["llm.token.id"] for e in stream["events"] if e["name"] == "llm.token"] == [100, 101, 102, 2]
+
+
+def test_logit_dist_from_the_workers_full_vocabulary_logits(main_run):
+    t = Trace(main_run)
+    (req,) = t.requests(request_id(main_run, "stop"))
+    (dist,) = t.children(req, "llm.logit_dist")
+    assert dist["resource"]["process.pid"] == t.tree(request_id(main_run, "stop"))["llm.infer.request"]["resource"]["process.pid"]
+    attrs = dist["attributes"]
+    assert (attrs["llm.logit.source"], attrs["llm.logit.steps"], attrs["llm.logit.top_k"]) == ("full_vocab_logits", 4, 5)
+    assert attrs["llm.logit.nonfinite_steps"] == 0
+    steps = [e for e in dist["events"] if e["name"] == "llm.logit.step"]
+    # the sampled token leads each step's top-k; its log-prob is the fake model's -0.1 * (k + 1)
+    assert [e["attributes"]["llm.logit.top_token_ids"][0] for e in steps] == [100, 101, 102, 2]
+    assert [e["attributes"]["llm.logit.sampled_logprob"] for e in steps] == pytest.approx([-0.1, -0.2, -0.3, -0.4], abs=1e-5)
+    assert attrs["llm.logit.perplexity"] == pytest.approx(2.718281828 ** 0.25, rel=1e-4)
+    assert all(e["attributes"]["llm.logit.entropy"] > 0 for e in steps)
 
 
 def test_c01_router_steps_are_linked_not_parented(main_run):

@@ -20,13 +20,16 @@ imports the module they target (see hooks.py for the table and the layouts it kn
 whose shape matches no known layout gets one warning naming the targets it lacks; the rest keeps
 working. Spans: the request span ``{text_completion|chat} {model}`` (SERVER) with ``llm.prompt``
 and ``llm.token_stream`` in the HTTP worker, ``llm.router.request`` and ``llm.engine.step`` in the
-router, ``llm.infer.request`` in the worker - one trace per request; see docs/lightllm.md.
+router, ``llm.infer.request`` (and ``llm.logit_dist`` for chosen requests) in the worker - one
+trace per request; see docs/lightllm.md.
 
 Configuration
 -------------
 ``OTEL_*`` (exporters, service name, sampler), ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT``
 (false; LightLLM prompts and completions are not captured by this adapter in any case),
-``LLM_OTEL_TOKEN_EVENTS`` (16) - see :class:`llm_otel.config.Settings`.
+``LLM_OTEL_TOKEN_EVENTS`` (16), ``LLM_OTEL_LOGIT_DIST_RATIO`` (0: share of sampled requests that get
+``llm.logit_dist`` from the worker's logits), ``LLM_OTEL_LOGPROBS_TOP_K`` (5),
+``LLM_OTEL_LOGIT_EVENTS`` (32) - see :class:`llm_otel.config.Settings`.
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ from llm_otel.propagation import TRACEPARENT, TRACESTATE, carrier_from_span, con
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import spans as S
 from llm_otel.telemetry import RequestRecord, Telemetry
+from llm_otel.telemetry.spans import emit_logit_dist
 
 PROVIDER = "lightllm"
 _STATE_KEY = otel_context.create_key("llm_otel.lightllm.http_request")
@@ -248,7 +249,18 @@ class HttpAdapter:
                          C.CHOICES_KEY: [carrier_from_span(r.span).get(TRACEPARENT, "") for r in state.records.values()]}
                 if carrier.get(TRACESTATE):
                     value[TRACESTATE] = carrier[TRACESTATE]
+                k = self.telemetry.settings.logprobs_top_k
+                if k > 0 and first.is_recording() and self._wants_logit_dist(first):
+                    value[C.TOPK_KEY] = k
                 setattr(multimodal_params, C.CARRIER_ATTR, value)
+
+    def _wants_logit_dist(self, span) -> bool:
+        """``LLM_OTEL_LOGIT_DIST_RATIO`` of sampled requests, chosen by the random low 56 bits of the
+        trace id (the same choice as the vLLM adapter makes)."""
+        ratio = self.telemetry.settings.logit_dist_ratio
+        if ratio >= 1.0:
+            return True
+        return (span.get_span_context().trace_id & ((1 << 56) - 1)) < ratio * (1 << 56)
 
     async def _traced(self, hook: str, state: _HttpRequest, agen):
         error: str | None = None
@@ -506,11 +518,16 @@ class RouterAdapter:
 
 
 # --- model-infer worker -----------------------------------------------------------------------
+MAX_LOGIT_STEPS = 4096
+
+
 class _InferReq:
     __slots__ = ("parent", "group_id", "index", "admitted_ns", "times", "ids", "logprob_sum", "count",
-                 "resumed", "input_len", "cache")
+                 "resumed", "input_len", "cache", "top_k", "logits")
 
-    def __init__(self, parent, group_id: int, index: int, admitted_ns: int) -> None:
+    def __init__(self, parent, group_id: int, index: int, admitted_ns: int, top_k: int = 0) -> None:
+        self.top_k = top_k
+        self.logits: list[tuple] = []  # per sampled step: (time_ns, top ids, top lps, entropy, margin, nonfinite, lp)
         self.parent = parent
         self.group_id = group_id
         self.index = index
@@ -570,7 +587,9 @@ class WorkerAdapter:
                 continue
             parent, sampled = C.parent_for(carrier, rid)
             if sampled:
-                self.reqs[rid] = _InferReq(parent, gid, rid - gid, now)
+                top_k = carrier.get(C.TOPK_KEY)
+                top_k = top_k if isinstance(top_k, int) and 0 < top_k <= 64 else 0
+                self.reqs[rid] = _InferReq(parent, gid, rid - gid, now, top_k)
 
     def token(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
@@ -594,6 +613,63 @@ class WorkerAdapter:
             return wrapped(*args, **kwargs)
 
         return wrapper
+
+    def sample(self, hook: str):
+        """``sample(logits, reqs, eos_id)``: statistics of the chosen rows are taken on the logits'
+        device before LightLLM's sampler runs (it modifies the logits in place); one transfer after it."""
+
+        def wrapper(wrapped, instance, args, kwargs):
+            plan = None
+            if self.reqs:
+                try:
+                    plan = self._prepare(args, kwargs)
+                except Exception as exc:  # noqa: BLE001
+                    self.telemetry.errors.report(hook, exc)
+            output = wrapped(*args, **kwargs)
+            if plan is not None:
+                try:
+                    self._collect(plan, output)
+                except Exception as exc:  # noqa: BLE001
+                    self.telemetry.errors.report(hook, exc)
+            return output
+
+        return wrapper
+
+    def _prepare(self, args, kwargs):
+        logits = args[0] if args else kwargs.get("logits")
+        reqs = args[1] if len(args) > 1 else kwargs.get("reqs")
+        rows, members, k = [], [], 0
+        for i, req in enumerate(reqs or ()):
+            st = self.reqs.get(getattr(req, "req_id", None))
+            if st is not None and st.top_k and len(st.logits) < MAX_LOGIT_STEPS:
+                rows.append(i)
+                members.append(st)
+                k = max(k, st.top_k)
+        if not rows or logits is None:
+            return None
+        import torch
+
+        from llm_otel.telemetry.logits import TorchLogitStats
+
+        index = torch.tensor(rows, device=logits.device)
+        return index, members, TorchLogitStats(logits.index_select(0, index), k)
+
+    def _collect(self, plan, output) -> None:
+        import torch
+
+        index, members, device_stats = plan
+        ids = output[0] if isinstance(output, tuple) else None
+        sampled = None
+        if ids is not None:
+            ids = ids if isinstance(ids, torch.Tensor) else torch.as_tensor(ids)
+            sampled = ids.reshape(-1).index_select(0, index.to(ids.device))
+        stats, sampled_lp = device_stats.to_host(sampled)
+        now = time.time_ns()
+        for j, st in enumerate(members):
+            k = st.top_k
+            st.logits.append((now, stats.top_ids[j, :k], stats.top_logprobs[j, :k], float(stats.entropy[j]),
+                              float(stats.margin[j]), bool(stats.nonfinite[j]),
+                              float(sampled_lp[j]) if sampled_lp is not None else math.nan))
 
     def filter(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
@@ -658,8 +734,22 @@ class WorkerAdapter:
         if facts["aborted"]:
             span.set_status(Status(StatusCode.ERROR, "aborted"))
         span.end(end_time=max(end_ns, times[-1] if times else end_ns))
+        if st.logits:
+            self._emit_logits(st)
         if not any(r.group_id == st.group_id for r in self.reqs.values()):
             C.TABLE.pop(st.group_id)
+
+    def _emit_logits(self, st: _InferReq) -> None:
+        import numpy as np
+
+        rows = st.logits
+        st.logits = []
+        emit_logit_dist(
+            self.telemetry.tracer, self.telemetry.settings, st.parent, source="full_vocab_logits",
+            start_ns=rows[0][0], end_ns=rows[-1][0], times_ns=[r[0] for r in rows],
+            top_ids=np.stack([r[1] for r in rows]), top_logprobs=np.stack([r[2] for r in rows]),
+            sampled_logprobs=np.asarray([r[6] for r in rows]), entropy=np.asarray([r[3] for r in rows]),
+            margin=np.asarray([r[4] for r in rows]), nonfinite=np.asarray([r[5] for r in rows]))
 
 
 class LightLLMAdapter:

@@ -11,6 +11,7 @@ forwarding (ModelTC/lightllm main @ fc72ffab). The HTTP worker sets one instance
         "traceparent": "00-<trace>-<span of choice 0>-01", "tracestate": "...",   # if any
         "group_req_id": 1024,                               # LightLLM group request id
         "choices": ["00-<trace>-<span of choice i>-01", ...],  # one per sub-request (n > 1)
+        "logit_top_k": 5,                                   # only for requests chosen for llm.logit_dist
     }
 
 The class has no ``__setstate__``; the one llm-otel adds registers the carrier in a bounded
@@ -32,6 +33,7 @@ from llm_otel.propagation import TRACEPARENT, TRACESTATE, context_from_carrier, 
 CARRIER_ATTR = "_llm_otel_carrier"
 GROUP_KEY = "group_req_id"
 CHOICES_KEY = "choices"
+TOPK_KEY = "logit_top_k"  # present: the worker computes llm.logit_dist with this k
 MAX_BEST_OF = 8  # lightllm ReqIDGenerator: group ids step by 8, sub-request i = group id + i
 
 

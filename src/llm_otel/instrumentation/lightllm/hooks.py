@@ -70,6 +70,9 @@ HOOKS: list[Hook] = [
          "every generated token: id and sampled log-prob; the first one ends prefill"),
     Hook(INFER, "InferenceContext.filter", "worker.filter", SHM,
          "finished requests: finish_status, shm_req.{input_len, prompt_cache_len, router_aborted}"),
+    Hook(f"{INFER.rsplit('.', 1)[0]}.mode_backend.generic_post_process", "sample", "worker.sample", SHM,
+         "(batch, vocab) logits before sampling (modified in place by it) -> llm.logit_dist for chosen "
+         "requests; wrapped when the module is imported, before the backends import it by name"),
 ]
 
 MODULES = sorted({h.module for h in HOOKS} | {MULTIMODAL})
