@@ -99,6 +99,23 @@ SCRIPT = textwrap.dedent("""
         pass
     out["rejected"] = [(s.name, s.attributes.get("error.type"), [e.name for e in s.events]) for s in exporter.get_finished_spans()]
     exporter.clear()
+    # a P/D node's generate(request=None) continues under the carrier its MultimodalParams brought
+    m.send_to_router = type("Q", (), {"put": lambda self, obj: None})()
+    async def one_token(self, *a, **k):
+        from lightllm.server.core.objs import FinishStatus
+        yield 48, "x", {"id": 7, "count_output_tokens": 1}, FinishStatus(2)
+    m._wait_to_token_package = one_token.__get__(m)
+    m._encode = Manager._encode.__get__(m)
+    pd_mm = MultimodalParams()
+    pd_mm._llm_otel_carrier = {"traceparent": "00-" + "12" * 16 + "-" + "34" * 8 + "-01", "group_req_id": 1000}
+    sp = SamplingParams(); m.next_id = 48
+    async def run_pd():
+        return [x async for x in m.generate("a b", sp, pd_mm, None)]
+    asyncio.run(run_pd())
+    pd = [s for s in exporter.get_finished_spans() if s.name == "text_completion unknown"]
+    out["pd_parent"] = [(format(s.parent.trace_id, "032x"), format(s.parent.span_id, "016x"), s.kind.name) for s in pd]
+    out["pd_carrier_is_ours"] = pd_mm._llm_otel_carrier["traceparent"].split("-")[2] == format(pd[0].context.span_id, "016x")
+    exporter.clear()
     # health probes (negative ids) are not traced
     try:
         sp = SamplingParams(); sp.group_request_id = -8
@@ -143,5 +160,7 @@ def test_lightllm_adapter_in_one_process(tmp_path):
     assert out["error_spans"] == [["llm.prompt", "Boom"], ["text_completion unknown", "Boom"]]
     assert out["rejected"] == [["text_completion unknown", "ValueError", ["llm.request.rejected"]]]
     assert out["health_spans"] == 0
+    assert out["pd_parent"] == [["12" * 16, "34" * 8, "INTERNAL"]]
+    assert out["pd_carrier_is_ours"]
     assert out["setstate_removed"] and out["unwrapped"] and out["rewrapped"]
     assert "Traceback" not in out["stderr"]

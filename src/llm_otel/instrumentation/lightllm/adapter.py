@@ -203,6 +203,12 @@ class HttpAdapter:
             path = str(getattr(getattr(request, "url", None), "path", "") or "")
             if "chat" in path:
                 operation = "chat"
+        if inbound is None:
+            # P/D nodes and multinode slaves call generate(request=None) with the MultimodalParams
+            # the P/D master / master node pickled to them: continue under the carrier it holds
+            carrier = getattr(bound.get("multimodal_params"), C.CARRIER_ATTR, None)
+            if C.valid(carrier):
+                inbound = context_from_carrier({k: carrier[k] for k in (TRACEPARENT, TRACESTATE) if k in carrier})
         parent = inbound if inbound is not None else otel_context.get_current()
         sp = bound.get("sampling_params")
         attrs: dict[str, Any] = {}
