@@ -8,6 +8,9 @@ LLM_ENGINE_STEP = 'llm.engine.step'
 LLM_ENGINE_STEP_DEVICE = 'llm.engine.step.device'
 """The model execution of one engine step on the device, emitted by the process that ran the model when the llm.engine.step span lives in another process (child of it). Kind: internal."""
 
+LLM_INFER_REQUEST = 'llm.infer.request'
+"""One sub-request in a LightLLM model-infer worker (master rank of its DP group), from admission to release, with per-token timing. Kind: internal."""
+
 LLM_LOGIT_DIST = 'llm.logit_dist'
 """Next-token distribution statistics over a request's decode steps (sampled requests only). Kind: internal."""
 
@@ -16,6 +19,9 @@ LLM_PROMPT = 'llm.prompt'
 
 LLM_REQUEST = '{gen_ai.operation.name} {gen_ai.request.model}'
 """One request (one choice of it when n>1) served by an LLM engine, from arrival to its last output. Kind: internal."""
+
+LLM_ROUTER_REQUEST = 'llm.router.request'
+"""One sub-request in a LightLLM router process, from entering the router's wait queue to its release after the worker finished it. Kind: internal."""
 
 LLM_TOKEN_STREAM = 'llm.token_stream'
 """First output token to finish of one request - decode, with per-token timing. Kind: internal."""
