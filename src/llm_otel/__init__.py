@@ -17,6 +17,7 @@ logger = logging.getLogger("llm_otel")
 # engine name -> (module that must be importable, instrumentor import path)
 _ENGINES = {
     "vllm": ("vllm", "llm_otel.instrumentation.vllm:VLLMInstrumentor"),
+    "triton": ("tritonclient", "llm_otel.instrumentation.triton:TritonClientInstrumentor"),
 }
 
 
