@@ -11,14 +11,14 @@ LLM_LOGIT_DIST = 'llm.logit_dist'
 LLM_PROMPT = 'llm.prompt'
 """Arrival to first output token of one request - frontend, scheduler queue and prefill. Kind: internal."""
 
-LLM_TRITON_REQUEST = '{gen_ai.operation.name} {gen_ai.request.model}'
-"""One tritonclient inference call (one request on a gRPC stream), from the call to its last response or error. Kind: client."""
+LLM_REQUEST = '{gen_ai.operation.name} {gen_ai.request.model}'
+"""One request (one choice of it when n>1) served by an LLM engine, from arrival to its last output. Kind: internal."""
+
+LLM_TOKEN_STREAM = 'llm.token_stream'
+"""First output token to finish of one request - decode, with per-token timing. Kind: internal."""
 
 LLM_TRITON_STREAM = 'llm.triton.stream'
 """One gRPC inference stream (start_stream to stop_stream, or one stream_infer iteration); its context is the stream's traceparent. Kind: client."""
-
-LLM_TRITON_TOKEN_STREAM = 'llm.token_stream'
-"""Client-side view of a streamed request - first to last response, with response timing. Kind: internal."""
 
 EVENT_LLM_LOGIT_STEP = 'llm.logit.step'
 """Next-token distribution of one decode step."""

@@ -286,12 +286,17 @@ class _Signatures:
     def __init__(self) -> None:
         self._cache: dict[Any, inspect.Signature] = {}
 
-    def bind(self, wrapped: Callable, args: tuple, kwargs: dict) -> inspect.BoundArguments:
+    def bind(self, wrapped: Callable, args: tuple, kwargs: dict) -> inspect.BoundArguments | None:
+        """The call's arguments with defaults, or None when they do not fit the signature (the
+        application's own mistake: tritonclient raises its TypeError, not llm-otel)."""
         func = getattr(wrapped, "__func__", wrapped)
         sig = self._cache.get(func)
         if sig is None:
             sig = self._cache[func] = inspect.signature(wrapped)
-        bound = sig.bind(*args, **kwargs)
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError:
+            return None
         bound.apply_defaults()
         return bound
 
@@ -454,6 +459,8 @@ class TritonAdapter:
     # --- unary calls ----------------------------------------------------------------------------
     def _prepare_unary(self, flavour: str, wrapped, instance, args, kwargs, streaming=False):
         bound = self._sigs.bind(wrapped, args, kwargs)
+        if bound is None:
+            return None
         a = bound.arguments
         call = self._start_call(flavour, instance, a.get("model_name"), a.get("model_version"),
                                 a.get("request_id"), a.get("inputs"), a.get("parameters"), streaming)
@@ -561,7 +568,10 @@ class TritonAdapter:
 
     def grpc_async_infer(self, qualname: str):
         def prepare(wrapped, instance, args, kwargs):
-            call, bound = self._prepare_unary("grpc", wrapped, instance, args, kwargs)
+            prepared = self._prepare_unary("grpc", wrapped, instance, args, kwargs)
+            if prepared is None:
+                return None
+            call, bound = prepared
             user_callback = bound.arguments["callback"]
 
             def callback(*cb_args, **cb_kwargs):
@@ -678,7 +688,7 @@ class TritonAdapter:
     def grpc_start_stream(self, qualname: str):
         def prepare(wrapped, instance, args, kwargs):
             bound = self._sigs.bind(wrapped, args, kwargs)
-            if getattr(instance, "_stream", None) is not None:
+            if bound is None or getattr(instance, "_stream", None) is not None:
                 return None  # tritonclient refuses a second stream; nothing to trace
             state = self._start_stream_span("grpc", instance)
             user_callback = bound.arguments["callback"]
@@ -733,7 +743,10 @@ class TritonAdapter:
                 state = self._streams.get(instance)
             if state is None or state.closed:
                 return None
-            a = self._sigs.bind(wrapped, args, kwargs).arguments
+            bound = self._sigs.bind(wrapped, args, kwargs)
+            if bound is None:
+                return None
+            a = bound.arguments
             return self._stream_request(state, instance, a.get("model_name"), a.get("model_version"),
                                         a.get("request_id"), a.get("inputs"), a.get("parameters")), state
 
@@ -760,7 +773,8 @@ class TritonAdapter:
             finally:
                 if state is not None:
                     try:
-                        cancel = bool(self._sigs.bind(wrapped, args, kwargs).arguments.get("cancel_requests"))
+                        bound = self._sigs.bind(wrapped, args, kwargs)
+                        cancel = bool(bound is not None and bound.arguments.get("cancel_requests"))
                         self._end_stream(state, cancelled=cancel)
                     except Exception as exc:  # noqa: BLE001
                         self.errors.report(qualname, exc)
@@ -771,6 +785,8 @@ class TritonAdapter:
     def aio_stream_infer(self, qualname: str):
         def prepare(wrapped, instance, args, kwargs):
             bound = self._sigs.bind(wrapped, args, kwargs)
+            if bound is None:
+                return None
             state = self._start_stream_span("grpc.aio", instance)
             bound.arguments["headers"] = self._headers_with_context(bound.arguments.get("headers"), state.span)
             bound.arguments["inputs_iterator"] = self._aio_requests(state, instance,
