@@ -6,7 +6,7 @@ Models (Python backend; ``text_input`` BYTES[1], optional ``max_tokens`` INT32[1
 
 * ``text_echo`` - one response: ``text_output`` = the input + `` => ok``; ``params_json`` = the
   request parameters as JSON (Triton copies ``traceparent``/``tracestate`` headers into them:
-  ``--*-header-forward-pattern``). Input ``fail`` -> an error response.
+  ``--*-header-forward-pattern``). Input ``fail`` -> an error response; ``slow`` -> answers after 1 s.
 * ``tok_stream`` - decoupled, one response per token (``max_tokens``, default 4, 10 ms apart),
   the final flag on the last token (vLLM backend style); ``max_tokens < 0`` -> error.
 * ``tok_stream_empty_final`` - same, the final flag in an extra empty response (PyTriton style).
@@ -64,6 +64,8 @@ class TritonPythonModel:
             responses = []
             for request in requests:
                 text = _text(request)
+                if text == "slow":
+                    time.sleep(1.0)
                 if text == "fail":
                     responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("planted failure")))
                     continue
