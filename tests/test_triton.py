@@ -542,6 +542,27 @@ def test_uninstrument_restores_and_instrument_twice_is_noop(_instrumented):
     assert all(vars(o)[a] is patched[(id(o), a)] for o, a, _ in applied)
 
 
+def test_entry_point_and_instrument_pick_up_the_triton_instrumentor():
+    import subprocess
+    import sys
+    from importlib.metadata import entry_points
+
+    (ep,) = [e for e in entry_points(group="opentelemetry_instrumentor") if e.name == "triton"]
+    assert ep.load() is TritonClientInstrumentor
+    # a fresh process: llm_otel.instrument() finds tritonclient installed and wraps it
+    code = ("import llm_otel, tritonclient.grpc._client as c, wrapt\n"
+            "assert llm_otel.instrument(engines=['triton']) == ['triton']\n"
+            "assert isinstance(vars(c.InferenceServerClient)['infer'], wrapt.FunctionWrapper)\n"
+            "llm_otel.uninstrument()\n"
+            "assert not isinstance(vars(c.InferenceServerClient)['infer'], wrapt.FunctionWrapper)\n"
+            "print('OK')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none", "LLM_OTEL_CONSOLE": "off",
+                              "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["OK"]
+
+
 def test_request_attributes_from_inputs_and_sampling_parameters():
     import json
 
