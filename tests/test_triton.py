@@ -441,8 +441,23 @@ def test_malformed_inputs_raise_what_tritonclient_raises(triton, cap, errors):
     client.close()
 
 
-def test_metrics_duration_and_chunk_timing(triton, _instrumented):
-    cap, _ = _instrumented
+def test_stop_stream_with_cancel_ends_open_requests_as_cancelled(triton, cap):
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    got, first = [], threading.Event()
+    client.start_stream(lambda result, error: (got.append((result, error)), first.set()))
+    client.async_stream_infer("tok_stream", text_inputs(grpcclient, max_tokens=200), request_id="long")
+    assert first.wait(10)
+    client.stop_stream(cancel_requests=True)
+    (span,) = ours(cap, "text_completion tok_stream")
+    assert span.attributes["llm.stream.end"] == "cancelled" and span.attributes["error.type"] == "cancelled"
+    assert 1 <= span.attributes["llm.stream.responses"] < 200
+    (stream,) = ours(cap, "llm.triton.stream")
+    assert stream.status.status_code is StatusCode.UNSET  # cancelling was the application's choice
+    assert [r for r, e in got if r is not None][0].get_response().id == "long"
+    client.close()
+
+
+def test_metrics_duration_and_chunk_timing(triton, cap):
 
     def point(name):
         found = [p for p in cap.metric_points(name) if p.attributes.get("gen_ai.request.model") == "tok_stream"

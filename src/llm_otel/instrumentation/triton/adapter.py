@@ -132,6 +132,7 @@ class StreamState:
         self.last_raw: Any = None
         self.error: BaseException | None = None
         self.closed = False
+        self.cancelling = False  # stop_stream(cancel_requests=True) is running
 
     def add(self, call: Call) -> None:
         with self.lock:
@@ -638,7 +639,12 @@ class TritonAdapter:
         elif raw is not None and getattr(raw, "error_message", ""):
             response = raw.infer_response
         else:
-            # the stream itself failed (gRPC status): every request on it ends with that error
+            # the stream itself ended with a gRPC status: every request on it ends with it
+            if state.cancelling:
+                for call in state.drain():
+                    self.finish(call, error=_Cancelled("stream stopped with cancel_requests=True"),
+                                end_reason="cancelled", end_mono=now)
+                return
             state.error = error
             for call in state.drain():
                 self.finish(call, error=error, end_mono=now)
@@ -768,13 +774,16 @@ class TritonAdapter:
         def wrapper(wrapped, instance, args, kwargs):
             with self._lock:
                 state = self._streams.pop(instance, None)
+            cancel = False
+            if state is not None:
+                bound = self._sigs.bind(wrapped, args, kwargs)
+                cancel = bool(bound is not None and bound.arguments.get("cancel_requests"))
+                state.cancelling = cancel
             try:
                 result = wrapped(*args, **kwargs)
             finally:
                 if state is not None:
                     try:
-                        bound = self._sigs.bind(wrapped, args, kwargs)
-                        cancel = bool(bound is not None and bound.arguments.get("cancel_requests"))
                         self._end_stream(state, cancelled=cancel)
                     except Exception as exc:  # noqa: BLE001
                         self.errors.report(qualname, exc)
