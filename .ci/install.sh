@@ -19,3 +19,9 @@ fi
 .venv/bin/python -m pip install --quiet --no-deps --upgrade --target .venv/lightllm-pypi \
     'lightllm==0.0.1' 'rpyc==6.0.2' 'plumbum==2.0.2'
 .venv/bin/python -c "import vllm, llm_otel; print('llm-otel', llm_otel.__version__, '| vLLM', vllm.__version__)"
+# A real Triton Inference Server for tests/test_triton.py: the tritonserver binary in the
+# nvidia-pytriton wheel. Its Python backend needs numpy < 2, so it gets its own environment.
+if [ ! -x .venv-triton/bin/python ]; then
+    "$PYTHON" -m venv .venv-triton
+fi
+.venv-triton/bin/python -m pip install --quiet 'nvidia-pytriton==0.7.0' 'numpy<2'

@@ -18,6 +18,7 @@ logger = logging.getLogger("llm_otel")
 _ENGINES = {
     "vllm": ("vllm", "llm_otel.instrumentation.vllm:VLLMInstrumentor"),
     "lightllm": ("lightllm", "llm_otel.instrumentation.lightllm:LightLLMInstrumentor"),
+    "triton": ("tritonclient", "llm_otel.instrumentation.triton:TritonClientInstrumentor"),
 }
 
 

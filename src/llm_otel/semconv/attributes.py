@@ -203,6 +203,30 @@ LLM_REQUEST_TIMING_SOURCE = 'llm.request.timing.source'
 LLM_SAMPLING_REASON = 'llm.sampling.reason'
 """Why the adaptive sampler kept this trace. Type: enum (string). Origin: llm-otel."""
 
+LLM_STREAM_END = 'llm.stream.end'
+"""What told the client that a streamed request was complete. Type: enum (string). Origin: llm-otel."""
+
+LLM_STREAM_RESPONSE_GAP = 'llm.stream.response.gap'
+"""Seconds since the previous response of the request (since the call started, for the first one). Type: double. Origin: llm-otel."""
+
+LLM_STREAM_RESPONSE_INDEX = 'llm.stream.response.index'
+"""0-based index of a response within its streamed request. Type: int. Origin: llm-otel."""
+
+LLM_STREAM_RESPONSE_GAP_MAX = 'llm.stream.response_gap.max'
+"""Longest seconds between consecutive responses, client side. Type: double. Origin: llm-otel."""
+
+LLM_STREAM_RESPONSE_GAP_P50 = 'llm.stream.response_gap.p50'
+"""Median seconds between consecutive responses of one streamed request, as the client received them. Type: double. Origin: llm-otel."""
+
+LLM_STREAM_RESPONSE_GAP_P90 = 'llm.stream.response_gap.p90'
+"""90th percentile of the seconds between consecutive responses, client side. Type: double. Origin: llm-otel."""
+
+LLM_STREAM_RESPONSE_GAP_P99 = 'llm.stream.response_gap.p99'
+"""99th percentile of the seconds between consecutive responses, client side. Type: double. Origin: llm-otel."""
+
+LLM_STREAM_RESPONSES = 'llm.stream.responses'
+"""Number of responses the client received for one streamed request (empty final-flag responses not counted). Type: int. Origin: llm-otel."""
+
 LLM_TIME_PER_OUTPUT_TOKEN = 'llm.time_per_output_token'
 """Mean seconds per output token after the first ((last - first token time) / (output tokens - 1)). Type: double. Origin: llm-otel."""
 
@@ -223,6 +247,21 @@ LLM_TOKEN_LATENCY = 'llm.token.latency'
 
 LLM_TOKEN_STALL_THRESHOLD = 'llm.token.stall.threshold'
 """Inter-token latency above which a token is reported as a stall (k x median ITL), seconds. Type: double. Origin: llm-otel."""
+
+LLM_TRITON_CLIENT = 'llm.triton.client'
+"""The tritonclient client class that made the call. Type: enum (string). Origin: llm-otel."""
+
+LLM_TRITON_MODEL_VERSION = 'llm.triton.model.version'
+"""The model version the call asked for (`model_version` argument; absent when the server picks). Type: string. Origin: llm-otel."""
+
+LLM_TRITON_STREAM_REQUESTS = 'llm.triton.stream.requests'
+"""Number of requests the application sent on a gRPC stream (`async_stream_infer` calls or items of the `stream_infer` input iterator). Type: int. Origin: llm-otel."""
+
+SERVER_ADDRESS = 'server.address'
+"""Server domain name if available without reverse DNS lookup; otherwise, IP address or Unix domain socket name. Type: string. Origin: official."""
+
+SERVER_PORT = 'server.port'
+"""Server port number. Type: int. Origin: official."""
 
 
 class LlmEngineStepDeviceClockValues:
@@ -261,6 +300,23 @@ class LlmSamplingReasonValues:
     HEAD = 'head'
     DRIFT_BOOST = 'drift_boost'
     OUTLIER = 'outlier'
+
+
+class LlmStreamEndValues:
+    """Values of llm.stream.end."""
+    FINAL_FLAG = 'final_flag'
+    EMPTY_FINAL = 'empty_final'
+    STREAM_END = 'stream_end'
+    ERROR = 'error'
+    CANCELLED = 'cancelled'
+
+
+class LlmTritonClientValues:
+    """Values of llm.triton.client."""
+    HTTP = 'http'
+    HTTP_AIO = 'http.aio'
+    GRPC = 'grpc'
+    GRPC_AIO = 'grpc.aio'
 
 
 ATTRIBUTE_TYPES: dict[str, str] = {
@@ -331,6 +387,14 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.request.queue.duration': 'double',
     'llm.request.timing.source': 'string',
     'llm.sampling.reason': 'string',
+    'llm.stream.end': 'string',
+    'llm.stream.response.gap': 'double',
+    'llm.stream.response.index': 'int',
+    'llm.stream.response_gap.max': 'double',
+    'llm.stream.response_gap.p50': 'double',
+    'llm.stream.response_gap.p90': 'double',
+    'llm.stream.response_gap.p99': 'double',
+    'llm.stream.responses': 'int',
     'llm.time_per_output_token': 'double',
     'llm.time_to_first_token': 'double',
     'llm.token.events.dropped': 'int',
@@ -338,4 +402,9 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.token.index': 'int',
     'llm.token.latency': 'double',
     'llm.token.stall.threshold': 'double',
+    'llm.triton.client': 'string',
+    'llm.triton.model.version': 'string',
+    'llm.triton.stream.requests': 'int',
+    'server.address': 'string',
+    'server.port': 'int',
 }

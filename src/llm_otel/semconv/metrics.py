@@ -2,6 +2,21 @@
 
 # fmt: off
 
+GEN_AI_CLIENT_OPERATION_DURATION = 'gen_ai.client.operation.duration'
+"""GenAI operation duration (client side). Instrument: histogram, unit: s."""
+GEN_AI_CLIENT_OPERATION_DURATION_UNIT = 's'
+GEN_AI_CLIENT_OPERATION_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+
+GEN_AI_CLIENT_OPERATION_TIME_PER_OUTPUT_CHUNK = 'gen_ai.client.operation.time_per_output_chunk'
+"""Time between consecutive chunks the client received after the first one, successful streaming operations. Instrument: histogram, unit: s."""
+GEN_AI_CLIENT_OPERATION_TIME_PER_OUTPUT_CHUNK_UNIT = 's'
+GEN_AI_CLIENT_OPERATION_TIME_PER_OUTPUT_CHUNK_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+GEN_AI_CLIENT_OPERATION_TIME_TO_FIRST_CHUNK = 'gen_ai.client.operation.time_to_first_chunk'
+"""Time from the start of a streaming operation to the first chunk the client received, successful operations. Instrument: histogram, unit: s."""
+GEN_AI_CLIENT_OPERATION_TIME_TO_FIRST_CHUNK_UNIT = 's'
+GEN_AI_CLIENT_OPERATION_TIME_TO_FIRST_CHUNK_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+
 GEN_AI_SERVER_REQUEST_DURATION = 'gen_ai.server.request.duration'
 """Generative AI server request duration such as time-to-last byte or last output token. Instrument: histogram, unit: s."""
 GEN_AI_SERVER_REQUEST_DURATION_UNIT = 's'

@@ -26,6 +26,9 @@ LLM_ROUTER_REQUEST = 'llm.router.request'
 LLM_TOKEN_STREAM = 'llm.token_stream'
 """First output token to finish of one request - decode, with per-token timing. Kind: internal."""
 
+LLM_TRITON_STREAM = 'llm.triton.stream'
+"""One gRPC inference stream (start_stream to stop_stream, or one stream_infer iteration); its context is the stream's traceparent. Kind: client."""
+
 EVENT_LLM_LOGIT_STEP = 'llm.logit.step'
 """Next-token distribution of one decode step."""
 
@@ -40,6 +43,9 @@ EVENT_LLM_REQUEST_REJECTED = 'llm.request.rejected'
 
 EVENT_LLM_REQUEST_SCHEDULED = 'llm.request.scheduled'
 """The scheduler first scheduled the request (vLLM EngineCoreEvent SCHEDULED)."""
+
+EVENT_LLM_STREAM_RESPONSE = 'llm.stream.response'
+"""One response of a streamed request as the client received it (the first N responses)."""
 
 EVENT_LLM_TOKEN = 'llm.token'
 """One output token (emitted for the first N tokens of a stream)."""
