@@ -86,6 +86,9 @@ LLM_ENGINE_STEP_PREFILL_TOKENS = 'llm.engine.step.prefill_tokens'
 LLM_ENGINE_VERSION = 'llm.engine.version'
 """Version of the serving engine distribution. Type: string. Origin: llm-otel."""
 
+LLM_HEALTH_FACTOR = 'llm.health.factor'
+"""The factor that lowers the health score most (largest weighted deficit). Type: enum (string). Origin: llm-otel."""
+
 LLM_INSTRUMENTATION_HOOK = 'llm.instrumentation.hook'
 """The instrumentation hook that failed (engine target it wraps). Type: string. Origin: llm-otel."""
 
@@ -100,6 +103,9 @@ LLM_INTER_TOKEN_LATENCY_P90 = 'llm.inter_token_latency.p90'
 
 LLM_INTER_TOKEN_LATENCY_P99 = 'llm.inter_token_latency.p99'
 """99th percentile of the request's inter-token latencies, seconds. Type: double. Origin: llm-otel."""
+
+LLM_KV_CACHE_PHASE = 'llm.kv_cache.phase'
+"""When a KV-cache footprint was measured. Type: enum (string). Origin: llm-otel."""
 
 LLM_LOGIT_ENTROPY = 'llm.logit.entropy'
 """Shannon entropy of one step's next-token distribution, nats. Type: double. Origin: llm-otel."""
@@ -149,6 +155,12 @@ LLM_PROCESS_ROLE = 'llm.process.role'
 LLM_REQUEST_CHOICE_INDEX = 'llm.request.choice.index'
 """Index of this choice among the `n` parallel samples of one request (0 when n=1). Type: int. Origin: llm-otel."""
 
+LLM_REQUEST_CLASS_KEY = 'llm.request.class.key'
+"""Which class dimension a collapsed value belonged to (tenant, priority, operation, revision). Type: string. Origin: llm-otel."""
+
+LLM_REQUEST_CLASS_REASON = 'llm.request.class.reason'
+"""Why a request-class value collapsed to `other`. Type: enum (string). Origin: llm-otel."""
+
 LLM_REQUEST_DECODE_DURATION = 'llm.request.decode.duration'
 """Seconds from the first to the last output token. Type: double. Origin: llm-otel."""
 
@@ -158,8 +170,26 @@ LLM_REQUEST_FRONTEND_DURATION = 'llm.request.frontend.duration'
 LLM_REQUEST_ID = 'llm.request.id'
 """The engine's internal request id (vLLM `EngineCoreRequest.request_id`). Type: string. Origin: llm-otel."""
 
+LLM_REQUEST_KV_CACHE_BLOCKS = 'llm.request.kv_cache.blocks'
+"""KV-cache blocks the request held at finish (estimate, ceil(tokens / block size)). Type: int. Origin: llm-otel."""
+
+LLM_REQUEST_KV_CACHE_CACHED_BLOCKS = 'llm.request.kv_cache.cached_blocks'
+"""Whole prompt blocks the engine found in its prefix cache (engine-reported cached tokens / block size), not newly allocated. Type: int. Origin: llm-otel."""
+
+LLM_REQUEST_KV_CACHE_FINAL_BYTES = 'llm.request.kv_cache.final_bytes'
+"""Estimated KV-cache bytes the request held at finish (prompt plus generated tokens whose KV was written, rounded up to whole blocks). Type: int. Origin: llm-otel."""
+
+LLM_REQUEST_KV_CACHE_PROMPT_BYTES = 'llm.request.kv_cache.prompt_bytes'
+"""Estimated KV-cache bytes the request holds at admission (prompt tokens rounded up to whole blocks), from the engine's model config. Type: int. Origin: llm-otel."""
+
 LLM_REQUEST_LOGPROBS = 'llm.request.logprobs'
 """Number of sample log-probs per token the user requested (absent when none). Type: int. Origin: llm-otel."""
+
+LLM_REQUEST_MODEL_REVISION = 'llm.request.model.revision'
+"""Model revision serving the request (canary vs stable) from LLM_OTEL_MODEL_REVISION or the configured inbound header. Type: string. Origin: llm-otel."""
+
+LLM_REQUEST_OPERATION = 'llm.request.operation'
+"""Caller's business operation or route label from the configured inbound header (not gen_ai.operation.name), sanitised and bounded. Type: string. Origin: llm-otel."""
 
 LLM_REQUEST_PREEMPTIONS = 'llm.request.preemptions'
 """Number of times the scheduler preempted the request (its KV cache was freed and recomputed). Type: int. Origin: llm-otel."""
@@ -167,14 +197,29 @@ LLM_REQUEST_PREEMPTIONS = 'llm.request.preemptions'
 LLM_REQUEST_PREFILL_DURATION = 'llm.request.prefill.duration'
 """Seconds from first scheduling to the first output token (prefill, including chunks and recompute). Type: double. Origin: llm-otel."""
 
+LLM_REQUEST_PRIORITY = 'llm.request.priority'
+"""Caller-declared priority class from the configured inbound header, sanitised and bounded like llm.request.tenant. Type: string. Origin: llm-otel."""
+
 LLM_REQUEST_QUEUE_DURATION = 'llm.request.queue.duration'
 """Seconds the request waited in the scheduler's waiting queue (QUEUED to first SCHEDULED event); time spent before it reached the scheduler is in llm.request.frontend.duration. Type: double. Origin: llm-otel."""
+
+LLM_REQUEST_TENANT = 'llm.request.tenant'
+"""Tenant of the request from the configured inbound header (LLM_OTEL_CLASS_HEADERS), sanitised; `other` when over the cardinality bound or invalid. Type: string. Origin: llm-otel."""
+
+LLM_REQUEST_TIER = 'llm.request.tier'
+"""SLO tier the request's class maps to in the tier table (LLM_OTEL_TIERS / LLM_OTEL_TIERS_FILE); `default` when no row matches. Type: string. Origin: llm-otel."""
 
 LLM_REQUEST_TIMING_SOURCE = 'llm.request.timing.source'
 """Where the phase timestamps of the request came from. Type: enum (string). Origin: llm-otel."""
 
 LLM_SAMPLING_REASON = 'llm.sampling.reason'
 """Why the adaptive sampler kept this trace. Type: enum (string). Origin: llm-otel."""
+
+LLM_SLO_OBJECTIVE = 'llm.slo.objective'
+"""Which tier objective a request was checked against. Type: enum (string). Origin: llm-otel."""
+
+LLM_SLO_OUTCOME = 'llm.slo.outcome'
+"""Result of one SLO check. Type: enum (string). Origin: llm-otel."""
 
 LLM_TIME_PER_OUTPUT_TOKEN = 'llm.time_per_output_token'
 """Mean seconds per output token after the first ((last - first token time) / (output tokens - 1)). Type: double. Origin: llm-otel."""
@@ -197,6 +242,30 @@ LLM_TOKEN_LATENCY = 'llm.token.latency'
 LLM_TOKEN_STALL_THRESHOLD = 'llm.token.stall.threshold'
 """Inter-token latency above which a token is reported as a stall (k x median ITL), seconds. Type: double. Origin: llm-otel."""
 
+LLM_VRAM_PRESSURE_LEVEL = 'llm.vram.pressure.level'
+"""VRAM pressure level with hysteresis. Type: enum (string). Origin: llm-otel."""
+
+LLM_VRAM_SOURCE = 'llm.vram.source'
+"""Source of the usage fraction. Type: enum (string). Origin: llm-otel."""
+
+LLM_VRAM_USAGE = 'llm.vram.usage'
+"""Memory usage fraction (0-1) that drives the pressure level. Type: double. Origin: llm-otel."""
+
+
+class LlmHealthFactorValues:
+    """Values of llm.health.factor."""
+    LATENCY = 'latency'
+    ERRORS = 'errors'
+    GPU = 'gpu'
+    UPTIME = 'uptime'
+    NONE = 'none'
+
+
+class LlmKvCachePhaseValues:
+    """Values of llm.kv_cache.phase."""
+    ADMISSION = 'admission'
+    FINISH = 'finish'
+
 
 class LlmLogitSourceValues:
     """Values of llm.logit.source."""
@@ -211,6 +280,14 @@ class LlmProcessRoleValues:
     WORKER = 'worker'
 
 
+class LlmRequestClassReasonValues:
+    """Values of llm.request.class.reason."""
+    OVERFLOW = 'overflow'
+    OVERSIZED = 'oversized'
+    INVALID = 'invalid'
+    DUPLICATE = 'duplicate'
+
+
 class LlmRequestTimingSourceValues:
     """Values of llm.request.timing.source."""
     ENGINE_EVENTS = 'engine_events'
@@ -222,6 +299,33 @@ class LlmSamplingReasonValues:
     HEAD = 'head'
     DRIFT_BOOST = 'drift_boost'
     OUTLIER = 'outlier'
+
+
+class LlmSloObjectiveValues:
+    """Values of llm.slo.objective."""
+    TTFT = 'ttft'
+    TPOT = 'tpot'
+    E2E = 'e2e'
+    AVAILABILITY = 'availability'
+
+
+class LlmSloOutcomeValues:
+    """Values of llm.slo.outcome."""
+    MET = 'met'
+    BREACHED = 'breached'
+
+
+class LlmVramPressureLevelValues:
+    """Values of llm.vram.pressure.level."""
+    OK = 'ok'
+    WARN = 'warn'
+    CRITICAL = 'critical'
+
+
+class LlmVramSourceValues:
+    """Values of llm.vram.source."""
+    NVML = 'nvml'
+    KV_CACHE = 'kv_cache'
 
 
 ATTRIBUTE_TYPES: dict[str, str] = {
@@ -253,11 +357,13 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.engine.step.preempted': 'int',
     'llm.engine.step.prefill_tokens': 'int',
     'llm.engine.version': 'string',
+    'llm.health.factor': 'string',
     'llm.instrumentation.hook': 'string',
     'llm.inter_token_latency.max': 'double',
     'llm.inter_token_latency.p50': 'double',
     'llm.inter_token_latency.p90': 'double',
     'llm.inter_token_latency.p99': 'double',
+    'llm.kv_cache.phase': 'string',
     'llm.logit.entropy': 'double',
     'llm.logit.entropy.max': 'double',
     'llm.logit.entropy.mean': 'double',
@@ -274,15 +380,28 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.logit.top_token_ids': 'int[]',
     'llm.process.role': 'string',
     'llm.request.choice.index': 'int',
+    'llm.request.class.key': 'string',
+    'llm.request.class.reason': 'string',
     'llm.request.decode.duration': 'double',
     'llm.request.frontend.duration': 'double',
     'llm.request.id': 'string',
+    'llm.request.kv_cache.blocks': 'int',
+    'llm.request.kv_cache.cached_blocks': 'int',
+    'llm.request.kv_cache.final_bytes': 'int',
+    'llm.request.kv_cache.prompt_bytes': 'int',
     'llm.request.logprobs': 'int',
+    'llm.request.model.revision': 'string',
+    'llm.request.operation': 'string',
     'llm.request.preemptions': 'int',
     'llm.request.prefill.duration': 'double',
+    'llm.request.priority': 'string',
     'llm.request.queue.duration': 'double',
+    'llm.request.tenant': 'string',
+    'llm.request.tier': 'string',
     'llm.request.timing.source': 'string',
     'llm.sampling.reason': 'string',
+    'llm.slo.objective': 'string',
+    'llm.slo.outcome': 'string',
     'llm.time_per_output_token': 'double',
     'llm.time_to_first_token': 'double',
     'llm.token.events.dropped': 'int',
@@ -290,4 +409,7 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.token.index': 'int',
     'llm.token.latency': 'double',
     'llm.token.stall.threshold': 'double',
+    'llm.vram.pressure.level': 'string',
+    'llm.vram.source': 'string',
+    'llm.vram.usage': 'double',
 }

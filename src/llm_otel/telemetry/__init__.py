@@ -25,6 +25,7 @@ from llm_otel.config import Settings
 from llm_otel.semconv import SCHEMA_URL
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import spans as S
+from llm_otel.signals import Signals, SignalsConfig
 from llm_otel.telemetry.errors import HookErrors
 from llm_otel.telemetry.metrics import Instruments
 from llm_otel.telemetry.record import RequestRecord
@@ -42,11 +43,16 @@ class Telemetry:
         tracer_provider / meter_provider: where spans and metrics go (global providers when None).
         settings: validated configuration (:meth:`Settings.from_env` when None).
         scope: instrumentation scope name of the tracer and meter.
+        signals_config: serving-signal settings (:meth:`SignalsConfig.from_env` when None).
+
+    Raises:
+        llm_otel.config.ConfigError: an ``LLM_OTEL_*`` signal variable or the tier table is invalid.
     """
 
     def __init__(self, tracer_provider: TracerProvider | None = None,
                  meter_provider: MeterProvider | None = None,
-                 settings: Settings | None = None, scope: str = "llm_otel") -> None:
+                 settings: Settings | None = None, scope: str = "llm_otel",
+                 signals_config: SignalsConfig | None = None) -> None:
         from llm_otel import __version__
 
         self.settings = settings or Settings.from_env()
@@ -58,6 +64,8 @@ class Telemetry:
         provider = tracer_provider if tracer_provider is not None else trace.get_tracer_provider()
         # llm-otel's adaptive sampler (if the provider uses it) learns latency drift from every request
         self.sampling_root = getattr(getattr(provider, "sampler", None), "root", None)
+        # request classes, tiers, KV footprint, VRAM pressure, health (ConfigError on a bad tier table)
+        self.signals = Signals(meter, signals_config, poller=getattr(self.sampling_root, "poller", None))
 
     def start_request(self, request_id: str, *, operation: str, provider: str, model: str,
                       arrival_s: float, input_tokens: int, kind: SpanKind = SpanKind.INTERNAL,
@@ -124,6 +132,7 @@ class Telemetry:
         duration_s = max(0.0, (end_ns - rec.arrival_ns) / 1e9)
         try:
             self.instruments.record(rec, duration_s)
+            self.signals.on_finish(rec, duration_s)
             if self.sampling_root is not None:
                 self._observe_latency(rec)
         except Exception as exc:  # noqa: BLE001
