@@ -119,7 +119,7 @@ class SignalsConfig:
             health_gpu_knee=_float(env, "LLM_OTEL_HEALTH_GPU_KNEE", 0.85, lo=0.0, hi=0.999),
             health_warmup_s=_float(env, "LLM_OTEL_HEALTH_WARMUP_S", 60.0, lo=0.0),
             health_window_s=_float(env, "LLM_OTEL_HEALTH_WINDOW_S", 300.0, lo=1.0),
-            health_port=_int(env, "LLM_OTEL_HEALTH_PORT", 0, lo=1, hi=65535) if port_raw else None,
+            health_port=_int(env, "LLM_OTEL_HEALTH_PORT", 0, lo=0, hi=65535) if port_raw else None,
             health_host=(env.get("LLM_OTEL_HEALTH_HOST") or "127.0.0.1").strip(),
             health_min_score=_float(env, "LLM_OTEL_HEALTH_MIN_SCORE", 0.5, lo=0.0, hi=1.0),
         )
