@@ -13,3 +13,6 @@ fi
 # machine they make `import vllm` fail (transformers imports torchvision when it is present).
 .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 .venv/bin/python -c "import vllm, llm_otel; print('llm-otel', llm_otel.__version__, '| vLLM', vllm.__version__)"
+# promtool (Debian's prometheus package) for the alert-rule tests; they skip where it is missing
+command -v promtool >/dev/null || { { apt-get update -qq && apt-get install -y -qq prometheus >/dev/null; } \
+    || echo "promtool not installed: the promtool tests will be skipped"; }

@@ -33,7 +33,7 @@ SPAN_KINDS = {"client", "server", "producer", "consumer", "internal"}
 INSTRUMENTS = {"counter", "updowncounter", "gauge", "histogram"}
 STABILITIES = {"stable", "development", "alpha", "beta", "release_candidate"}
 # UCUM units we accept: plain units or curly-brace annotations such as {token}.
-UNIT_RE = re.compile(r"^(1|s|ms|us|ns|By|KiBy|MiBy|%|\{[a-z_]+\}|\{[a-z_]+\}/s/GiBy)$")
+UNIT_RE = re.compile(r"^(1|s|ms|us|ns|By|KiBy|MiBy|%|\{[a-z_]+\})$")
 GENERATOR = "python -m llm_otel._semconv_registry"
 
 

@@ -45,8 +45,8 @@ LLM_SERVER_TOKEN_USAGE_UNIT = '{token}'
 LLM_SERVER_TOKEN_USAGE_BUCKETS = (1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0, 4194304.0, 16777216.0, 67108864.0)
 
 LLM_SERVER_TOKEN_EFFICIENCY = 'llm.server.token_efficiency'
-"""Output tokens per second over the last window divided by GiB of GPU memory in use (NVML); absent without NVML. Instrument: gauge, unit: {token}/s/GiBy."""
-LLM_SERVER_TOKEN_EFFICIENCY_UNIT = '{token}/s/GiBy'
+"""Output tokens per second over the last window divided by GiB of GPU memory in use (NVML); absent without NVML. Instrument: gauge, unit: {token_per_s_per_gib}."""
+LLM_SERVER_TOKEN_EFFICIENCY_UNIT = '{token_per_s_per_gib}'
 
 LLM_SERVER_VRAM_PRESSURE = 'llm.server.vram.pressure'
 """VRAM pressure level as a number (0 ok, 1 warn, 2 critical), with the level name as an attribute. Instrument: gauge, unit: 1."""
