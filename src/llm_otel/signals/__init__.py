@@ -200,6 +200,7 @@ class Signals:
         self._stop = threading.Event()
         self.health_server: HealthServer | None = None
         self._exporter_checked = (-1e18, None)
+        self._own_poller = False
 
     # --- request path ----------------------------------------------------------------------
     def classify(self, headers: Any = None, engine_request: Any = None) -> tuple[dict, dict, Tier | None]:
@@ -299,6 +300,7 @@ class Signals:
                 from llm_otel.gpu.nvml import UtilizationPoller
 
                 self.poller = UtilizationPoller.from_nvml().start()
+                self._own_poller = True
             self._thread = threading.Thread(target=self._loop, name="llm-otel-signals", daemon=True)
             self._thread.start()
         if self.config.health_port is not None and self.health_server is None:
@@ -313,7 +315,10 @@ class Signals:
         return self
 
     def stop(self) -> None:
+        """Stop the thread, the health endpoint and a poller this object started (idempotent)."""
         self._stop.set()
+        if self._own_poller and self.poller is not None:
+            self.poller.stop()
         if self.health_server is not None:
             self.health_server.stop()
             self.health_server = None
@@ -429,9 +434,15 @@ def kv_source_for(records_owner: Any, spec_of: Callable[[Any], KVSpec | None]) -
         spec = spec_of(owner) if owner is not None else None
         if spec is None or not spec.num_blocks:
             return None
-        held = 0
-        for rec in list(owner.records.values()):
-            held += spec.blocks(rec.input_tokens + rec.num_output_tokens)
+        for _ in range(3):  # the engine thread may add or drop a record while we copy the dict
+            try:
+                live = list(owner.records.values())
+                break
+            except RuntimeError:
+                continue
+        else:
+            return None
+        held = sum(spec.blocks(rec.input_tokens + rec.num_output_tokens) for rec in live)
         return held, spec.num_blocks
 
     return source
