@@ -449,15 +449,21 @@ def test_no_event_while_pressure_is_ok():
 
 def test_nvml_signals_are_absent_on_cpu_not_zero():
     cap, signals, reader = signals_captured({})
-    signals.poller = UtilizationPoller.from_nvml()  # no GPU here: an unavailable poller
-    signals.on_tokens(100, 0.0)
-    assert signals.token_efficiency() is None and signals.usage() == (None, None)
-    signals.tick(now=0.0)
-    assert metric_points(reader, M.LLM_SERVER_TOKEN_EFFICIENCY) == []
-    assert metric_points(reader, M.LLM_SERVER_VRAM_USAGE) == []
-    assert metric_points(reader, M.LLM_SERVER_VRAM_PRESSURE) == []
-    (health,) = metric_points(reader, M.LLM_SERVER_HEALTH_SCORE)
-    assert health.attributes == {A.LLM_HEALTH_FACTOR: "uptime"}  # just started: warming up
+    signals.poller = None
+    assert metric_points(reader, M.LLM_SERVER_HEALTH_SCORE) == []  # not serving (e.g. an engine-core process)
+    signals.start()  # no GPU here: an unavailable NVML poller
+    try:
+        signals.on_tokens(100, 0.0)
+        assert signals.poller.source is None
+        assert signals.token_efficiency() is None and signals.usage() == (None, None)
+        signals.tick(now=0.0)
+        assert metric_points(reader, M.LLM_SERVER_TOKEN_EFFICIENCY) == []
+        assert metric_points(reader, M.LLM_SERVER_VRAM_USAGE) == []
+        assert metric_points(reader, M.LLM_SERVER_VRAM_PRESSURE) == []
+        (health,) = metric_points(reader, M.LLM_SERVER_HEALTH_SCORE)
+        assert health.attributes == {A.LLM_HEALTH_FACTOR: "uptime"}  # just started: warming up
+    finally:
+        signals.stop()
 
 
 class MemorySource:
@@ -480,3 +486,15 @@ def test_token_efficiency_per_gib_in_use():
     signals.on_tokens(999, 80.0)  # outside the window
     assert signals.token_efficiency(now=109.6) == pytest.approx(300 / 10 / 2)
     assert signals.usage() == (0.25, "nvml")
+
+
+def test_stop_ends_the_thread_and_the_health_endpoint():
+    _, signals, _ = signals_captured({"LLM_OTEL_HEALTH_PORT": "0"})
+    signals.start()
+    port = signals.health_server.port
+    assert get(f"http://127.0.0.1:{port}/healthz")[0] in (200, 503)
+    signals.stop()
+    signals._thread.join(timeout=30)
+    assert not signals._thread.is_alive() and signals.health_server is None
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5)

@@ -404,7 +404,11 @@ class Signals:
         self._exporter_checked = (now, result)
         return result
 
+    # Efficiency and health describe a serving frontend: reported once started (an engine attached
+    # or the sidecar), never from vLLM's engine-core/worker processes, whose Telemetry sees no requests.
     def _observe_efficiency(self, _options):
+        if self._thread is None:
+            return []
         value = self.token_efficiency()
         return [] if value is None else [Observation(value)]
 
@@ -420,6 +424,8 @@ class Signals:
         return [] if p.usage is None else [Observation(float(p.usage), {A.LLM_VRAM_SOURCE: p.source or "nvml"})]
 
     def _observe_health(self, _options):
+        if self._thread is None:
+            return []
         value, dominant, _ = self.health.compute()
         return [Observation(value, {A.LLM_HEALTH_FACTOR: dominant})]
 
