@@ -498,3 +498,16 @@ def test_stop_ends_the_thread_and_the_health_endpoint():
     assert not signals._thread.is_alive() and signals.health_server is None
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5)
+
+
+def test_a_failing_signal_never_reaches_the_engine_and_the_span_still_ends(monkeypatch):
+    cap, signals, _ = signals_captured({})
+    rec = start(cap, signals, None)
+
+    def broken(*args, **kwargs):
+        raise ValueError("signal bug")
+
+    monkeypatch.setattr(signals, "on_finish", broken)
+    cap.telemetry.finish(rec)  # does not raise
+    assert [s.name for s in cap.finished()].count("text_completion m") == 1
+    assert cap.telemetry.errors.counts == {"telemetry.signals": 1}

@@ -132,11 +132,14 @@ class Telemetry:
         duration_s = max(0.0, (end_ns - rec.arrival_ns) / 1e9)
         try:
             self.instruments.record(rec, duration_s)
-            self.signals.on_finish(rec, duration_s)
             if self.sampling_root is not None:
                 self._observe_latency(rec)
         except Exception as exc:  # noqa: BLE001
             self.errors.report("telemetry.metrics", exc)
+        try:
+            self.signals.on_finish(rec, duration_s)
+        except Exception as exc:  # noqa: BLE001
+            self.errors.report("telemetry.signals", exc)
         if rec.span is None:
             return
         if not rec.recording and self.sampling_root is not None:

@@ -323,7 +323,10 @@ class VLLMAdapter:
             engine_version=self.version, choice_index=int(request_index or 0),
             request_attributes=attrs, user_logprobs=user_logprobs, prompt_text=prompt)
         rec.vocab_size = state.vocab_size
-        signals.admit(rec, class_labels, tier, state.kv)
+        try:
+            signals.admit(rec, class_labels, tier, state.kv)
+        except Exception as exc:  # noqa: BLE001 - the record must still be tracked and ended
+            self.telemetry.errors.report("signals.admit", exc)
         k = min(self.settings.logprobs_top_k, state.max_logprobs)
         user_asked = user_logprobs is not None or bool(getattr(sp, "logprob_token_ids", None))
         wanted = rec.recording and k > 0 and (user_asked or self._wants_logit_dist(rec))
