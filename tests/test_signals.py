@@ -511,3 +511,13 @@ def test_a_failing_signal_never_reaches_the_engine_and_the_span_still_ends(monke
     cap.telemetry.finish(rec)  # does not raise
     assert [s.name for s in cap.finished()].count("text_completion m") == 1
     assert cap.telemetry.errors.counts == {"telemetry.signals": 1}
+
+
+def test_doctor_names_the_bad_tier_line():
+    import io
+
+    from llm_otel.cli import doctor
+
+    out = io.StringIO()
+    assert doctor(env={"LLM_OTEL_TIERS": "premium tenant=a ttft=1; free * ttft=soon"}, out=out) == 1
+    assert "LLM_OTEL_TIERS line 2" in out.getvalue() and "'soon' is not a number" in out.getvalue()

@@ -59,6 +59,9 @@ def doctor(env=None, out=None) -> int:
 
     try:
         Settings.from_env(env)
+        from llm_otel.signals import SignalsConfig
+
+        SignalsConfig.from_env(env)  # class headers, tier table, VRAM and health settings
         say("ok", "configuration (OTEL_* / LLM_OTEL_*) is valid")
     except ConfigError as exc:
         say("FAIL", f"configuration: {exc}")
