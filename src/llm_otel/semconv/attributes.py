@@ -107,6 +107,9 @@ LLM_ENGINE_VERSION = 'llm.engine.version'
 LLM_GPU_RING_BACKEND = 'llm.gpu.ring.backend'
 """Which ring buffer backend recorded the steps. Type: enum (string). Origin: llm-otel."""
 
+LLM_HEALTH_FACTOR = 'llm.health.factor'
+"""The factor that lowers the health score most (largest weighted deficit). Type: enum (string). Origin: llm-otel."""
+
 LLM_INSTRUMENTATION_HOOK = 'llm.instrumentation.hook'
 """The instrumentation hook that failed (engine target it wraps). Type: string. Origin: llm-otel."""
 
@@ -121,6 +124,9 @@ LLM_INTER_TOKEN_LATENCY_P90 = 'llm.inter_token_latency.p90'
 
 LLM_INTER_TOKEN_LATENCY_P99 = 'llm.inter_token_latency.p99'
 """99th percentile of the request's inter-token latencies, seconds. Type: double. Origin: llm-otel."""
+
+LLM_KV_CACHE_PHASE = 'llm.kv_cache.phase'
+"""When a KV-cache footprint was measured. Type: enum (string). Origin: llm-otel."""
 
 LLM_LOGIT_ENTROPY = 'llm.logit.entropy'
 """Shannon entropy of one step's next-token distribution, nats. Type: double. Origin: llm-otel."""
@@ -170,6 +176,12 @@ LLM_PROCESS_ROLE = 'llm.process.role'
 LLM_REQUEST_CHOICE_INDEX = 'llm.request.choice.index'
 """Index of this choice among the `n` parallel samples of one request (0 when n=1). Type: int. Origin: llm-otel."""
 
+LLM_REQUEST_CLASS_KEY = 'llm.request.class.key'
+"""Which class dimension a collapsed value belonged to (tenant, priority, operation, revision). Type: string. Origin: llm-otel."""
+
+LLM_REQUEST_CLASS_REASON = 'llm.request.class.reason'
+"""Why a request-class value collapsed to `other`. Type: enum (string). Origin: llm-otel."""
+
 LLM_REQUEST_DECODE_DURATION = 'llm.request.decode.duration'
 """Seconds from the first to the last output token. Type: double. Origin: llm-otel."""
 
@@ -185,8 +197,26 @@ LLM_REQUEST_FRONTEND_DURATION = 'llm.request.frontend.duration'
 LLM_REQUEST_ID = 'llm.request.id'
 """The engine's internal request id (vLLM `EngineCoreRequest.request_id`). Type: string. Origin: llm-otel."""
 
+LLM_REQUEST_KV_CACHE_BLOCKS = 'llm.request.kv_cache.blocks'
+"""KV-cache blocks the request held at finish (estimate, ceil(tokens / block size)). Type: int. Origin: llm-otel."""
+
+LLM_REQUEST_KV_CACHE_CACHED_BLOCKS = 'llm.request.kv_cache.cached_blocks'
+"""Whole prompt blocks the engine found in its prefix cache (engine-reported cached tokens / block size), not newly allocated. Type: int. Origin: llm-otel."""
+
+LLM_REQUEST_KV_CACHE_FINAL_BYTES = 'llm.request.kv_cache.final_bytes'
+"""Estimated KV-cache bytes the request held at finish (prompt plus generated tokens whose KV was written, rounded up to whole blocks). Type: int. Origin: llm-otel."""
+
+LLM_REQUEST_KV_CACHE_PROMPT_BYTES = 'llm.request.kv_cache.prompt_bytes'
+"""Estimated KV-cache bytes the request holds at admission (prompt tokens rounded up to whole blocks), from the engine's model config. Type: int. Origin: llm-otel."""
+
 LLM_REQUEST_LOGPROBS = 'llm.request.logprobs'
 """Number of sample log-probs per token the user requested (absent when none). Type: int. Origin: llm-otel."""
+
+LLM_REQUEST_MODEL_REVISION = 'llm.request.model.revision'
+"""Model revision serving the request (canary vs stable) from LLM_OTEL_MODEL_REVISION or the configured inbound header. Type: string. Origin: llm-otel."""
+
+LLM_REQUEST_OPERATION = 'llm.request.operation'
+"""Caller's business operation or route label from the configured inbound header (not gen_ai.operation.name), sanitised and bounded. Type: string. Origin: llm-otel."""
 
 LLM_REQUEST_PREEMPTIONS = 'llm.request.preemptions'
 """Number of times the scheduler preempted the request (its KV cache was freed and recomputed). Type: int. Origin: llm-otel."""
@@ -194,14 +224,29 @@ LLM_REQUEST_PREEMPTIONS = 'llm.request.preemptions'
 LLM_REQUEST_PREFILL_DURATION = 'llm.request.prefill.duration'
 """Seconds from first scheduling to the first output token (prefill, including chunks and recompute). Type: double. Origin: llm-otel."""
 
+LLM_REQUEST_PRIORITY = 'llm.request.priority'
+"""Caller-declared priority class from the configured inbound header, sanitised and bounded like llm.request.tenant. Type: string. Origin: llm-otel."""
+
 LLM_REQUEST_QUEUE_DURATION = 'llm.request.queue.duration'
 """Seconds the request waited in the scheduler's waiting queue (QUEUED to first SCHEDULED event); time spent before it reached the scheduler is in llm.request.frontend.duration. Type: double. Origin: llm-otel."""
+
+LLM_REQUEST_TENANT = 'llm.request.tenant'
+"""Tenant of the request from the configured inbound header (LLM_OTEL_CLASS_HEADERS), sanitised; `other` when over the cardinality bound or invalid. Type: string. Origin: llm-otel."""
+
+LLM_REQUEST_TIER = 'llm.request.tier'
+"""SLO tier the request's class maps to in the tier table (LLM_OTEL_TIERS / LLM_OTEL_TIERS_FILE); `default` when no row matches. Type: string. Origin: llm-otel."""
 
 LLM_REQUEST_TIMING_SOURCE = 'llm.request.timing.source'
 """Where the phase timestamps of the request came from. Type: enum (string). Origin: llm-otel."""
 
 LLM_SAMPLING_REASON = 'llm.sampling.reason'
 """Why the adaptive sampler kept this trace. Type: enum (string). Origin: llm-otel."""
+
+LLM_SLO_OBJECTIVE = 'llm.slo.objective'
+"""Which tier objective a request was checked against. Type: enum (string). Origin: llm-otel."""
+
+LLM_SLO_OUTCOME = 'llm.slo.outcome'
+"""Result of one SLO check. Type: enum (string). Origin: llm-otel."""
 
 LLM_STREAM_END = 'llm.stream.end'
 """What told the client that a streamed request was complete. Type: enum (string). Origin: llm-otel."""
@@ -257,6 +302,15 @@ LLM_TRITON_MODEL_VERSION = 'llm.triton.model.version'
 LLM_TRITON_STREAM_REQUESTS = 'llm.triton.stream.requests'
 """Number of requests the application sent on a gRPC stream (`async_stream_infer` calls or items of the `stream_infer` input iterator). Type: int. Origin: llm-otel."""
 
+LLM_VRAM_PRESSURE_LEVEL = 'llm.vram.pressure.level'
+"""VRAM pressure level with hysteresis. Type: enum (string). Origin: llm-otel."""
+
+LLM_VRAM_SOURCE = 'llm.vram.source'
+"""Source of the usage fraction. Type: enum (string). Origin: llm-otel."""
+
+LLM_VRAM_USAGE = 'llm.vram.usage'
+"""Memory usage fraction (0-1) that drives the pressure level. Type: double. Origin: llm-otel."""
+
 SERVER_ADDRESS = 'server.address'
 """Server domain name if available without reverse DNS lookup; otherwise, IP address or Unix domain socket name. Type: string. Origin: official."""
 
@@ -276,6 +330,21 @@ class LlmGpuRingBackendValues:
     NUMPY = 'numpy'
 
 
+class LlmHealthFactorValues:
+    """Values of llm.health.factor."""
+    LATENCY = 'latency'
+    ERRORS = 'errors'
+    GPU = 'gpu'
+    UPTIME = 'uptime'
+    NONE = 'none'
+
+
+class LlmKvCachePhaseValues:
+    """Values of llm.kv_cache.phase."""
+    ADMISSION = 'admission'
+    FINISH = 'finish'
+
+
 class LlmLogitSourceValues:
     """Values of llm.logit.source."""
     ENGINE_LOGPROBS = 'engine_logprobs'
@@ -289,6 +358,14 @@ class LlmProcessRoleValues:
     WORKER = 'worker'
 
 
+class LlmRequestClassReasonValues:
+    """Values of llm.request.class.reason."""
+    OVERFLOW = 'overflow'
+    OVERSIZED = 'oversized'
+    INVALID = 'invalid'
+    DUPLICATE = 'duplicate'
+
+
 class LlmRequestTimingSourceValues:
     """Values of llm.request.timing.source."""
     ENGINE_EVENTS = 'engine_events'
@@ -300,6 +377,20 @@ class LlmSamplingReasonValues:
     HEAD = 'head'
     DRIFT_BOOST = 'drift_boost'
     OUTLIER = 'outlier'
+
+
+class LlmSloObjectiveValues:
+    """Values of llm.slo.objective."""
+    TTFT = 'ttft'
+    TPOT = 'tpot'
+    E2E = 'e2e'
+    AVAILABILITY = 'availability'
+
+
+class LlmSloOutcomeValues:
+    """Values of llm.slo.outcome."""
+    MET = 'met'
+    BREACHED = 'breached'
 
 
 class LlmStreamEndValues:
@@ -317,6 +408,19 @@ class LlmTritonClientValues:
     HTTP_AIO = 'http.aio'
     GRPC = 'grpc'
     GRPC_AIO = 'grpc.aio'
+
+
+class LlmVramPressureLevelValues:
+    """Values of llm.vram.pressure.level."""
+    OK = 'ok'
+    WARN = 'warn'
+    CRITICAL = 'critical'
+
+
+class LlmVramSourceValues:
+    """Values of llm.vram.source."""
+    NVML = 'nvml'
+    KV_CACHE = 'kv_cache'
 
 
 ATTRIBUTE_TYPES: dict[str, str] = {
@@ -355,11 +459,13 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.engine.step.prefill_tokens': 'int',
     'llm.engine.version': 'string',
     'llm.gpu.ring.backend': 'string',
+    'llm.health.factor': 'string',
     'llm.instrumentation.hook': 'string',
     'llm.inter_token_latency.max': 'double',
     'llm.inter_token_latency.p50': 'double',
     'llm.inter_token_latency.p90': 'double',
     'llm.inter_token_latency.p99': 'double',
+    'llm.kv_cache.phase': 'string',
     'llm.logit.entropy': 'double',
     'llm.logit.entropy.max': 'double',
     'llm.logit.entropy.mean': 'double',
@@ -376,17 +482,30 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.logit.top_token_ids': 'int[]',
     'llm.process.role': 'string',
     'llm.request.choice.index': 'int',
+    'llm.request.class.key': 'string',
+    'llm.request.class.reason': 'string',
     'llm.request.decode.duration': 'double',
     'llm.request.device_steps': 'int',
     'llm.request.device_time': 'double',
     'llm.request.frontend.duration': 'double',
     'llm.request.id': 'string',
+    'llm.request.kv_cache.blocks': 'int',
+    'llm.request.kv_cache.cached_blocks': 'int',
+    'llm.request.kv_cache.final_bytes': 'int',
+    'llm.request.kv_cache.prompt_bytes': 'int',
     'llm.request.logprobs': 'int',
+    'llm.request.model.revision': 'string',
+    'llm.request.operation': 'string',
     'llm.request.preemptions': 'int',
     'llm.request.prefill.duration': 'double',
+    'llm.request.priority': 'string',
     'llm.request.queue.duration': 'double',
+    'llm.request.tenant': 'string',
+    'llm.request.tier': 'string',
     'llm.request.timing.source': 'string',
     'llm.sampling.reason': 'string',
+    'llm.slo.objective': 'string',
+    'llm.slo.outcome': 'string',
     'llm.stream.end': 'string',
     'llm.stream.response.gap': 'double',
     'llm.stream.response.index': 'int',
@@ -405,6 +524,9 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.triton.client': 'string',
     'llm.triton.model.version': 'string',
     'llm.triton.stream.requests': 'int',
+    'llm.vram.pressure.level': 'string',
+    'llm.vram.source': 'string',
+    'llm.vram.usage': 'double',
     'server.address': 'string',
     'server.port': 'int',
 }

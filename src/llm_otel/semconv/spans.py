@@ -52,3 +52,6 @@ EVENT_LLM_TOKEN = 'llm.token'
 
 EVENT_LLM_TOKEN_STALL = 'llm.token.stall'
 """An output token whose inter-token latency exceeded the stall threshold."""
+
+EVENT_LLM_VRAM_PRESSURE = 'llm.vram.pressure'
+"""The request was admitted while VRAM pressure was not ok."""

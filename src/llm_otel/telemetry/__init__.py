@@ -26,6 +26,7 @@ from llm_otel.config import Settings
 from llm_otel.semconv import SCHEMA_URL
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import spans as S
+from llm_otel.signals import Signals, SignalsConfig
 from llm_otel.telemetry.errors import HookErrors
 from llm_otel.telemetry.metrics import Instruments
 from llm_otel.telemetry.record import RequestRecord
@@ -44,11 +45,16 @@ class Telemetry:
         tracer_provider / meter_provider: where spans and metrics go (global providers when None).
         settings: validated configuration (:meth:`Settings.from_env` when None).
         scope: instrumentation scope name of the tracer and meter.
+        signals_config: serving-signal settings (:meth:`SignalsConfig.from_env` when None).
+
+    Raises:
+        llm_otel.config.ConfigError: an ``LLM_OTEL_*`` signal variable or the tier table is invalid.
     """
 
     def __init__(self, tracer_provider: TracerProvider | None = None,
                  meter_provider: MeterProvider | None = None,
-                 settings: Settings | None = None, scope: str = "llm_otel") -> None:
+                 settings: Settings | None = None, scope: str = "llm_otel",
+                 signals_config: SignalsConfig | None = None) -> None:
         from llm_otel import __version__
 
         self.settings = settings or Settings.from_env()
@@ -61,6 +67,8 @@ class Telemetry:
         provider = tracer_provider if tracer_provider is not None else trace.get_tracer_provider()
         # llm-otel's adaptive sampler (if the provider uses it) learns latency drift from every request
         self.sampling_root = getattr(getattr(provider, "sampler", None), "root", None)
+        # request classes, tiers, KV footprint, VRAM pressure, health (ConfigError on a bad tier table)
+        self.signals = Signals(meter, signals_config, poller=getattr(self.sampling_root, "poller", None))
         self._steps: StepTracker | None = None
         self._steps_lock = threading.Lock()
 
@@ -152,6 +160,10 @@ class Telemetry:
                 self._observe_latency(rec)
         except Exception as exc:  # noqa: BLE001
             self.errors.report("telemetry.metrics", exc)
+        try:
+            self.signals.on_finish(rec, duration_s)
+        except Exception as exc:  # noqa: BLE001
+            self.errors.report("telemetry.signals", exc)
         if rec.span is None:
             return
         if not rec.recording and self.sampling_root is not None:

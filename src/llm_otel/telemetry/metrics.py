@@ -44,6 +44,8 @@ class Instruments:
             A.GEN_AI_REQUEST_MODEL: rec.model,
             A.GEN_AI_RESPONSE_MODEL: rec.response_model,
         }
+        if rec.metric_attributes:  # request class and tier labels, bounded by llm_otel.signals
+            attrs.update(rec.metric_attributes)
         ok = rec.error_type is None
         if ok:
             self.duration.record(duration_s, attrs)
