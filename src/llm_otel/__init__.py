@@ -18,6 +18,8 @@ logger = logging.getLogger("llm_otel")
 # engine name -> (module that must be importable, instrumentor import path)
 _ENGINES = {
     "vllm": ("vllm", "llm_otel.instrumentation.vllm:VLLMInstrumentor"),
+    "lightllm": ("lightllm", "llm_otel.instrumentation.lightllm:LightLLMInstrumentor"),
+    "triton": ("tritonclient", "llm_otel.instrumentation.triton:TritonClientInstrumentor"),
 }
 
 

@@ -100,6 +100,8 @@ class Instruments:
             A.GEN_AI_REQUEST_MODEL: rec.model,
             A.GEN_AI_RESPONSE_MODEL: rec.response_model,
         }
+        if rec.metric_attributes:  # request class and tier labels, bounded by llm_otel.signals
+            attrs.update(rec.metric_attributes)
         ctx = trace.set_span_in_context(rec.span) if rec.recording else _NO_TRACE
         ok = rec.error_type is None
         count_attrs = {k: v for k, v in attrs.items() if k != A.GEN_AI_RESPONSE_MODEL}

@@ -122,6 +122,8 @@ class VLLMInstrumentor(BaseInstrumentor):
 
         remove_hooks(self._applied)
         self._applied = []
+        if self.adapter is not None:
+            self.adapter.telemetry.signals.stop()  # its thread and /healthz end with the hooks
         self.adapter = None
         self._pending = None
         if getattr(self, "_set_enable_env", False):

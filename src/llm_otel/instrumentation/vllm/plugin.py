@@ -72,7 +72,7 @@ def register() -> None:
 def engine_process_providers(role: str):
     """Tracer and meter providers for an engine-core or worker process, from the ``OTEL_*``
     environment, with resource attribute ``llm.process.role``; flushed at exit (with the worker's
-    pending logit statistics)."""
+    pending logit statistics and step device timings)."""
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
     from opentelemetry.sdk.resources import Resource
@@ -111,6 +111,9 @@ def engine_process_providers(role: str):
         try:
             if adapter is not None:
                 adapter.worker.flush(0.0)
+                steps = adapter.telemetry.steps_if_started
+                if steps is not None:  # device records still in flight complete their step spans
+                    steps.close()
         finally:
             tracer_provider.shutdown()
             meter_provider.shutdown()
