@@ -35,6 +35,3 @@ if [ ! -x .venv-triton/bin/python ]; then
     "$PYTHON" -m venv .venv-triton
 fi
 .venv-triton/bin/python -m pip install --quiet 'nvidia-pytriton==0.7.0' 'numpy<2'
-# promtool (Debian's prometheus package) for the alert-rule tests; they skip where it is missing
-command -v promtool >/dev/null || { { apt-get update -qq && apt-get install -y -qq prometheus >/dev/null; } \
-    || echo "promtool not installed: the promtool tests will be skipped"; }

@@ -16,9 +16,9 @@ import yaml
 from llm_otel._semconv_registry import load_registry
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-RULES = ROOT / "examples" / "prometheus" / "signals-rules.yml"
-RULE_TESTS = ROOT / "examples" / "prometheus" / "tests" / "signals-rules.test.yml"
-DASHBOARD = ROOT / "examples" / "grafana" / "llm-otel-signals.json"
+RULES = ROOT / "examples" / "prometheus" / "signals.rules.yml"
+RULE_TESTS = ROOT / "examples" / "prometheus" / "tests" / "signals.test.yml"
+DASHBOARD = ROOT / "examples" / "grafana" / "dashboards" / "llm-otel-signals.json"
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not on PATH (apt-get install prometheus)")
 
