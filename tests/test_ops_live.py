@@ -29,7 +29,9 @@ httpx = pytest.importorskip("httpx")
 
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")]
 
-GPU_METRICS = ("llm_gpu_utilization", "llm_gpu_memory_usage_bytes", "llm_gpu_memory_limit_bytes")
+# absent without NVML (token efficiency divides by GPU memory in use)
+GPU_METRICS = ("llm_gpu_utilization", "llm_gpu_memory_usage_bytes", "llm_gpu_memory_limit_bytes",
+               "llm_server_token_efficiency")
 OPENMETRICS = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
 
 
@@ -93,7 +95,10 @@ def ops_engine(tiny_model, tmp_path_factory):
     env.update(OTEL_METRICS_EXPORTER="prometheus", OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
                OTEL_EXPORTER_PROMETHEUS_PORT=str(port), OTEL_TRACES_EXPORTER="none",
                OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG="0.5",
-               OTEL_SERVICE_NAME="llm-otel-ops-test", LLM_OTEL_CONSOLE="off", LLM_OTEL_ADAPTIVE_SAMPLING="off")
+               OTEL_SERVICE_NAME="llm-otel-ops-test", LLM_OTEL_CONSOLE="off", LLM_OTEL_ADAPTIVE_SAMPLING="off",
+               # a catch-all tier so the signals rules and panels (SLO checks by tier) have data
+               LLM_OTEL_TIERS="free * ttft=1.2 tpot=0.5", LLM_OTEL_MODEL_REVISION="stable",
+               LLM_OTEL_CLASS_HEADERS="priority:engine:priority")
     log = open(log_path, "w")
     app = os.path.join(os.path.dirname(__file__), "ops_engine_app.py")
     proc = subprocess.Popen([sys.executable, app, str(tiny_model)], env=env, stdin=subprocess.PIPE,

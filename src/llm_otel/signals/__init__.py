@@ -169,6 +169,10 @@ class Signals:
             reserved=self.tiers.reserved() if self.tiers else None,
             on_collapse=lambda dim, reason: self._collapsed.add(
                 1, {A.LLM_REQUEST_CLASS_KEY: dim, A.LLM_REQUEST_CLASS_REASON: reason}))
+        # every (dimension, reason) series starts at 0, so rate()/increase() see the first collapse
+        for dim in self.classes.sources:
+            for reason in ClassExtractor.REASONS:
+                self._collapsed.add(0, {A.LLM_REQUEST_CLASS_KEY: dim, A.LLM_REQUEST_CLASS_REASON: reason})
         self.kv_size = meter.create_histogram(
             M.LLM_SERVER_REQUEST_KV_CACHE_SIZE, unit=M.LLM_SERVER_REQUEST_KV_CACHE_SIZE_UNIT,
             description="Estimated KV-cache bytes per request at admission and finish.",

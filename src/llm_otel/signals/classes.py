@@ -136,6 +136,9 @@ class ClassExtractor:
             labels[dim] = self.label(dim, value)
         return values, labels
 
+    #: why a value became ``other`` (the ``llm.request.class.reason`` values)
+    REASONS = ("duplicate", "oversized", "invalid", "overflow")
+
     def sanitise(self, found: list[str]) -> tuple[str | None, str | None]:
         """``(value, None)``, ``(None, None)`` when missing, or ``(OTHER, reason)``."""
         stripped = [v.strip() for v in found]
