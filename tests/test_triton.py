@@ -229,9 +229,10 @@ def test_c11_grpc_async_infer_callback_runs_once_after_span_ended(triton, receiv
 
         client.async_infer("text_echo", text_inputs(grpcclient), callback, request_id="ga1")
         assert done.wait(10)
-        (result, error, finished_then, thread) = calls[0]
+        (result, error, finished_then, _thread) = calls[0]
         assert error is None and result.as_numpy("text_output")[0] == b"hello => ok"
-        assert thread is not threading.current_thread()
+        # usually a gRPC thread; the caller's own thread when the response was already in when
+        # tritonclient added its done-callback (gRPC then runs it at once) - either way exactly once
         assert "text_completion text_echo" in finished_then
         (span,) = ours(cap, "text_completion text_echo")
         check_client_span(span, client="grpc", model="text_echo", port=triton.grpc_port, request_id="ga1")
