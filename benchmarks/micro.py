@@ -129,14 +129,31 @@ def bench_logits(rounds: int) -> dict:
 
 
 def bench_ring(rounds: int) -> dict:
-    try:
-        from llm_otel.gpu import ring
-    except ImportError:
-        return {"skipped": "llm_otel.gpu.ring not present"}
-    factory = getattr(ring, "bench_numpy_ring", None)
-    if factory is None:
-        return {"skipped": "llm_otel.gpu.ring has no bench_numpy_ring hook"}
-    return factory(rounds)
+    """The NumPy ring (host clock) through the StepTracker, as an engine adapter drives it: begin and
+    end around each step (engine thread), then the drain that completes the step spans."""
+    from llm_otel.telemetry.steps import StepTracker
+
+    tel = _telemetry(True)
+    tracker = StepTracker(tel, backend="numpy", capacity=1 << 16, nvtx=False)
+    tracker.wait_ready(10)
+    ids = [f"req-{i}" for i in range(64)]
+    tracker.drain()
+
+    def step():
+        tracker.end(tracker.begin(ids, phase="decode"))
+
+    n = 2_000
+    per_step = best_per_op(step, n, rounds) / 1
+    t = time.perf_counter()
+    for _ in range(n):
+        step()
+    launched = time.perf_counter() - t
+    t = time.perf_counter()
+    tracker.drain()
+    drained = time.perf_counter() - t
+    tracker.close()
+    return {"begin_end_per_step_batch64_us": per_step * 1e6, "drain_per_step_us": drained / n * 1e6,
+            "launch_loop_per_step_us": launched / n * 1e6}
 
 
 CASES = {"token": bench_token, "request": bench_request, "sampler": bench_sampler, "logits": bench_logits,

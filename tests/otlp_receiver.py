@@ -4,7 +4,8 @@
 
 * a gRPC server implementing the OTLP ``TraceService`` and ``MetricsService``;
 * an OTLP/HTTP server (``POST /v1/traces`` and ``POST /v1/metrics``, binary
-  protobuf bodies, optionally ``gzip`` or ``deflate`` encoded).
+  protobuf or OTLP/JSON bodies - JSON ids are hex as the OTLP spec says, which is
+  what Triton's C++ exporter sends - optionally ``gzip`` or ``deflate`` encoded).
 
 Everything that arrives is decoded into plain dicts so tests can assert on
 ordinary Python values instead of protobuf messages::
@@ -34,8 +35,11 @@ for histograms, ``value`` for sums and gauges, and ``is_monotonic``/
 
 from __future__ import annotations
 
+import base64
+import binascii
 import copy
 import gzip
+import json
 import threading
 import time
 import zlib
@@ -44,6 +48,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterable
 
 import grpc
+from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.metrics.v1 import (
     metrics_service_pb2,
@@ -270,6 +275,22 @@ _HTTP_ROUTES = {
 }
 
 _MAX_BODY = 64 * 1024 * 1024
+_JSON_ID_KEYS = frozenset({"traceId", "spanId", "parentSpanId"})
+
+
+def _json_ids_to_base64(value: Any) -> Any:
+    """OTLP/JSON carries trace/span ids as hex; protobuf's JSON mapping expects base64 for bytes."""
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            if key in _JSON_ID_KEYS and isinstance(item, str):
+                out[key] = base64.b64encode(bytes.fromhex(item)).decode("ascii")
+            else:
+                out[key] = _json_ids_to_base64(item)
+        return out
+    if isinstance(value, list):
+        return [_json_ids_to_base64(v) for v in value]
+    return value
 
 
 def _make_handler(receiver: OTLPReceiver) -> type[BaseHTTPRequestHandler]:
@@ -315,10 +336,11 @@ def _make_handler(receiver: OTLPReceiver) -> type[BaseHTTPRequestHandler]:
             _, request_cls, response_cls = route
 
             content_type = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
-            if content_type != "application/x-protobuf":
+            if content_type not in ("application/x-protobuf", "application/json"):
                 return self._fail(
                     415,
-                    f"unsupported Content-Type {content_type!r}; expected application/x-protobuf",
+                    f"unsupported Content-Type {content_type!r}; expected application/x-protobuf "
+                    "or application/json",
                     signal,
                     encoding,
                 )
@@ -335,9 +357,13 @@ def _make_handler(receiver: OTLPReceiver) -> type[BaseHTTPRequestHandler]:
 
             request = request_cls()
             try:
-                request.ParseFromString(body)
-            except DecodeError as exc:
-                return self._fail(400, f"malformed protobuf body: {exc}", signal, encoding)
+                if content_type == "application/json":
+                    json_format.ParseDict(_json_ids_to_base64(json.loads(body)), request,
+                                          ignore_unknown_fields=True)
+                else:
+                    request.ParseFromString(body)
+            except (DecodeError, json_format.ParseError, ValueError, binascii.Error) as exc:
+                return self._fail(400, f"malformed {content_type} body: {exc}", signal, encoding)
 
             receiver._record_request("http", signal, encoding, 200)
             if signal == "traces":

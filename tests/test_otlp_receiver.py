@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import http.client
+import json
 import socket
 import threading
 from urllib.parse import urlsplit
@@ -509,9 +510,26 @@ def test_http_rejects_a_malformed_body_with_400_and_stores_nothing(rx, path, bod
     assert logged["status"] == 400 and logged["transport"] == "http"
 
 
-def test_http_rejects_unknown_paths_and_non_protobuf_content(rx):
+def test_http_rejects_unknown_paths_and_non_otlp_content(rx):
     assert _post(rx.http_endpoint + "/v1/logs", b"", PROTOBUF)[0] == 404
-    assert _post(rx.http_traces_url, b"{}", {"Content-Type": "application/json"})[0] == 415
+    assert _post(rx.http_traces_url, b"{}", {"Content-Type": "text/plain"})[0] == 415
+    assert _post(rx.http_traces_url, b"{not json", {"Content-Type": "application/json"})[0] == 400
+
+
+def test_http_accepts_otlp_json_with_hex_ids(rx):
+    # the shape Triton's C++ OTLP/HTTP exporter posts: hex ids, application/json
+    body = {"resourceSpans": [{"resource": {"attributes": [
+        {"key": "service.name", "value": {"stringValue": "triton"}}]},
+        "scopeSpans": [{"scope": {"name": "triton-server"}, "spans": [{
+            "traceId": "0af7651916cd43dd8448eb211c80319c", "spanId": "b7ad6b7169203331",
+            "parentSpanId": "00f067aa0ba902b7", "name": "InferRequest", "kind": 2,
+            "startTimeUnixNano": "1", "endTimeUnixNano": "2"}]}]}]}
+    status = _post(rx.http_traces_url, json.dumps(body).encode(), {"Content-Type": "application/json"})[0]
+    assert status == 200
+    (span,) = rx.wait_for_spans(1)
+    assert (span["trace_id"], span["span_id"], span["parent_span_id"]) == (
+        "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331", "00f067aa0ba902b7")
+    assert span["kind"] == "SPAN_KIND_SERVER" and span["scope_name"] == "triton-server"
 
 
 # --------------------------------------------------------------------------

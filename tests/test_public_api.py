@@ -41,10 +41,10 @@ def test_instrument_is_idempotent_and_uninstrument_restores_every_attribute_exac
             except (ImportError, AttributeError):
                 assert h.group, h.qualname  # only another layout's alternative may be absent
         before = [vars(o)[a] for o, a in owners]
-        assert llm_otel.instrument() == ["vllm"]
+        assert llm_otel.instrument(engines=["vllm"]) == ["vllm"]
         wrapped = [vars(o)[a] for o, a in owners]
         assert all(w is not b for w, b in zip(wrapped, before)), "every hook applied"
-        assert llm_otel.instrument() == ["vllm"]
+        assert llm_otel.instrument(engines=["vllm"]) == ["vllm"]
         assert all(vars(o)[a] is w for (o, a), w in zip(owners, wrapped)), "second instrument() is a no-op"
         llm_otel.uninstrument()
         assert all(vars(o)[a] is b for (o, a), b in zip(owners, before)), "exact restore"
@@ -52,7 +52,7 @@ def test_instrument_is_idempotent_and_uninstrument_restores_every_attribute_exac
         assert all(vars(o)[a] is b for (o, a), b in zip(owners, before))
         print("OK", len(owners))
     """)
-    assert out.split() == ["OK", "17"]  # 19 hooks, 2 of them the older OpenAI-server layout
+    assert out.split() == ["OK", "22"]  # 24 hooks, 2 of them the older OpenAI-server layout
 
 
 @needs_vllm
@@ -77,7 +77,7 @@ def test_instrument_without_endpoint_sets_up_console_output_and_without_vllm_is_
     out = run_py("""
         import sys, types, importlib.util
         real = importlib.util.find_spec
-        importlib.util.find_spec = lambda name, *a: None if name == "vllm" else real(name, *a)
+        importlib.util.find_spec = lambda name, *a: None if name in ("vllm", "tritonclient") else real(name, *a)
         import llm_otel
         from opentelemetry import trace
         assert llm_otel.instrument() == []

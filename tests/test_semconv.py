@@ -78,6 +78,8 @@ def test_validator_rejects_broken_registries(registry_copy, mutation, expected):
      "does not resolve"),
     (lambda d: d["groups"][0]["attributes"][0].update(requirement_level="sometimes"), "unknown requirement_level"),
     (lambda d: d["groups"][0].update(span_kind="sideways"), "span_kind"),
+    # a second group for an existing span name would silently replace the first generated constant
+    (lambda d: d["groups"].append(dict(d["groups"][0], id=d["groups"][0]["id"] + ".again")), "already declared"),
 ])
 def test_validator_rejects_broken_span_groups(registry_copy, mutation, expected):
     _edit(registry_copy / "llm" / "spans.yaml", mutation)

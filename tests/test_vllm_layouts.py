@@ -64,13 +64,16 @@ def run_layout(layout: str, tmp_path) -> dict:
     ("v0_7", "0.7.3", {
         "vllm.v1.engine.core_client:EngineCoreClient.make_async_mp_client",
         "vllm.v1.core.sched.scheduler:Scheduler.schedule",
+        "vllm.v1.core.sched.scheduler:Scheduler.make_stats",
         "vllm.v1.engine.core:EngineCore.step_with_batch_queue",
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
-    }, 6),
+        "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens",
+        "vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample_tokens",
+    }, 10),
     ("v0_33", "0.33.0", {
         "vllm.v1.engine.core:EngineCore.step_with_batch_queue",
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
-    }, 4),
+    }, 6),
 ])
 def test_c06_other_vllm_layouts_skip_missing_hooks_with_one_warning_each_and_still_trace(layout, version, missing,
                                                                                        unresolved, tmp_path):

@@ -30,13 +30,18 @@ def _free_port() -> int:
 @pytest.fixture(scope="session")
 def server(tiny_model, receiver, tmp_path_factory):
     port = _free_port()
+    health_port = _free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
     env.update(VLLM_ENV)
     env.update(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
                OTEL_BSP_SCHEDULE_DELAY="200", OTEL_METRIC_EXPORT_INTERVAL="1000",
                OTEL_SERVICE_NAME="vllm-server-test", LLM_OTEL_LOGIT_DIST_RATIO="1",
-               VLLM_LOGGING_LEVEL="INFO")
+               VLLM_LOGGING_LEVEL="INFO",
+               # serving signals (test_signals_from_http_headers_and_in_process_healthz)
+               LLM_OTEL_CLASS_HEADERS="tenant:x-tenant-id,priority:x-priority",
+               LLM_OTEL_TIERS="premium tenant=acme ttft=60", LLM_OTEL_MODEL_REVISION="stable",
+               LLM_OTEL_HEALTH_PORT=str(health_port), LLM_OTEL_HEALTH_WARMUP_S="0")
     instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
     cmd = [instrument, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
            "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
@@ -57,7 +62,7 @@ def server(tiny_model, receiver, tmp_path_factory):
             os.killpg(proc.pid, signal.SIGKILL)
             pytest.fail(f"vLLM server not ready in 300 s:\n{log_path.read_text()[-4000:]}")
         time.sleep(1)
-    yield {"base": base, "proc": proc, "log": log_path}
+    yield {"base": base, "proc": proc, "log": log_path, "health_port": health_port}
     os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=60)
@@ -214,3 +219,21 @@ def test_c10_concurrent_requests_keep_their_own_parents(rx, server):
             assert child["trace_id"] == tid
     log = server["log"].read_text()
     assert "Failed to detach context" not in log and "llm-otel: hook" not in log
+
+
+def test_signals_from_http_headers_and_in_process_healthz(rx, server):
+    """Request classes from the inbound HTTP headers (sanitised: an injection-looking priority is
+    ``other``), the tier and revision on the SERVER span, and LLM_OTEL_HEALTH_PORT's /healthz."""
+    trace = "5cf92f3577b34da6a3ce929d0e0e4737"
+    headers = {"traceparent": f"00-{trace}-{TP_PARENT}-01", "x-tenant-id": "acme", "x-priority": 'high"} or 1'}
+    body = {"model": SERVED, "prompt": "signals", "max_tokens": 4, "ignore_eos": True}
+    r = httpx.post(server["base"] + "/v1/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    (root,) = request_spans(rx, trace)
+    a = root["attributes"]
+    assert (a["llm.request.tenant"], a["llm.request.priority"], a["llm.request.tier"], a["llm.request.model.revision"]) \
+        == ("acme", "other", "premium", "stable")
+    assert a["llm.request.kv_cache.prompt_bytes"] > 0 and a["llm.request.kv_cache.blocks"] >= 1
+    health = httpx.get(f"http://127.0.0.1:{server['health_port']}/healthz", timeout=10)
+    assert health.status_code == 200, health.text
+    assert health.json()["status"] == "ok" and health.json()["factors"]["uptime"] == 1.0

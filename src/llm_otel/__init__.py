@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from typing import Any
 
 __version__ = "0.1.0"
@@ -17,6 +18,8 @@ logger = logging.getLogger("llm_otel")
 # engine name -> (module that must be importable, instrumentor import path)
 _ENGINES = {
     "vllm": ("vllm", "llm_otel.instrumentation.vllm:VLLMInstrumentor"),
+    "lightllm": ("lightllm", "llm_otel.instrumentation.lightllm:LightLLMInstrumentor"),
+    "triton": ("tritonclient", "llm_otel.instrumentation.triton:TritonClientInstrumentor"),
 }
 
 
@@ -25,7 +28,8 @@ def _instrumentor(path: str):
     return getattr(importlib.import_module(module), name)()
 
 
-def instrument(tracer_provider: Any = None, meter_provider: Any = None, *, engines: list[str] | None = None) -> list[str]:
+def instrument(tracer_provider: Any = None, meter_provider: Any = None, *, engines: list[str] | None = None,
+               prometheus_port: int | None = None) -> list[str]:
     """Instrument every supported serving engine that is installed; returns the engines instrumented.
 
     Args:
@@ -34,16 +38,28 @@ def instrument(tracer_provider: Any = None, meter_provider: Any = None, *, engin
             application has none (``OTEL_EXPORTER_OTLP_ENDPOINT`` set: OTLP export; otherwise
             readable console output).
         engines: restrict to these engine names (``["vllm"]``); default all installed ones.
+        prometheus_port: serve metrics for Prometheus instead of pushing them: sets
+            ``OTEL_METRICS_EXPORTER=prometheus`` and ``OTEL_EXPORTER_PROMETHEUS_PORT`` in
+            ``os.environ`` (so vLLM's engine-core process, which serves on port + 1, follows).
+            Applies when llm-otel creates the providers (both provider arguments None).
 
     Idempotent: a second call while instrumented is a no-op for engines already instrumented.
 
     Raises:
-        llm_otel.config.ConfigError: an ``OTEL_*``/``LLM_OTEL_*`` variable holds an invalid value.
+        llm_otel.config.ConfigError: an ``OTEL_*``/``LLM_OTEL_*`` variable (or ``prometheus_port``)
+            holds an invalid value.
         ValueError: ``engines`` names an engine llm-otel does not know.
     """
     from llm_otel._setup import ensure_providers
     from llm_otel.config import Settings
 
+    if prometheus_port is not None:
+        from llm_otel.config import ConfigError
+
+        if not isinstance(prometheus_port, int) or not 0 < prometheus_port < 65535:
+            raise ConfigError(f"prometheus_port={prometheus_port!r}: expected a port number in [1, 65534]")
+        os.environ["OTEL_METRICS_EXPORTER"] = "prometheus"
+        os.environ["OTEL_EXPORTER_PROMETHEUS_PORT"] = str(prometheus_port)
     settings = Settings.from_env()
     unknown = set(engines or ()) - set(_ENGINES)
     if unknown:

@@ -33,7 +33,7 @@ SPAN_KINDS = {"client", "server", "producer", "consumer", "internal"}
 INSTRUMENTS = {"counter", "updowncounter", "gauge", "histogram"}
 STABILITIES = {"stable", "development", "alpha", "beta", "release_candidate"}
 # UCUM units we accept: plain units or curly-brace annotations such as {token}.
-UNIT_RE = re.compile(r"^(1|s|ms|us|ns|By|KiBy|MiBy|%|\{[a-z_]+\})$")
+UNIT_RE = re.compile(r"^(1|s|ms|us|ns|By|KiBy|MiBy|%|\{[a-z_]+\}(/s)?)$")
 GENERATOR = "python -m llm_otel._semconv_registry"
 
 
@@ -124,6 +124,8 @@ def validate(reg: Registry) -> list[str]:
             problems.append(f"manifest.yaml: missing {key!r}")
     seen_groups: dict[str, str] = {}
     seen_attrs: dict[str, str] = {}
+    # a span, event or metric name declared twice would silently replace the first generated constant
+    seen_names: dict[tuple[str, str], str] = {}
     for g in reg.groups:
         where = f"{g['_file']}:{g.get('id', '?')}"
         gid = g.get("id")
@@ -134,6 +136,12 @@ def validate(reg: Registry) -> list[str]:
             problems.append(f"{where}: duplicate group id (also in {seen_groups[gid]})")
         seen_groups[gid] = g["_file"]
         gtype = g.get("type")
+        emitted = {"span": (g.get("annotations") or {}).get("span_name"), "event": g.get("name"),
+                   "metric": g.get("metric_name")}.get(gtype)
+        if emitted:
+            if (gtype, emitted) in seen_names:
+                problems.append(f"{where}: {gtype} {emitted!r} already declared by {seen_names[gtype, emitted]}")
+            seen_names[gtype, emitted] = where
         if gtype not in GROUP_TYPES:
             problems.append(f"{where}: unknown group type {gtype!r}")
         if not g.get("brief"):

@@ -1,4 +1,4 @@
-"""``llm-otel demo | doctor | semconv-check``."""
+"""``llm-otel demo | doctor | semconv-check | serve-health``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,13 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--model-dir", default=None, help="where the tiny model is built/cached")
     sub.add_parser("doctor", help="check configuration, exporter reachability and vLLM hook targets")
     sub.add_parser("semconv-check", help="validate semconv/ and check the generated code is current")
+    health = sub.add_parser("serve-health", help="node sidecar: /healthz from GPU utilisation, VRAM pressure "
+                                                 "(NVML), uptime and exporter reachability (docs/signals.md)")
+    health.add_argument("--port", type=int, required=True, help="TCP port (0 picks a free one)")
+    health.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     args = parser.parse_args(argv)
+    if args.command == "serve-health":
+        return serve_health(args.port, args.host)
     if args.command == "demo":
         from llm_otel.demo.run import run_demo
 
@@ -26,6 +32,41 @@ def main(argv: list[str] | None = None) -> int:
     from llm_otel._semconv_registry import main as semconv_main
 
     return semconv_main(["--check"])
+
+
+def _doctor_prometheus(env, say) -> bool:
+    """With OTEL_METRICS_EXPORTER=prometheus: the exporter package and the ports each process would
+    serve on (frontend, engine core). False when metrics could not be served."""
+    import socket
+
+    from llm_otel.config import ConfigError
+    from llm_otel.export.providers import exporter_choice
+
+    if exporter_choice(env, "METRICS") != "prometheus":
+        return True
+    try:
+        from llm_otel.export.prometheus import DEFAULT_HOST, prometheus_port
+    except ImportError as exc:
+        say("FAIL", f"OTEL_METRICS_EXPORTER=prometheus needs opentelemetry-exporter-prometheus "
+                    f"(pip install 'llm-otel[prometheus]'): {exc}")
+        return False
+    try:
+        ports = [(role, prometheus_port(env, role, "EngineCore_DP0")) for role in ("frontend", "engine_core")]
+    except ConfigError as exc:
+        say("FAIL", str(exc))
+        return False
+    host = (env.get("OTEL_EXPORTER_PROMETHEUS_HOST") or DEFAULT_HOST).strip()
+    good = True
+    for role, port in ports:
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+                say("ok", f"Prometheus: the {role} process would serve http://{host}:{port}/metrics")
+            except OSError as exc:
+                good = False
+                say("FAIL", f"Prometheus: {host}:{port} for the {role} process is not available ({exc}); "
+                            "its metrics would not be exposed")
+    return good
 
 
 def doctor(env=None, out=None) -> int:
@@ -53,6 +94,9 @@ def doctor(env=None, out=None) -> int:
 
     try:
         Settings.from_env(env)
+        from llm_otel.signals import SignalsConfig
+
+        SignalsConfig.from_env(env)  # class headers, tier table, VRAM and health settings
         say("ok", "configuration (OTEL_* / LLM_OTEL_*) is valid")
     except ConfigError as exc:
         say("FAIL", f"configuration: {exc}")
@@ -109,6 +153,8 @@ def doctor(env=None, out=None) -> int:
             ok = False
             say("FAIL", f"OTLP metric exporter -> {endpoint} did not accept a probe metric ({result}); metrics "
                         "would be lost (a traces-only backend such as Jaeger needs OTEL_METRICS_EXPORTER=none)")
+    if metric_exporter is None:
+        ok = _doctor_prometheus(env, say) and ok
     if importlib.util.find_spec("vllm") is None:
         say("info", "vLLM not installed")
     else:
@@ -122,6 +168,36 @@ def doctor(env=None, out=None) -> int:
         else:
             say("ok", f"vLLM {engine_version()}: every hook target found")
     return 0 if ok else 1
+
+
+def serve_health(port: int, host: str = "127.0.0.1") -> int:
+    """Serve ``/healthz`` until interrupted. Outside an engine process only the GPU (NVML
+    utilisation and memory), uptime and exporter factors are known; latency and error factors stay
+    1 (no requests seen). In-process, ``LLM_OTEL_HEALTH_PORT`` serves the full score instead.
+    Returns 2 when the configuration is invalid or the port cannot be bound."""
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    from llm_otel.config import ConfigError
+    from llm_otel.signals import Signals, SignalsConfig
+    from llm_otel.signals.health import HealthServer
+
+    try:
+        config = SignalsConfig.from_env()
+    except ConfigError as exc:
+        print(f"llm-otel serve-health: {exc}", file=sys.stderr)
+        return 2
+    signals = Signals(MeterProvider().get_meter("llm_otel.health"), config).start()
+    try:
+        server = HealthServer(signals.report, port, host, config.health_min_score)
+    except OSError as exc:
+        print(f"llm-otel serve-health: cannot bind {host}:{port}: {exc}", file=sys.stderr)
+        return 2
+    print(f"llm-otel serve-health: healthz on http://{host}:{server.port}/healthz", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
 
 
 if __name__ == "__main__":

@@ -55,6 +55,13 @@ class Settings:
         adaptive_sampling: ``LLM_OTEL_ADAPTIVE_SAMPLING`` (auto). Providers llm-otel creates use the
             adaptive sampler when NVML sees a GPU (``auto``), always (``on``) or never (``off``);
             ``OTEL_TRACES_SAMPLER``, when set, wins.
+        gpu_steps: ``LLM_OTEL_GPU_STEPS`` (auto). Device timing of engine steps (docs/gpu.md): a ring
+            buffer written on the engine's CUDA stream (``cupy``), the host clock (``numpy``), the
+            first that works (``auto``: CuPy with a GPU, else NumPy) or ``off``.
+        gpu_ring_capacity: ``LLM_OTEL_GPU_RING_CAPACITY`` (4096). Ring slots (two per step);
+            overflow overwrites the oldest and is counted in ``llm_otel.gpu.ring.overwritten``.
+        nvtx: ``LLM_OTEL_NVTX`` (true). NVTX ranges carrying step/request span ids (domain
+            ``llm_otel``), active only when an NVTX tool such as Nsight Systems is attached.
         console: ``LLM_OTEL_CONSOLE`` (auto). ``tree`` / ``json`` / ``off``: console output used when
             no ``OTEL_EXPORTER_OTLP_*ENDPOINT`` is set; ``auto`` = ``tree``.
     """
@@ -73,6 +80,9 @@ class Settings:
     adaptive_sampling: str = "auto"
     vllm_engine_events: bool = True
     console: str = "auto"
+    gpu_steps: str = "auto"
+    gpu_ring_capacity: int = 4096
+    nvtx: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -93,6 +103,9 @@ class Settings:
             outlier_e2e_s=_optional_float(env, "LLM_OTEL_OUTLIER_E2E_S"),
             adaptive_sampling=_choice(env, "LLM_OTEL_ADAPTIVE_SAMPLING", "auto", {"auto", "on", "off"}),
             console=_choice(env, "LLM_OTEL_CONSOLE", "auto", {"auto", "tree", "json", "off"}),
+            gpu_steps=_choice(env, "LLM_OTEL_GPU_STEPS", "auto", {"auto", "cupy", "numpy", "off"}),
+            gpu_ring_capacity=_int(env, "LLM_OTEL_GPU_RING_CAPACITY", 4096, lo=16, hi=1 << 24),
+            nvtx=_bool(env, "LLM_OTEL_NVTX", True),
         )
 
 

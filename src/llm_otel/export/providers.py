@@ -8,6 +8,8 @@ Used by :func:`llm_otel.instrument` when the application has not set providers i
   ``OTEL_EXPORTER_OTLP_*`` variables (headers, timeout, compression, insecure) themselves.
 * ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER`` = ``none`` turns a signal off (e.g.
   metrics when the backend, like Jaeger, takes traces only);
+* ``OTEL_METRICS_EXPORTER=prometheus``: a Prometheus pull endpoint per process
+  (``OTEL_EXPORTER_PROMETHEUS_HOST``/``_PORT``, see :mod:`llm_otel.export.prometheus`);
 * otherwise: readable console output - each finished trace as an indented tree on stderr
   (``LLM_OTEL_CONSOLE=tree``, default; ``json`` for one JSON span per line; ``off``), and a
   metrics summary at exit.
@@ -73,9 +75,28 @@ def _protocol(env: Mapping[str, str], signal: str) -> str:
 
 
 def exporter_choice(env: Mapping[str, str], signal: str) -> str:
-    """``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER``: ``otlp`` (default), ``console`` or ``none``."""
+    """``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER``: ``otlp`` (default), ``console``,
+    ``none``, or for metrics ``prometheus``."""
     value = (env.get(f"OTEL_{signal}_EXPORTER") or "otlp").strip().lower()
+    if value == "prometheus" and signal == "METRICS":
+        return value
     return value if value in ("otlp", "console", "none") else "otlp"
+
+
+def prometheus_reader_from_env(env: Mapping[str, str] | None = None, role: str = "frontend"):
+    """The Prometheus metric reader (endpoint started) when ``OTEL_METRICS_EXPORTER=prometheus``,
+    else None; None with one warning when opentelemetry-exporter-prometheus is not installed.
+    Raises ConfigError for a bad ``OTEL_EXPORTER_PROMETHEUS_PORT``."""
+    env = os.environ if env is None else env
+    if exporter_choice(env, "METRICS") != "prometheus":
+        return None
+    try:
+        from llm_otel.export.prometheus import prometheus_reader
+    except ImportError as exc:
+        logger.warning("llm-otel: OTEL_METRICS_EXPORTER=prometheus needs opentelemetry-exporter-prometheus "
+                       "(pip install 'llm-otel[prometheus]'): %s; metrics are not exported", exc)
+        return None
+    return prometheus_reader(env, role)
 
 
 def _signal_endpoint(env: Mapping[str, str], signal: str, proto: str) -> str:
@@ -144,6 +165,10 @@ def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
     metric_exporter = metric_exporter_from_env(env)
     if metric_exporter is not None:
         readers.append(PeriodicExportingMetricReader(metric_exporter))
+    elif exporter_choice(env, "METRICS") == "prometheus":
+        reader = prometheus_reader_from_env(env, "frontend")
+        if reader is not None:
+            readers.append(reader)
     elif exporter_choice(env, "METRICS") != "none" and settings.console in ("auto", "tree"):
         readers.append(ConsoleMetricsSummary(stream))
     meter_provider = MeterProvider(resource=resource, metric_readers=readers)

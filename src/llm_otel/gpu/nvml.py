@@ -53,16 +53,33 @@ class NvmlSource:
         if not indices:
             raise RuntimeError("no GPU visible to NVML")
         self._nvml = pynvml
+        self.indices = indices
         self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
         self.memory_fraction = 0.0
+        self.memory_used_bytes = 0  # summed over the visible devices at the last read
+        self.memory_total_bytes = 0
+
+    def devices(self) -> list[tuple[int, float, int, int]]:
+        """Per visible device: (NVML index, utilisation fraction over NVML's last sample period,
+        memory used bytes, memory total bytes). Raises any NVML error."""
+        out = []
+        for index, h in zip(self.indices, self._handles):
+            info = self._nvml.nvmlDeviceGetMemoryInfo(h)
+            out.append((index, self._nvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0,
+                        int(info.used), int(info.total)))
+        return out
 
     def read(self) -> float:
         util = mem = 0.0
+        used = total = 0
         for h in self._handles:
             util += self._nvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0
             info = self._nvml.nvmlDeviceGetMemoryInfo(h)
             mem += info.used / info.total if info.total else 0.0
+            used += int(info.used)
+            total += int(info.total)
         self.memory_fraction = mem / len(self._handles)
+        self.memory_used_bytes, self.memory_total_bytes = used, total
         return util / len(self._handles)
 
 

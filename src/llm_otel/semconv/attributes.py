@@ -68,6 +68,12 @@ GEN_AI_USAGE_INPUT_TOKENS = 'gen_ai.usage.input_tokens'
 GEN_AI_USAGE_OUTPUT_TOKENS = 'gen_ai.usage.output_tokens'
 """The number of tokens used in the GenAI response (completion). Type: int. Origin: official."""
 
+HW_ID = 'hw.id'
+"""An identifier for the hardware component, unique within the monitored host; for GPUs llm-otel uses the NVML device index. Type: string. Origin: official."""
+
+LLM_ENGINE_PHASE = 'llm.engine.phase'
+"""What the engine spent most of the last GPU sampling period (1 s) on - `prefill` (steps that scheduled prompt tokens, mixed batches included), `decode` (steps that only generated) or `idle` (no step). Type: string. Origin: llm-otel."""
+
 LLM_ENGINE_STEP_BATCH_SIZE = 'llm.engine.step.batch_size'
 """Number of requests scheduled in the step. Type: int. Origin: llm-otel."""
 
@@ -77,6 +83,24 @@ LLM_ENGINE_STEP_CPU_TIME = 'llm.engine.step.cpu_time'
 LLM_ENGINE_STEP_DECODE_TOKENS = 'llm.engine.step.decode_tokens'
 """Decode tokens scheduled in the step. Type: int. Origin: llm-otel."""
 
+LLM_ENGINE_STEP_DEVICE_CLOCK = 'llm.engine.step.device.clock'
+"""Which clock stamped the step's device records. Type: enum (string). Origin: llm-otel."""
+
+LLM_ENGINE_STEP_DEVICE_CLOCK_ERROR = 'llm.engine.step.device.clock_error'
+"""Half-width in seconds of the last device-to-host clock calibration window (bound on the offset error; 0 for the host clock). Type: double. Origin: llm-otel."""
+
+LLM_ENGINE_STEP_DEVICE_DURATION = 'llm.engine.step.device.duration'
+"""Seconds between the step's begin and end records on the device - the device time of the model execution (forward and sampling). Type: double. Origin: llm-otel."""
+
+LLM_ENGINE_STEP_DEVICE_END_NS = 'llm.engine.step.device.end_ns'
+"""Unix epoch nanoseconds at which the step's end record executed on the device (after the step's last kernel, same stream). Type: int. Origin: llm-otel."""
+
+LLM_ENGINE_STEP_DEVICE_QUEUE_DELAY = 'llm.engine.step.device.queue_delay'
+"""Seconds between launching the step's begin record on the host and its execution on the device (work queued ahead of it on the stream). Type: double. Origin: llm-otel."""
+
+LLM_ENGINE_STEP_DEVICE_START_NS = 'llm.engine.step.device.start_ns'
+"""Unix epoch nanoseconds at which the step's begin record executed on the device (before the model's first kernel, same stream). Type: int. Origin: llm-otel."""
+
 LLM_ENGINE_STEP_PREEMPTED = 'llm.engine.step.preempted'
 """Requests preempted in the step. Type: int. Origin: llm-otel."""
 
@@ -85,6 +109,12 @@ LLM_ENGINE_STEP_PREFILL_TOKENS = 'llm.engine.step.prefill_tokens'
 
 LLM_ENGINE_VERSION = 'llm.engine.version'
 """Version of the serving engine distribution. Type: string. Origin: llm-otel."""
+
+LLM_GPU_RING_BACKEND = 'llm.gpu.ring.backend'
+"""Which ring buffer backend recorded the steps. Type: enum (string). Origin: llm-otel."""
+
+LLM_HEALTH_FACTOR = 'llm.health.factor'
+"""The factor that lowers the health score most (largest weighted deficit). Type: enum (string). Origin: llm-otel."""
 
 LLM_INSTRUMENTATION_HOOK = 'llm.instrumentation.hook'
 """The instrumentation hook that failed (engine target it wraps). Type: string. Origin: llm-otel."""
@@ -100,6 +130,9 @@ LLM_INTER_TOKEN_LATENCY_P90 = 'llm.inter_token_latency.p90'
 
 LLM_INTER_TOKEN_LATENCY_P99 = 'llm.inter_token_latency.p99'
 """99th percentile of the request's inter-token latencies, seconds. Type: double. Origin: llm-otel."""
+
+LLM_KV_CACHE_PHASE = 'llm.kv_cache.phase'
+"""When a KV-cache footprint was measured. Type: enum (string). Origin: llm-otel."""
 
 LLM_LOGIT_ENTROPY = 'llm.logit.entropy'
 """Shannon entropy of one step's next-token distribution, nats. Type: double. Origin: llm-otel."""
@@ -149,8 +182,20 @@ LLM_PROCESS_ROLE = 'llm.process.role'
 LLM_REQUEST_CHOICE_INDEX = 'llm.request.choice.index'
 """Index of this choice among the `n` parallel samples of one request (0 when n=1). Type: int. Origin: llm-otel."""
 
+LLM_REQUEST_CLASS_KEY = 'llm.request.class.key'
+"""Which class dimension a collapsed value belonged to (tenant, priority, operation, revision). Type: string. Origin: llm-otel."""
+
+LLM_REQUEST_CLASS_REASON = 'llm.request.class.reason'
+"""Why a request-class value collapsed to `other`. Type: enum (string). Origin: llm-otel."""
+
 LLM_REQUEST_DECODE_DURATION = 'llm.request.decode.duration'
 """Seconds from the first to the last output token. Type: double. Origin: llm-otel."""
+
+LLM_REQUEST_DEVICE_STEPS = 'llm.request.device_steps'
+"""Number of engine steps with device timing whose batch contained the request. Type: int. Origin: llm-otel."""
+
+LLM_REQUEST_DEVICE_TIME = 'llm.request.device_time'
+"""Sum in seconds of the device durations of the engine steps whose batch contained the request (a shared step counts in full for each of its requests). Type: double. Origin: llm-otel."""
 
 LLM_REQUEST_FRONTEND_DURATION = 'llm.request.frontend.duration'
 """Seconds from arrival at the frontend to entering the scheduler's queue - tokenization, IPC, and waiting for the engine core to finish the step it was running (under load this is where requests wait). Type: double. Origin: llm-otel."""
@@ -158,8 +203,26 @@ LLM_REQUEST_FRONTEND_DURATION = 'llm.request.frontend.duration'
 LLM_REQUEST_ID = 'llm.request.id'
 """The engine's internal request id (vLLM `EngineCoreRequest.request_id`). Type: string. Origin: llm-otel."""
 
+LLM_REQUEST_KV_CACHE_BLOCKS = 'llm.request.kv_cache.blocks'
+"""KV-cache blocks the request held at finish (estimate, ceil(tokens / block size)). Type: int. Origin: llm-otel."""
+
+LLM_REQUEST_KV_CACHE_CACHED_BLOCKS = 'llm.request.kv_cache.cached_blocks'
+"""Whole prompt blocks the engine found in its prefix cache (engine-reported cached tokens / block size), not newly allocated. Type: int. Origin: llm-otel."""
+
+LLM_REQUEST_KV_CACHE_FINAL_BYTES = 'llm.request.kv_cache.final_bytes'
+"""Estimated KV-cache bytes the request held at finish (prompt plus generated tokens whose KV was written, rounded up to whole blocks). Type: int. Origin: llm-otel."""
+
+LLM_REQUEST_KV_CACHE_PROMPT_BYTES = 'llm.request.kv_cache.prompt_bytes'
+"""Estimated KV-cache bytes the request holds at admission (prompt tokens rounded up to whole blocks), from the engine's model config. Type: int. Origin: llm-otel."""
+
 LLM_REQUEST_LOGPROBS = 'llm.request.logprobs'
 """Number of sample log-probs per token the user requested (absent when none). Type: int. Origin: llm-otel."""
+
+LLM_REQUEST_MODEL_REVISION = 'llm.request.model.revision'
+"""Model revision serving the request (canary vs stable) from LLM_OTEL_MODEL_REVISION or the configured inbound header. Type: string. Origin: llm-otel."""
+
+LLM_REQUEST_OPERATION = 'llm.request.operation'
+"""Caller's business operation or route label from the configured inbound header (not gen_ai.operation.name), sanitised and bounded. Type: string. Origin: llm-otel."""
 
 LLM_REQUEST_PREEMPTIONS = 'llm.request.preemptions'
 """Number of times the scheduler preempted the request (its KV cache was freed and recomputed). Type: int. Origin: llm-otel."""
@@ -167,14 +230,56 @@ LLM_REQUEST_PREEMPTIONS = 'llm.request.preemptions'
 LLM_REQUEST_PREFILL_DURATION = 'llm.request.prefill.duration'
 """Seconds from first scheduling to the first output token (prefill, including chunks and recompute). Type: double. Origin: llm-otel."""
 
+LLM_REQUEST_PRIORITY = 'llm.request.priority'
+"""Caller-declared priority class from the configured inbound header, sanitised and bounded like llm.request.tenant. Type: string. Origin: llm-otel."""
+
 LLM_REQUEST_QUEUE_DURATION = 'llm.request.queue.duration'
 """Seconds the request waited in the scheduler's waiting queue (QUEUED to first SCHEDULED event); time spent before it reached the scheduler is in llm.request.frontend.duration. Type: double. Origin: llm-otel."""
+
+LLM_REQUEST_TENANT = 'llm.request.tenant'
+"""Tenant of the request from the configured inbound header (LLM_OTEL_CLASS_HEADERS), sanitised; `other` when over the cardinality bound or invalid. Type: string. Origin: llm-otel."""
+
+LLM_REQUEST_TIER = 'llm.request.tier'
+"""SLO tier the request's class maps to in the tier table (LLM_OTEL_TIERS / LLM_OTEL_TIERS_FILE); `default` when no row matches. Type: string. Origin: llm-otel."""
 
 LLM_REQUEST_TIMING_SOURCE = 'llm.request.timing.source'
 """Where the phase timestamps of the request came from. Type: enum (string). Origin: llm-otel."""
 
+LLM_RESPONSE_FINISH_REASON = 'llm.response.finish_reason'
+"""Why the engine stopped generating this choice (vLLM `FinishReason`; `stop` also for stop strings matched by the detokenizer). One value per choice, so usable as a metric dimension, unlike the array gen_ai.response.finish_reasons. Type: string. Origin: llm-otel."""
+
 LLM_SAMPLING_REASON = 'llm.sampling.reason'
 """Why the adaptive sampler kept this trace. Type: enum (string). Origin: llm-otel."""
+
+LLM_SLO_OBJECTIVE = 'llm.slo.objective'
+"""Which tier objective a request was checked against. Type: enum (string). Origin: llm-otel."""
+
+LLM_SLO_OUTCOME = 'llm.slo.outcome'
+"""Result of one SLO check. Type: enum (string). Origin: llm-otel."""
+
+LLM_STREAM_END = 'llm.stream.end'
+"""What told the client that a streamed request was complete. Type: enum (string). Origin: llm-otel."""
+
+LLM_STREAM_RESPONSE_GAP = 'llm.stream.response.gap'
+"""Seconds since the previous response of the request (since the call started, for the first one). Type: double. Origin: llm-otel."""
+
+LLM_STREAM_RESPONSE_INDEX = 'llm.stream.response.index'
+"""0-based index of a response within its streamed request. Type: int. Origin: llm-otel."""
+
+LLM_STREAM_RESPONSE_GAP_MAX = 'llm.stream.response_gap.max'
+"""Longest seconds between consecutive responses, client side. Type: double. Origin: llm-otel."""
+
+LLM_STREAM_RESPONSE_GAP_P50 = 'llm.stream.response_gap.p50'
+"""Median seconds between consecutive responses of one streamed request, as the client received them. Type: double. Origin: llm-otel."""
+
+LLM_STREAM_RESPONSE_GAP_P90 = 'llm.stream.response_gap.p90'
+"""90th percentile of the seconds between consecutive responses, client side. Type: double. Origin: llm-otel."""
+
+LLM_STREAM_RESPONSE_GAP_P99 = 'llm.stream.response_gap.p99'
+"""99th percentile of the seconds between consecutive responses, client side. Type: double. Origin: llm-otel."""
+
+LLM_STREAM_RESPONSES = 'llm.stream.responses'
+"""Number of responses the client received for one streamed request (empty final-flag responses not counted). Type: int. Origin: llm-otel."""
 
 LLM_TIME_PER_OUTPUT_TOKEN = 'llm.time_per_output_token'
 """Mean seconds per output token after the first ((last - first token time) / (output tokens - 1)). Type: double. Origin: llm-otel."""
@@ -197,6 +302,57 @@ LLM_TOKEN_LATENCY = 'llm.token.latency'
 LLM_TOKEN_STALL_THRESHOLD = 'llm.token.stall.threshold'
 """Inter-token latency above which a token is reported as a stall (k x median ITL), seconds. Type: double. Origin: llm-otel."""
 
+LLM_TRITON_CLIENT = 'llm.triton.client'
+"""The tritonclient client class that made the call. Type: enum (string). Origin: llm-otel."""
+
+LLM_TRITON_MODEL_VERSION = 'llm.triton.model.version'
+"""The model version the call asked for (`model_version` argument; absent when the server picks). Type: string. Origin: llm-otel."""
+
+LLM_TRITON_STREAM_REQUESTS = 'llm.triton.stream.requests'
+"""Number of requests the application sent on a gRPC stream (`async_stream_infer` calls or items of the `stream_infer` input iterator). Type: int. Origin: llm-otel."""
+
+LLM_VRAM_PRESSURE_LEVEL = 'llm.vram.pressure.level'
+"""VRAM pressure level with hysteresis. Type: enum (string). Origin: llm-otel."""
+
+LLM_VRAM_SOURCE = 'llm.vram.source'
+"""Source of the usage fraction. Type: enum (string). Origin: llm-otel."""
+
+LLM_VRAM_USAGE = 'llm.vram.usage'
+"""Memory usage fraction (0-1) that drives the pressure level. Type: double. Origin: llm-otel."""
+
+SERVER_ADDRESS = 'server.address'
+"""Server domain name if available without reverse DNS lookup; otherwise, IP address or Unix domain socket name. Type: string. Origin: official."""
+
+SERVER_PORT = 'server.port'
+"""Server port number. Type: int. Origin: official."""
+
+
+class LlmEngineStepDeviceClockValues:
+    """Values of llm.engine.step.device.clock."""
+    GLOBALTIMER = 'globaltimer'
+    HOST = 'host'
+
+
+class LlmGpuRingBackendValues:
+    """Values of llm.gpu.ring.backend."""
+    CUPY = 'cupy'
+    NUMPY = 'numpy'
+
+
+class LlmHealthFactorValues:
+    """Values of llm.health.factor."""
+    LATENCY = 'latency'
+    ERRORS = 'errors'
+    GPU = 'gpu'
+    UPTIME = 'uptime'
+    NONE = 'none'
+
+
+class LlmKvCachePhaseValues:
+    """Values of llm.kv_cache.phase."""
+    ADMISSION = 'admission'
+    FINISH = 'finish'
+
 
 class LlmLogitSourceValues:
     """Values of llm.logit.source."""
@@ -211,6 +367,14 @@ class LlmProcessRoleValues:
     WORKER = 'worker'
 
 
+class LlmRequestClassReasonValues:
+    """Values of llm.request.class.reason."""
+    OVERFLOW = 'overflow'
+    OVERSIZED = 'oversized'
+    INVALID = 'invalid'
+    DUPLICATE = 'duplicate'
+
+
 class LlmRequestTimingSourceValues:
     """Values of llm.request.timing.source."""
     ENGINE_EVENTS = 'engine_events'
@@ -222,6 +386,50 @@ class LlmSamplingReasonValues:
     HEAD = 'head'
     DRIFT_BOOST = 'drift_boost'
     OUTLIER = 'outlier'
+
+
+class LlmSloObjectiveValues:
+    """Values of llm.slo.objective."""
+    TTFT = 'ttft'
+    TPOT = 'tpot'
+    E2E = 'e2e'
+    AVAILABILITY = 'availability'
+
+
+class LlmSloOutcomeValues:
+    """Values of llm.slo.outcome."""
+    MET = 'met'
+    BREACHED = 'breached'
+
+
+class LlmStreamEndValues:
+    """Values of llm.stream.end."""
+    FINAL_FLAG = 'final_flag'
+    EMPTY_FINAL = 'empty_final'
+    STREAM_END = 'stream_end'
+    ERROR = 'error'
+    CANCELLED = 'cancelled'
+
+
+class LlmTritonClientValues:
+    """Values of llm.triton.client."""
+    HTTP = 'http'
+    HTTP_AIO = 'http.aio'
+    GRPC = 'grpc'
+    GRPC_AIO = 'grpc.aio'
+
+
+class LlmVramPressureLevelValues:
+    """Values of llm.vram.pressure.level."""
+    OK = 'ok'
+    WARN = 'warn'
+    CRITICAL = 'critical'
+
+
+class LlmVramSourceValues:
+    """Values of llm.vram.source."""
+    NVML = 'nvml'
+    KV_CACHE = 'kv_cache'
 
 
 ATTRIBUTE_TYPES: dict[str, str] = {
@@ -247,17 +455,28 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'gen_ai.usage.cache_read.input_tokens': 'int',
     'gen_ai.usage.input_tokens': 'int',
     'gen_ai.usage.output_tokens': 'int',
+    'hw.id': 'string',
+    'llm.engine.phase': 'string',
     'llm.engine.step.batch_size': 'int',
     'llm.engine.step.cpu_time': 'double',
     'llm.engine.step.decode_tokens': 'int',
+    'llm.engine.step.device.clock': 'string',
+    'llm.engine.step.device.clock_error': 'double',
+    'llm.engine.step.device.duration': 'double',
+    'llm.engine.step.device.end_ns': 'int',
+    'llm.engine.step.device.queue_delay': 'double',
+    'llm.engine.step.device.start_ns': 'int',
     'llm.engine.step.preempted': 'int',
     'llm.engine.step.prefill_tokens': 'int',
     'llm.engine.version': 'string',
+    'llm.gpu.ring.backend': 'string',
+    'llm.health.factor': 'string',
     'llm.instrumentation.hook': 'string',
     'llm.inter_token_latency.max': 'double',
     'llm.inter_token_latency.p50': 'double',
     'llm.inter_token_latency.p90': 'double',
     'llm.inter_token_latency.p99': 'double',
+    'llm.kv_cache.phase': 'string',
     'llm.logit.entropy': 'double',
     'llm.logit.entropy.max': 'double',
     'llm.logit.entropy.mean': 'double',
@@ -274,15 +493,39 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.logit.top_token_ids': 'int[]',
     'llm.process.role': 'string',
     'llm.request.choice.index': 'int',
+    'llm.request.class.key': 'string',
+    'llm.request.class.reason': 'string',
     'llm.request.decode.duration': 'double',
+    'llm.request.device_steps': 'int',
+    'llm.request.device_time': 'double',
     'llm.request.frontend.duration': 'double',
     'llm.request.id': 'string',
+    'llm.request.kv_cache.blocks': 'int',
+    'llm.request.kv_cache.cached_blocks': 'int',
+    'llm.request.kv_cache.final_bytes': 'int',
+    'llm.request.kv_cache.prompt_bytes': 'int',
     'llm.request.logprobs': 'int',
+    'llm.request.model.revision': 'string',
+    'llm.request.operation': 'string',
     'llm.request.preemptions': 'int',
     'llm.request.prefill.duration': 'double',
+    'llm.request.priority': 'string',
     'llm.request.queue.duration': 'double',
+    'llm.request.tenant': 'string',
+    'llm.request.tier': 'string',
     'llm.request.timing.source': 'string',
+    'llm.response.finish_reason': 'string',
     'llm.sampling.reason': 'string',
+    'llm.slo.objective': 'string',
+    'llm.slo.outcome': 'string',
+    'llm.stream.end': 'string',
+    'llm.stream.response.gap': 'double',
+    'llm.stream.response.index': 'int',
+    'llm.stream.response_gap.max': 'double',
+    'llm.stream.response_gap.p50': 'double',
+    'llm.stream.response_gap.p90': 'double',
+    'llm.stream.response_gap.p99': 'double',
+    'llm.stream.responses': 'int',
     'llm.time_per_output_token': 'double',
     'llm.time_to_first_token': 'double',
     'llm.token.events.dropped': 'int',
@@ -290,4 +533,12 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.token.index': 'int',
     'llm.token.latency': 'double',
     'llm.token.stall.threshold': 'double',
+    'llm.triton.client': 'string',
+    'llm.triton.model.version': 'string',
+    'llm.triton.stream.requests': 'int',
+    'llm.vram.pressure.level': 'string',
+    'llm.vram.source': 'string',
+    'llm.vram.usage': 'double',
+    'server.address': 'string',
+    'server.port': 'int',
 }

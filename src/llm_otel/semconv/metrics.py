@@ -2,6 +2,21 @@
 
 # fmt: off
 
+GEN_AI_CLIENT_OPERATION_DURATION = 'gen_ai.client.operation.duration'
+"""GenAI operation duration (client side). Instrument: histogram, unit: s."""
+GEN_AI_CLIENT_OPERATION_DURATION_UNIT = 's'
+GEN_AI_CLIENT_OPERATION_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+
+GEN_AI_CLIENT_OPERATION_TIME_PER_OUTPUT_CHUNK = 'gen_ai.client.operation.time_per_output_chunk'
+"""Time between consecutive chunks the client received after the first one, successful streaming operations. Instrument: histogram, unit: s."""
+GEN_AI_CLIENT_OPERATION_TIME_PER_OUTPUT_CHUNK_UNIT = 's'
+GEN_AI_CLIENT_OPERATION_TIME_PER_OUTPUT_CHUNK_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+GEN_AI_CLIENT_OPERATION_TIME_TO_FIRST_CHUNK = 'gen_ai.client.operation.time_to_first_chunk'
+"""Time from the start of a streaming operation to the first chunk the client received, successful operations. Instrument: histogram, unit: s."""
+GEN_AI_CLIENT_OPERATION_TIME_TO_FIRST_CHUNK_UNIT = 's'
+GEN_AI_CLIENT_OPERATION_TIME_TO_FIRST_CHUNK_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+
 GEN_AI_SERVER_REQUEST_DURATION = 'gen_ai.server.request.duration'
 """Generative AI server request duration such as time-to-last byte or last output token. Instrument: histogram, unit: s."""
 GEN_AI_SERVER_REQUEST_DURATION_UNIT = 's'
@@ -21,16 +36,99 @@ HW_GPU_UTILIZATION = 'hw.gpu.utilization'
 """Smoothed (EWMA) utilisation of the GPUs this process uses, as the adaptive sampler sees it (0-1). Instrument: gauge, unit: 1."""
 HW_GPU_UTILIZATION_UNIT = '1'
 
+LLM_GPU_MEMORY_LIMIT = 'llm.gpu.memory.limit'
+"""Total bytes of memory of one GPU (`nvmlDeviceGetMemoryInfo().total`); engine-core process, absent without NVML. Instrument: gauge, unit: By."""
+LLM_GPU_MEMORY_LIMIT_UNIT = 'By'
+
+LLM_GPU_MEMORY_USAGE = 'llm.gpu.memory.usage'
+"""Bytes of GPU memory in use on one GPU (`nvmlDeviceGetMemoryInfo().used`) with the engine phase; engine-core process, absent without NVML. Instrument: gauge, unit: By."""
+LLM_GPU_MEMORY_USAGE_UNIT = 'By'
+
+LLM_GPU_UTILIZATION = 'llm.gpu.utilization'
+"""Utilisation of one GPU as NVML reports it (`nvmlDeviceGetUtilizationRates().gpu` / 100, over NVML's last sample period) with the engine phase of that period; engine-core process, absent without NVML. Instrument: gauge, unit: 1."""
+LLM_GPU_UTILIZATION_UNIT = '1'
+
+LLM_SERVER_HEALTH_SCORE = 'llm.server.health.score'
+"""Weighted health score in [0, 1] from latency p95 vs target, error rate, GPU utilisation and uptime. Instrument: gauge, unit: 1."""
+LLM_SERVER_HEALTH_SCORE_UNIT = '1'
+
+LLM_SERVER_INTER_TOKEN_LATENCY = 'llm.server.inter_token_latency'
+"""Seconds between consecutive engine steps that produced tokens for a request, divided by the tokens that step produced (one observation per such step after the first); successful requests. Instrument: histogram, unit: s."""
+LLM_SERVER_INTER_TOKEN_LATENCY_UNIT = 's'
+LLM_SERVER_INTER_TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+LLM_SERVER_KV_CACHE_USAGE = 'llm.server.kv_cache.usage'
+"""Fraction of the engine's KV-cache blocks in use (vLLM `SchedulerStats.kv_cache_usage`, engine-core process). Instrument: gauge, unit: 1."""
+LLM_SERVER_KV_CACHE_USAGE_UNIT = '1'
+
+LLM_SERVER_OUTPUT_TOKEN_RATE = 'llm.server.output_token_rate'
+"""Output tokens of a request divided by its duration (arrival to finish), per successful request with at least one output token - the speed a user sees. Instrument: histogram, unit: {token}/s."""
+LLM_SERVER_OUTPUT_TOKEN_RATE_UNIT = '{token}/s'
+LLM_SERVER_OUTPUT_TOKEN_RATE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0)
+
+LLM_SERVER_PREFIX_CACHE_HITS = 'llm.server.prefix_cache.hits'
+"""Prompt tokens found in the engine's prefix cache (vLLM `SchedulerStats.prefix_cache_stats.hits`); hit ratio = hits / queries. Instrument: counter, unit: {token}."""
+LLM_SERVER_PREFIX_CACHE_HITS_UNIT = '{token}'
+
+LLM_SERVER_PREFIX_CACHE_QUERIES = 'llm.server.prefix_cache.queries'
+"""Prompt tokens looked up in the engine's prefix cache (vLLM `SchedulerStats.prefix_cache_stats.queries`, new requests; engine-core process). Instrument: counter, unit: {token}."""
+LLM_SERVER_PREFIX_CACHE_QUERIES_UNIT = '{token}'
+
+LLM_SERVER_REQUEST_KV_CACHE_SIZE = 'llm.server.request.kv_cache.size'
+"""Estimated KV-cache bytes per request at admission and at finish (llm.kv_cache.phase). Instrument: histogram, unit: By."""
+LLM_SERVER_REQUEST_KV_CACHE_SIZE_UNIT = 'By'
+LLM_SERVER_REQUEST_KV_CACHE_SIZE_BUCKETS = (65536.0, 262144.0, 1048576.0, 4194304.0, 16777216.0, 67108864.0, 268435456.0, 1073741824.0, 4294967296.0, 17179869184.0)
+
 LLM_SERVER_REQUEST_QUEUE_TIME = 'llm.server.request.queue_time'
 """Seconds requests waited in the engine's scheduler queue before first being scheduled. Instrument: histogram, unit: s."""
 LLM_SERVER_REQUEST_QUEUE_TIME_UNIT = 's'
 LLM_SERVER_REQUEST_QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+
+LLM_SERVER_REQUESTS = 'llm.server.requests'
+"""Finished and rejected requests (choices), by finish reason and, for failures, error.type; the denominator and numerator of the availability SLO. Instrument: counter, unit: {request}."""
+LLM_SERVER_REQUESTS_UNIT = '{request}'
+
+LLM_SERVER_REQUESTS_RUNNING = 'llm.server.requests.running'
+"""Requests in the engine's running batch (vLLM `SchedulerStats.num_running_reqs`, engine-core process). Instrument: gauge, unit: {request}."""
+LLM_SERVER_REQUESTS_RUNNING_UNIT = '{request}'
+
+LLM_SERVER_REQUESTS_WAITING = 'llm.server.requests.waiting'
+"""Requests waiting to be scheduled (vLLM `SchedulerStats.num_waiting_reqs`, engine-core process). Instrument: gauge, unit: {request}."""
+LLM_SERVER_REQUESTS_WAITING_UNIT = '{request}'
+
+LLM_SERVER_SLO_CHECKS = 'llm.server.slo.checks'
+"""Finished requests checked against their tier's targets, one per objective the tier defines. Instrument: counter, unit: {check}."""
+LLM_SERVER_SLO_CHECKS_UNIT = '{check}'
 
 LLM_SERVER_TOKEN_USAGE = 'llm.server.token.usage'
 """Input and output tokens per request served by the engine (the GenAI spec defines token usage only for clients). Instrument: histogram, unit: {token}."""
 LLM_SERVER_TOKEN_USAGE_UNIT = '{token}'
 LLM_SERVER_TOKEN_USAGE_BUCKETS = (1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0, 4194304.0, 16777216.0, 67108864.0)
 
+LLM_SERVER_TOKEN_EFFICIENCY = 'llm.server.token_efficiency'
+"""Output tokens per second over the last window divided by GiB of GPU memory in use (NVML); absent without NVML. Instrument: gauge, unit: {token_per_s_per_gib}."""
+LLM_SERVER_TOKEN_EFFICIENCY_UNIT = '{token_per_s_per_gib}'
+
+LLM_SERVER_VRAM_PRESSURE = 'llm.server.vram.pressure'
+"""VRAM pressure level as a number (0 ok, 1 warn, 2 critical), with the level name as an attribute. Instrument: gauge, unit: 1."""
+LLM_SERVER_VRAM_PRESSURE_UNIT = '1'
+
+LLM_SERVER_VRAM_USAGE = 'llm.server.vram.usage'
+"""Memory usage fraction (0-1) the pressure level is computed from. Instrument: gauge, unit: 1."""
+LLM_SERVER_VRAM_USAGE_UNIT = '1'
+
+LLM_OTEL_GPU_RING_OVERWRITTEN = 'llm_otel.gpu.ring.overwritten'
+"""Step records the ring buffer overwrote before the drain thread read them (the ring never blocks the engine). Instrument: counter, unit: {record}."""
+LLM_OTEL_GPU_RING_OVERWRITTEN_UNIT = '{record}'
+
 LLM_OTEL_INSTRUMENTATION_ERRORS = 'llm_otel.instrumentation.errors'
 """Exceptions raised inside llm-otel's hooks, caught and kept away from the engine. Instrument: counter, unit: {error}."""
 LLM_OTEL_INSTRUMENTATION_ERRORS_UNIT = '{error}'
+
+LLM_OTEL_REQUEST_CLASS_COLLAPSED = 'llm_otel.request_class.collapsed'
+"""Request-class values replaced by `other` (cardinality bound, oversized, invalid or duplicated headers). Instrument: counter, unit: {value}."""
+LLM_OTEL_REQUEST_CLASS_COLLAPSED_UNIT = '{value}'
+
+LLM_OTEL_SAMPLING_PROBABILITY = 'llm_otel.sampling.probability'
+"""Head-sampling probability of new traces now (llm-otel's adaptive sampler, or a TraceIdRatioBased / always-on/off root sampler); absent for samplers whose probability is unknown. Metrics are recorded for every request regardless. Instrument: gauge, unit: 1."""
+LLM_OTEL_SAMPLING_PROBABILITY_UNIT = '1'

@@ -5,6 +5,12 @@
 LLM_ENGINE_STEP = 'llm.engine.step'
 """One engine scheduler step / model execution; links to the request spans it served. Kind: internal."""
 
+LLM_ENGINE_STEP_DEVICE = 'llm.engine.step.device'
+"""The model execution of one engine step on the device, emitted by the process that ran the model when the llm.engine.step span lives in another process (child of it). Kind: internal."""
+
+LLM_INFER_REQUEST = 'llm.infer.request'
+"""One sub-request in a LightLLM model-infer worker (master rank of its DP group), from admission to release, with per-token timing. Kind: internal."""
+
 LLM_LOGIT_DIST = 'llm.logit_dist'
 """Next-token distribution statistics over a request's decode steps (sampled requests only). Kind: internal."""
 
@@ -14,8 +20,14 @@ LLM_PROMPT = 'llm.prompt'
 LLM_REQUEST = '{gen_ai.operation.name} {gen_ai.request.model}'
 """One request (one choice of it when n>1) served by an LLM engine, from arrival to its last output. Kind: internal."""
 
+LLM_ROUTER_REQUEST = 'llm.router.request'
+"""One sub-request in a LightLLM router process, from entering the router's wait queue to its release after the worker finished it. Kind: internal."""
+
 LLM_TOKEN_STREAM = 'llm.token_stream'
 """First output token to finish of one request - decode, with per-token timing. Kind: internal."""
+
+LLM_TRITON_STREAM = 'llm.triton.stream'
+"""One gRPC inference stream (start_stream to stop_stream, or one stream_infer iteration); its context is the stream's traceparent. Kind: client."""
 
 EVENT_LLM_LOGIT_STEP = 'llm.logit.step'
 """Next-token distribution of one decode step."""
@@ -32,8 +44,14 @@ EVENT_LLM_REQUEST_REJECTED = 'llm.request.rejected'
 EVENT_LLM_REQUEST_SCHEDULED = 'llm.request.scheduled'
 """The scheduler first scheduled the request (vLLM EngineCoreEvent SCHEDULED)."""
 
+EVENT_LLM_STREAM_RESPONSE = 'llm.stream.response'
+"""One response of a streamed request as the client received it (the first N responses)."""
+
 EVENT_LLM_TOKEN = 'llm.token'
 """One output token (emitted for the first N tokens of a stream)."""
 
 EVENT_LLM_TOKEN_STALL = 'llm.token.stall'
 """An output token whose inter-token latency exceeded the stall threshold."""
+
+EVENT_LLM_VRAM_PRESSURE = 'llm.vram.pressure'
+"""The request was admitted while VRAM pressure was not ok."""

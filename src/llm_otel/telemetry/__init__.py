@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from typing import Any, Mapping
 
@@ -25,14 +26,16 @@ from llm_otel.config import Settings
 from llm_otel.semconv import SCHEMA_URL
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import spans as S
+from llm_otel.signals import Signals, SignalsConfig
 from llm_otel.telemetry.errors import HookErrors
 from llm_otel.telemetry.metrics import Instruments
 from llm_otel.telemetry.record import RequestRecord
 from llm_otel.telemetry.spans import SpanBuilder
+from llm_otel.telemetry.steps import StepContext, StepTracker
 
 logger = logging.getLogger("llm_otel")
 
-__all__ = ["Telemetry", "RequestRecord"]
+__all__ = ["Telemetry", "RequestRecord", "StepContext", "StepTracker"]
 
 
 class Telemetry:
@@ -42,22 +45,51 @@ class Telemetry:
         tracer_provider / meter_provider: where spans and metrics go (global providers when None).
         settings: validated configuration (:meth:`Settings.from_env` when None).
         scope: instrumentation scope name of the tracer and meter.
+        signals_config: serving-signal settings (:meth:`SignalsConfig.from_env` when None).
+
+    Raises:
+        llm_otel.config.ConfigError: an ``LLM_OTEL_*`` signal variable or the tier table is invalid.
     """
 
     def __init__(self, tracer_provider: TracerProvider | None = None,
                  meter_provider: MeterProvider | None = None,
-                 settings: Settings | None = None, scope: str = "llm_otel") -> None:
+                 settings: Settings | None = None, scope: str = "llm_otel",
+                 signals_config: SignalsConfig | None = None) -> None:
         from llm_otel import __version__
 
         self.settings = settings or Settings.from_env()
         self.tracer = trace.get_tracer(scope, __version__, tracer_provider, schema_url=SCHEMA_URL)
         meter = get_meter(scope, __version__, meter_provider, schema_url=SCHEMA_URL)
+        self.meter = meter
         self.instruments = Instruments(meter)
         self.errors = HookErrors(meter)
         self.spans = SpanBuilder(self.tracer, self.settings)
         provider = tracer_provider if tracer_provider is not None else trace.get_tracer_provider()
         # llm-otel's adaptive sampler (if the provider uses it) learns latency drift from every request
         self.sampling_root = getattr(getattr(provider, "sampler", None), "root", None)
+        # request classes, tiers, KV footprint, VRAM pressure, health (ConfigError on a bad tier table)
+        self.signals = Signals(meter, signals_config, poller=getattr(self.sampling_root, "poller", None))
+        self._steps: StepTracker | None = None
+        self._steps_lock = threading.Lock()
+
+    @property
+    def steps(self) -> StepTracker:
+        """The :class:`~llm_otel.telemetry.steps.StepTracker` adapters call around each model
+        execution (created on first use: ring buffer per ``LLM_OTEL_GPU_STEPS``, NVTX per
+        ``LLM_OTEL_NVTX``)."""
+        if self._steps is None:
+            with self._steps_lock:
+                if self._steps is None:
+                    st = self.settings
+                    self._steps = StepTracker(self, backend=st.gpu_steps, capacity=st.gpu_ring_capacity,
+                                              nvtx=st.nvtx)
+        return self._steps
+
+    @property
+    def steps_if_started(self) -> StepTracker | None:
+        """The step tracker if some adapter in this process already uses it (never creates one:
+        a layer that does not run the model must not start a CUDA context)."""
+        return self._steps
 
     def start_request(self, request_id: str, *, operation: str, provider: str, model: str,
                       arrival_s: float, input_tokens: int, kind: SpanKind = SpanKind.INTERNAL,
@@ -128,6 +160,10 @@ class Telemetry:
                 self._observe_latency(rec)
         except Exception as exc:  # noqa: BLE001
             self.errors.report("telemetry.metrics", exc)
+        try:
+            self.signals.on_finish(rec, duration_s)
+        except Exception as exc:  # noqa: BLE001
+            self.errors.report("telemetry.signals", exc)
         if rec.span is None:
             return
         if not rec.recording and self.sampling_root is not None:
@@ -135,6 +171,8 @@ class Telemetry:
                 self._capture_outlier(rec, duration_s)
             except Exception as exc:  # noqa: BLE001
                 self.errors.report("telemetry.outlier", exc)
+        if rec.recording and self._steps is not None:
+            self._device_time(rec)
         try:
             if rec.recording:
                 self.spans.emit(rec, end_ns)
@@ -148,6 +186,15 @@ class Telemetry:
                 pass
         finally:
             rec.logprob_rows = []  # free the per-step arrays now, whatever holds the record
+
+    def _device_time(self, rec: RequestRecord) -> None:
+        """Device time of the steps that served the request, when they ran in this process."""
+        try:
+            acc = self._steps.request_device_time(rec.request_id)
+            if acc is not None:
+                rec.span.set_attributes({A.LLM_REQUEST_DEVICE_TIME: acc[0], A.LLM_REQUEST_DEVICE_STEPS: acc[1]})
+        except Exception as exc:  # noqa: BLE001
+            self.errors.report("telemetry.device_time", exc)
 
     def _observe_latency(self, rec: RequestRecord) -> None:
         drift = self.sampling_root.drift
@@ -196,6 +243,7 @@ class Telemetry:
         detail = self.truncate(str(error)) if self.settings.capture_content else error_type
         span.set_status(Status(StatusCode.ERROR, detail))
         span.end()
-        self.instruments.duration.record(max(0.0, time.time() - arrival_s), {
+        self.instruments.record_rejected({
             A.GEN_AI_OPERATION_NAME: operation, A.GEN_AI_PROVIDER_NAME: provider,
-            A.GEN_AI_REQUEST_MODEL: model, A.ERROR_TYPE: error_type})
+            A.GEN_AI_REQUEST_MODEL: model, A.ERROR_TYPE: error_type}, max(0.0, time.time() - arrival_s),
+            trace.set_span_in_context(span) if span.is_recording() else None)

@@ -1,16 +1,41 @@
-"""GenAI server metrics, recorded for every finished request - sampled or not."""
+"""GenAI server metrics, recorded for every finished request - sampled or not.
+
+Exemplars: latency observations are recorded in the request span's context when the span is
+sampled, so the SDK's default ``trace_based`` exemplar filter keeps the trace id of sampled
+requests on the latency histograms (one exemplar per bucket, the SDK's aligned-bucket reservoir);
+for inter-token latency only the request's largest gap carries it. Other observations use an empty
+context, so a span that happens to be current when the engine finishes a request never lends its
+trace id.
+
+Cardinality: attributes are model, provider, operation, finish reason and ``error.type`` only -
+never request ids or text. ``error.type`` values are capped at :data:`MAX_ERROR_TYPES` distinct
+values per process; later new values are recorded as ``_OTHER`` (logged once).
+"""
 
 from __future__ import annotations
 
-from opentelemetry.metrics import Meter
+import logging
+import threading
+
+from opentelemetry import trace
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import metrics as M
 from llm_otel.telemetry.record import RequestRecord
 
+logger = logging.getLogger("llm_otel")
+
+MAX_ERROR_TYPES = 32
+OTHER = "_OTHER"  # OpenTelemetry's fallback value for error.type
+# Context for observations that must not pick up an exemplar from whatever span is current when
+# the engine finishes a request (the SDK falls back to the current context for None - and for an
+# empty Context, which is falsy): the invalid span is never sampled.
+_NO_TRACE = trace.set_span_in_context(trace.INVALID_SPAN)
+
 
 class Instruments:
-    """The histograms llm-otel records, created once per meter with the GenAI bucket advisories.
+    """The instruments llm-otel records per request, created once per meter with the semconv bucket advisories.
 
     * ``gen_ai.server.time_to_first_token`` (s): arrival -> first token, successful requests.
     * ``gen_ai.server.time_per_output_token`` (s): (last - first token) / (tokens - 1), successful
@@ -18,6 +43,11 @@ class Instruments:
     * ``gen_ai.server.request.duration`` (s): arrival -> finish, every request; ``error.type`` on failures.
     * ``llm.server.token.usage`` ({token}): input and output tokens (``gen_ai.token.type``).
     * ``llm.server.request.queue_time`` (s): scheduler queue wait, when the engine reports it.
+    * ``llm.server.inter_token_latency`` (s): per engine step after the first that produced tokens
+      for the request: gap to the previous such step / tokens produced (engine step timestamps).
+    * ``llm.server.output_token_rate`` ({token}/s): output tokens / request duration.
+    * ``llm.server.requests`` ({request}): every finished or rejected request, with
+      ``llm.response.finish_reason`` and ``error.type``.
     """
 
     def __init__(self, meter: Meter) -> None:
@@ -25,6 +55,7 @@ class Instruments:
             return meter.create_histogram(name, unit=unit, description=description,
                                           explicit_bucket_boundaries_advisory=list(buckets))
 
+        self.meter = meter
         self.ttft = hist(M.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN, M.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN_UNIT,
                          M.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN_BUCKETS, "Time to generate first token for successful responses.")
         self.tpot = hist(M.GEN_AI_SERVER_TIME_PER_OUTPUT_TOKEN, M.GEN_AI_SERVER_TIME_PER_OUTPUT_TOKEN_UNIT,
@@ -35,29 +66,127 @@ class Instruments:
                            M.LLM_SERVER_TOKEN_USAGE_BUCKETS, "Input and output tokens per request.")
         self.queue = hist(M.LLM_SERVER_REQUEST_QUEUE_TIME, M.LLM_SERVER_REQUEST_QUEUE_TIME_UNIT,
                           M.LLM_SERVER_REQUEST_QUEUE_TIME_BUCKETS, "Seconds requests waited in the scheduler queue.")
+        self.itl = hist(M.LLM_SERVER_INTER_TOKEN_LATENCY, M.LLM_SERVER_INTER_TOKEN_LATENCY_UNIT,
+                        M.LLM_SERVER_INTER_TOKEN_LATENCY_BUCKETS, "Seconds between token-producing engine steps of a request, per token.")
+        self.token_rate = hist(M.LLM_SERVER_OUTPUT_TOKEN_RATE, M.LLM_SERVER_OUTPUT_TOKEN_RATE_UNIT,
+                               M.LLM_SERVER_OUTPUT_TOKEN_RATE_BUCKETS, "Output tokens per second of request duration.")
+        self.requests = meter.create_counter(M.LLM_SERVER_REQUESTS, unit=M.LLM_SERVER_REQUESTS_UNIT,
+                                             description="Finished and rejected requests by finish reason and error.type.")
+        self._error_types: set[str] = set()
+        self._error_lock = threading.Lock()
+        self._warned_error_types = False
+
+    def error_type(self, value: str) -> str:
+        """``value`` if it is one of the first :data:`MAX_ERROR_TYPES` seen, else ``_OTHER``."""
+        if value in self._error_types:
+            return value
+        with self._error_lock:
+            if len(self._error_types) < MAX_ERROR_TYPES:
+                self._error_types.add(value)
+                return value
+            if not self._warned_error_types:
+                self._warned_error_types = True
+                logger.warning("llm-otel: more than %d distinct error.type values; further ones are "
+                               "recorded as %s", MAX_ERROR_TYPES, OTHER)
+        return OTHER
 
     def record(self, rec: RequestRecord, duration_s: float) -> None:
-        """Record one finished request; ``duration_s`` is arrival -> finish in seconds."""
+        """Record one finished request; ``duration_s`` is arrival -> finish in seconds.
+
+        Observations carry the request span's context when it is sampled (exemplars)."""
         attrs = {
             A.GEN_AI_OPERATION_NAME: rec.operation,
             A.GEN_AI_PROVIDER_NAME: rec.provider,
             A.GEN_AI_REQUEST_MODEL: rec.model,
             A.GEN_AI_RESPONSE_MODEL: rec.response_model,
         }
+        if rec.metric_attributes:  # request class and tier labels, bounded by llm_otel.signals
+            attrs.update(rec.metric_attributes)
+        ctx = trace.set_span_in_context(rec.span) if rec.recording else _NO_TRACE
         ok = rec.error_type is None
+        count_attrs = {k: v for k, v in attrs.items() if k != A.GEN_AI_RESPONSE_MODEL}
+        if rec.finish_reason is not None:
+            count_attrs[A.LLM_RESPONSE_FINISH_REASON] = rec.finish_reason
         if ok:
-            self.duration.record(duration_s, attrs)
+            self.duration.record(duration_s, attrs, ctx)
             ttft = rec.time_to_first_token_s()
             if ttft is not None:
-                self.ttft.record(max(0.0, ttft), attrs)
+                self.ttft.record(max(0.0, ttft), attrs, ctx)
             tpot = rec.time_per_output_token_s()
             if tpot is not None:
-                self.tpot.record(max(0.0, tpot), attrs)
+                self.tpot.record(max(0.0, tpot), attrs, ctx)
+            self._record_itl(rec, attrs, ctx)
+            if rec.num_output_tokens and duration_s > 0:
+                self.token_rate.record(rec.num_output_tokens / duration_s, attrs, ctx)
         else:
-            self.duration.record(duration_s, {**attrs, A.ERROR_TYPE: rec.error_type})
+            error_type = self.error_type(rec.error_type)
+            self.duration.record(duration_s, {**attrs, A.ERROR_TYPE: error_type}, ctx)
+            count_attrs[A.ERROR_TYPE] = error_type
+        self.requests.add(1, count_attrs, ctx)
         queue = rec.queue_time_s()
         if queue is not None:
-            self.queue.record(queue, attrs)
+            self.queue.record(queue, attrs, ctx)
         token_attrs = {k: v for k, v in attrs.items() if k != A.GEN_AI_RESPONSE_MODEL}
-        self.tokens.record(rec.input_tokens, {**token_attrs, A.GEN_AI_TOKEN_TYPE: "input"})
-        self.tokens.record(rec.num_output_tokens, {**token_attrs, A.GEN_AI_TOKEN_TYPE: "output"})
+        self.tokens.record(rec.input_tokens, {**token_attrs, A.GEN_AI_TOKEN_TYPE: "input"}, _NO_TRACE)
+        self.tokens.record(rec.num_output_tokens, {**token_attrs, A.GEN_AI_TOKEN_TYPE: "output"}, _NO_TRACE)
+
+    def _record_itl(self, rec: RequestRecord, attrs: dict, ctx) -> None:
+        """One ITL observation per token-producing step after the first. Only the request's
+        largest gap carries its trace context: the bucket's exemplar then leads to a request that
+        stalled there, and the other observations skip the exemplar path (one SDK ``record`` per
+        step is the cost of this metric; docs/operations.md)."""
+        times, counts = rec.step_times, rec.step_token_counts
+        n = len(times)
+        if n < 2:
+            return
+        gaps = [max(0.0, times[i] - times[i - 1]) / max(1, counts[i]) for i in range(1, n)]
+        worst = max(range(len(gaps)), key=gaps.__getitem__)
+        record = self.itl.record
+        for i, gap in enumerate(gaps):
+            record(gap, attrs, ctx if i == worst else _NO_TRACE)
+
+    def record_rejected(self, attrs: dict, duration_s: float, ctx=None) -> None:
+        """A request the engine refused: ``attrs`` are operation, provider, model and ``error.type``;
+        ``ctx`` the context of its (sampled) error span, for the exemplar."""
+        attrs = {**attrs, A.ERROR_TYPE: self.error_type(str(attrs.get(A.ERROR_TYPE, OTHER)))}
+        ctx = ctx if ctx is not None else _NO_TRACE
+        self.duration.record(duration_s, attrs, ctx)
+        self.requests.add(1, attrs, ctx)
+
+    def observe_sampling(self, tracer_provider) -> bool:
+        """Register ``llm_otel.sampling.probability`` for ``tracer_provider``'s sampler; returns
+        False (no gauge: absent, not zero) when the sampler's probability is unknown."""
+        read = sampling_probability_reader(getattr(tracer_provider, "sampler", None))
+        if read is None:
+            return False
+
+        def observe(_options: CallbackOptions):
+            try:
+                return [Observation(read())]
+            except Exception:  # noqa: BLE001 - a sampler that cannot say is simply not reported
+                return []
+
+        self.meter.create_observable_gauge(M.LLM_OTEL_SAMPLING_PROBABILITY, callbacks=[observe],
+                                           unit=M.LLM_OTEL_SAMPLING_PROBABILITY_UNIT,
+                                           description="Head-sampling probability of new traces now.")
+        return True
+
+
+def sampling_probability_reader(sampler):
+    """A zero-argument callable returning the probability (0-1) that ``sampler`` keeps a new root
+    trace, or None when it cannot be known: llm-otel's adaptive sampler (current probability),
+    ``TraceIdRatioBased`` (its rate), ``ParentBased`` (its root), ``ALWAYS_ON``/``ALWAYS_OFF``."""
+    from opentelemetry.sdk.trace import sampling
+
+    root = getattr(sampler, "root", None)
+    if root is not None and hasattr(root, "current_probability"):
+        return root.current_probability
+    if isinstance(sampler, sampling.ParentBased):
+        sampler = getattr(sampler, "_root", None)
+    if isinstance(sampler, sampling.TraceIdRatioBased):
+        rate = float(sampler.rate)
+        return lambda: rate
+    if isinstance(sampler, sampling.StaticSampler):
+        kept = sampler._decision is not sampling.Decision.DROP  # noqa: SLF001 - no public accessor
+        return (lambda: 1.0) if kept else (lambda: 0.0)
+    return None

@@ -42,6 +42,7 @@ class RequestRecord:
         "finish_reason", "error_type", "error_message", "request_attributes", "choice_index",
         "logprob_rows", "logprob_cap", "user_logprobs",
         "finished", "timing_source", "injected_logprobs", "vocab_size", "output_state",
+        "metric_attributes", "signal_state",
     )
 
     def __init__(
@@ -98,6 +99,8 @@ class RequestRecord:
         self.injected_logprobs = False  # the instrumentation asked the engine for log-probs
         self.vocab_size: int | None = None  # for the entropy estimate from top-k log-probs
         self.output_state = None  # engine object holding the completion text (content capture only)
+        self.metric_attributes: dict[str, Any] = {}  # bounded request-class labels (llm_otel.signals)
+        self.signal_state = None  # (tier, KV spec) set by Signals.admit
 
     # --- hot path ---------------------------------------------------------------------------
     def on_tokens(self, token_ids: list[int], engine_mono: float) -> None:

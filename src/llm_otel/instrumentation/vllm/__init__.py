@@ -30,6 +30,9 @@ Configuration
 ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT`` (false), ``LLM_OTEL_TOKEN_EVENTS`` (16),
 ``LLM_OTEL_MAX_STALL_EVENTS`` (16), ``LLM_OTEL_STALL_FACTOR`` (4.0), ``LLM_OTEL_LOGPROBS_TOP_K`` (5),
 ``LLM_OTEL_LOGIT_DIST_RATIO`` (0), ``LLM_OTEL_LOGIT_EVENTS`` (32), ``LLM_OTEL_VLLM_ENGINE_EVENTS`` (true) - see :class:`llm_otel.config.Settings`.
+``OTEL_METRICS_EXPORTER=prometheus`` with ``OTEL_EXPORTER_PROMETHEUS_PORT`` (9464): the frontend
+serves per-request metrics on that port, the engine core engine-state and GPU metrics on port + 1
+(docs/operations.md).
 """
 
 from __future__ import annotations
@@ -94,7 +97,19 @@ class VLLMInstrumentor(BaseInstrumentor):
             else:
                 tracer_provider, meter_provider = plugin.engine_process_providers(role)
         telemetry = Telemetry(tracer_provider, meter_provider, settings, scope=__name__)
+        if role == "frontend":  # where requests start: the head-sampling probability applies here
+            from opentelemetry import trace
+
+            try:
+                telemetry.instruments.observe_sampling(tracer_provider or trace.get_tracer_provider())
+            except Exception as exc:  # noqa: BLE001
+                telemetry.errors.report("sampling.probability", exc)
         self.adapter = VLLMAdapter(telemetry)
+        if role == "engine_core":  # engine-state and GPU instruments now, not on the first step
+            try:
+                self.adapter.core.engine_metrics()
+            except Exception as exc:  # noqa: BLE001
+                telemetry.errors.report("core.engine_metrics", exc)
         self._applied = apply_hooks(HOOKS, self.adapter, "vLLM")
         self._set_enable_env = plugin.ENABLE_ENV not in os.environ
         if self._set_enable_env:
@@ -107,6 +122,8 @@ class VLLMInstrumentor(BaseInstrumentor):
 
         remove_hooks(self._applied)
         self._applied = []
+        if self.adapter is not None:
+            self.adapter.telemetry.signals.stop()  # its thread and /healthz end with the hooks
         self.adapter = None
         self._pending = None
         if getattr(self, "_set_enable_env", False):

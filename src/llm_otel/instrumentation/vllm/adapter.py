@@ -29,6 +29,8 @@ from opentelemetry.trace import SpanKind
 from llm_otel.instrumentation.vllm.engine_core import CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY, EngineCoreAdapter
 from llm_otel.propagation import carrier_from_span, context_from_carrier, extract_carrier
 from llm_otel.semconv import attributes as A
+from llm_otel.signals import kv_source_for
+from llm_otel.signals.kv import KVSpec
 from llm_otel.telemetry import RequestRecord, Telemetry
 
 logger = logging.getLogger("llm_otel")
@@ -47,12 +49,13 @@ class _Inbound:
     """One HTTP request seen by an OpenAI handler: its valid trace headers, and whether any engine
     request was started for it (if none was and the handler failed, it was rejected)."""
 
-    __slots__ = ("carrier", "operation", "started")
+    __slots__ = ("carrier", "operation", "started", "headers")
 
-    def __init__(self, carrier: dict | None, operation: str) -> None:
+    def __init__(self, carrier: dict | None, operation: str, headers: Any = None) -> None:
         self.carrier = carrier
         self.operation = operation
         self.started = 0
+        self.headers = headers  # the inbound request's headers, for request classes (llm_otel.signals)
 
 _EVENT_KINDS = {1: "queued", 2: "scheduled", 3: "preempted"}  # vllm.v1.engine.EngineCoreEventType
 _FINISH = ("stop", "length", "abort", "error", "repetition")  # vllm.v1.engine.FINISH_REASON_STRINGS
@@ -73,13 +76,14 @@ def engine_version() -> str:
 class _EngineState:
     """What we keep per vLLM OutputProcessor: engine facts and the live request records."""
 
-    __slots__ = ("model", "max_logprobs", "vocab_size", "records", "__weakref__")
+    __slots__ = ("model", "max_logprobs", "vocab_size", "records", "kv", "__weakref__")
 
     def __init__(self, model: str = "unknown", max_logprobs: int = 20) -> None:
         self.model = model
         self.max_logprobs = max_logprobs
         self.vocab_size: int | None = None
         self.records: dict[str, RequestRecord] = {}
+        self.kv: KVSpec | None = None  # KV geometry from vllm_config (llm_otel.signals)
 
 
 class VLLMAdapter:
@@ -119,6 +123,11 @@ class VLLMAdapter:
             max_lp = getattr(model_config, "max_logprobs", None)
             if isinstance(max_lp, int):
                 state.max_logprobs = max_lp if max_lp >= 0 else 1 << 30
+        first = state.kv is None
+        # cache_config.num_gpu_blocks is known once the engine core reported its KV pool
+        state.kv = KVSpec.from_vllm(getattr(engine, "vllm_config", None))
+        if first and state.kv is not None:
+            self.telemetry.signals.attach_kv_source(kv_source_for(state, lambda s: s.kv))
 
     def live_requests(self) -> int:
         """Requests currently tracked (for tests and ``doctor``)."""
@@ -185,7 +194,8 @@ class VLLMAdapter:
             inbound = None
             try:
                 raw = kwargs.get("raw_request", args[1] if len(args) > 1 else None)
-                inbound = _Inbound(extract_carrier(raw.headers) if raw is not None else None, operation)
+                inbound = _Inbound(extract_carrier(raw.headers) if raw is not None else None, operation,
+                                   raw.headers if raw is not None else None)
                 _inbound.set(inbound)  # the request's task (and the streaming tasks it starts) see it
                 _operation.set(operation)
             except Exception as exc:  # noqa: BLE001
@@ -302,6 +312,9 @@ class VLLMAdapter:
         carrier = _engine_carrier.get() or (inbound.carrier if inbound is not None else None)
         if inbound is not None:
             inbound.started += 1
+        signals = self.telemetry.signals
+        class_attrs, class_labels, tier = signals.classify(inbound.headers if inbound is not None else None, request)
+        attrs.update(class_attrs)
         rec = self.telemetry.start_request(
             rid, operation=_operation.get() or "text_completion", provider=PROVIDER, model=state.model,
             kind=SpanKind.SERVER if inbound is not None else SpanKind.INTERNAL,
@@ -310,6 +323,10 @@ class VLLMAdapter:
             engine_version=self.version, choice_index=int(request_index or 0),
             request_attributes=attrs, user_logprobs=user_logprobs, prompt_text=prompt)
         rec.vocab_size = state.vocab_size
+        try:
+            signals.admit(rec, class_labels, tier, state.kv)
+        except Exception as exc:  # noqa: BLE001 - the record must still be tracked and ended
+            self.telemetry.errors.report("signals.admit", exc)
         k = min(self.settings.logprobs_top_k, state.max_logprobs)
         user_asked = user_logprobs is not None or bool(getattr(sp, "logprob_token_ids", None))
         wanted = rec.recording and k > 0 and (user_asked or self._wants_logit_dist(rec))
@@ -402,9 +419,11 @@ class VLLMAdapter:
 
     def _after_step(self, state: _EngineState, output_processor: Any, pending: list) -> None:
         live = output_processor.request_states
+        produced = 0
         for rec, out, ts in pending:
             if out.new_token_ids:
                 rec.on_tokens(out.new_token_ids, ts)  # after vLLM trimmed tokens past a stop string
+                produced += len(out.new_token_ids)
             if out.request_id in live:
                 continue
             reason = out.finish_reason
@@ -419,6 +438,8 @@ class VLLMAdapter:
             if rec.logprob_rows and len(rec.logprob_rows) > rec.num_output_tokens:
                 del rec.logprob_rows[rec.num_output_tokens:]
             self.telemetry.finish(rec)
+        if produced:
+            self.telemetry.signals.on_tokens(produced, pending[0][2])
 
     def _reap(self, state: _EngineState, output_processor: Any) -> None:
         """End the records of requests vLLM no longer tracks (after a failure of our own code)."""

@@ -6,10 +6,15 @@ with ``req_ids``/``num_output_tokens`` (0 = still prefilling), ``preempted_req_i
 ``finished_req_ids``); ``Scheduler.requests[req_id].sampling_params.extra_args`` holds the carrier
 the frontend put there (the request span's ``traceparent``).
 
+``Scheduler.make_stats()`` returns the step's ``SchedulerStats`` (KV-cache usage, prefix-cache
+hits/queries, running/waiting requests) for :class:`~llm_otel.telemetry.engine_state.EngineStateMetrics`;
+each step's interval and whether it scheduled prompt tokens feed the GPU metrics' phase.
+
 The step span is the root of its own trace (batching is fan-in) and **links** to the request
 spans it served; it is emitted only when at least one of them is sampled, so unsampled traffic
-costs a dict lookup per request per step. Batching never blocks: the span is built after the
-step with explicit times.
+costs a dict lookup per request per step. It starts at the step's start (explicit time) once
+``schedule()`` has chosen the batch, and its ids ride on the ``SchedulerOutput`` to the worker,
+which records the step on the device timeline (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -23,30 +28,75 @@ from llm_otel.propagation import parse_traceparent
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import spans as S
 from llm_otel.telemetry import Telemetry
+from llm_otel.telemetry.engine_state import EngineStateMetrics, PhaseClock, step_has_prefill
 
 CARRIER_KEY = "llm_otel.traceparent"  # key in vLLM SamplingParams.extra_args
 CARRIER_STATE_KEY = "llm_otel.tracestate"  # the request span's tracestate (ot=th:, vendors), if any
 CARRIER_TOPK_KEY = "llm_otel.logit_top_k"  # present: the worker computes llm.logit_dist (k)
+STEP_CARRIER_ATTR = "llm_otel_step"  # on vLLM's SchedulerOutput: (trace_id, span_id, sampled) of the step span
 MAX_CACHED_LINKS = 100_000
 
 
 class EngineCoreAdapter:
     """Wrapper factories for ``Scheduler.schedule`` and ``EngineCore.step``.
 
-    ``step_listeners``: callables ``(span, scheduler_output, start_ns, end_ns)`` run after each
-    emitted step span - the hook point for device timing (GPU ring buffer).
+    The step span starts when ``schedule()`` has chosen the batch - before the model runs - so its
+    ids can travel with the ``SchedulerOutput`` to the worker (attribute :data:`STEP_CARRIER_ATTR`:
+    ``(trace_id, span_id, sampled)``), whose device records and NVTX range carry them; it ends
+    with the step. When the model runs in this process (vLLM's ``UniProcExecutor``: one GPU) the
+    step tracker completes the span with its device times.
+
+    ``step_listeners``: callables ``(span, scheduler_output, start_ns, end_ns)`` run before each
+    step span ends.
     """
 
     def __init__(self, telemetry: Telemetry) -> None:
         self.telemetry = telemetry
         self._links: dict[str, Link | None] = {}
         self._last_output: Any = None
+        self._step_start_ns: int | None = None
+        self._span: Any = None
         self.step_listeners: list[Callable] = []
+        self.phase_clock = PhaseClock()
+        self.state_metrics: EngineStateMetrics | None = None
+        self.gpu_metrics = None
+        self._model: str | None = None
+
+    def engine_metrics(self) -> EngineStateMetrics:
+        """Engine-state and GPU instruments, created on first use: only in the process that runs
+        the scheduler (vLLM's engine core, or the frontend when the core runs in-process)."""
+        if self.state_metrics is None:
+            from llm_otel.gpu.metrics import register_gpu_metrics
+
+            meter = self.telemetry.instruments.meter
+            self.state_metrics = EngineStateMetrics(meter)
+            self.gpu_metrics = register_gpu_metrics(meter, self.phase_clock.phase)
+        return self.state_metrics
+
+    def make_stats(self, hook: str):
+        """Scheduler.make_stats: read the statistics vLLM builds for its own loggers."""
+
+        def wrapper(wrapped, instance, args, kwargs):
+            stats = wrapped(*args, **kwargs)
+            try:
+                if self._model is None:
+                    self._model = _served_model(instance)
+                self.engine_metrics().on_scheduler_stats(stats, self._model)
+            except Exception as exc:  # noqa: BLE001
+                self.telemetry.errors.report(hook, exc)
+            return stats
+
+        return wrapper
 
     def schedule(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
             output = wrapped(*args, **kwargs)
             self._last_output = output  # the engine core's busy loop is one thread
+            try:
+                if self._span is None and getattr(output, "total_num_scheduled_tokens", 0):
+                    self._start(instance, output)
+            except Exception as exc:  # noqa: BLE001
+                self.telemetry.errors.report(hook, exc)
             return output
 
         return wrapper
@@ -54,15 +104,27 @@ class EngineCoreAdapter:
     def step(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
             self._last_output = None
-            start_ns = time.time_ns()
+            self._span = None
+            start_ns = self._step_start_ns = time.time_ns()
+            start_mono = time.monotonic()
             cpu0 = time.thread_time_ns()
-            result = wrapped(*args, **kwargs)
             try:
+                result = wrapped(*args, **kwargs)
+            finally:
+                span, self._span, self._step_start_ns = self._span, None, None
                 output = self._last_output
-                if output is not None and getattr(output, "total_num_scheduled_tokens", 0):
-                    self._emit(instance, output, start_ns, time.time_ns(), time.thread_time_ns() - cpu0)
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
+                try:  # engine phase and engine-state metrics: every step, sampled or not
+                    if output is not None and getattr(output, "total_num_scheduled_tokens", 0):
+                        if self.state_metrics is None:
+                            self.engine_metrics()
+                        self.phase_clock.on_step(start_mono, time.monotonic(), step_has_prefill(output))
+                except Exception as exc:  # noqa: BLE001
+                    self.telemetry.errors.report(hook, exc)
+                if span is not None:
+                    try:
+                        self._finish(span, output, start_ns, time.time_ns(), time.thread_time_ns() - cpu0)
+                    except Exception as exc:  # noqa: BLE001
+                        self.telemetry.errors.report(hook, exc)
             return result
 
         return wrapper
@@ -81,8 +143,10 @@ class EngineCoreAdapter:
             self._links[req_id] = link
         return link
 
-    def _emit(self, engine_core: Any, output: Any, start_ns: int, end_ns: int, cpu_ns: int) -> None:
-        requests = engine_core.scheduler.requests
+    def _start(self, scheduler: Any, output: Any) -> None:
+        """Start the step span for the batch ``schedule()`` returned (only if a request in it is
+        sampled) and attach its ids to the SchedulerOutput for the worker."""
+        requests = scheduler.requests
         scheduled: dict[str, int] = output.num_scheduled_tokens
         links = []
         for req_id in scheduled:
@@ -103,10 +167,36 @@ class EngineCoreAdapter:
             A.LLM_ENGINE_STEP_PREFILL_TOKENS: prefill,
             A.LLM_ENGINE_STEP_DECODE_TOKENS: int(output.total_num_scheduled_tokens) - prefill,
             A.LLM_ENGINE_STEP_PREEMPTED: len(output.preempted_req_ids or ()),
-            A.LLM_ENGINE_STEP_CPU_TIME: cpu_ns / 1e9,
         }
+        start_ns = self._step_start_ns if self._step_start_ns is not None else time.time_ns()
         span = self.telemetry.tracer.start_span(S.LLM_ENGINE_STEP, kind=SpanKind.INTERNAL, links=links,
                                                 attributes=attrs, start_time=start_ns)
+        if self._step_start_ns is None:  # schedule() outside a hooked step: nothing would end it
+            span.end()
+            return
+        self._span = span
+        sc = span.get_span_context()
+        try:
+            setattr(output, STEP_CARRIER_ATTR, (sc.trace_id, sc.span_id, bool(sc.trace_flags.sampled)))
+        except Exception:  # noqa: BLE001 - a SchedulerOutput that takes no attributes: no device timing
+            pass
+        steps = self.telemetry.steps_if_started
+        if steps is not None:
+            steps.register_span(span)
+
+    def _finish(self, span: Any, output: Any, start_ns: int, end_ns: int, cpu_ns: int) -> None:
+        span.set_attribute(A.LLM_ENGINE_STEP_CPU_TIME, cpu_ns / 1e9)
         for listener in self.step_listeners:
             listener(span, output, start_ns, end_ns)
-        span.end(end_time=end_ns)
+        steps = self.telemetry.steps_if_started
+        if steps is None or not steps.release_span(span, end_ns):
+            span.end(end_time=end_ns)
+
+
+def _served_model(scheduler: Any) -> str:
+    """The served model name from the scheduler's ``vllm_config.model_config`` ("unknown" if absent)."""
+    model_config = getattr(getattr(scheduler, "vllm_config", None), "model_config", None)
+    name = getattr(model_config, "served_model_name", None) or getattr(model_config, "model", None)
+    if isinstance(name, (list, tuple)):
+        name = name[0] if name else None
+    return str(name) if name else "unknown"

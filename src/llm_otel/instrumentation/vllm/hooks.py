@@ -10,6 +10,7 @@ list their own targets (same factory), so each resolves where that vLLM keeps it
 from llm_otel.instrumentation._hooks import Hook
 
 V1 = "vLLM V1 engine 0.30-0.32: vllm.v1.engine.*, vllm.v1.core.sched.*, vllm.v1.worker.*"
+RUNNER_V2 = "vLLM 0.32+ Model Runner V2: vllm.v1.worker.gpu.model_runner"
 SERVE_032 = "vLLM 0.32 OpenAI server: vllm.entrypoints.openai.{completion,chat_completion}.serving"
 SERVE_OLD = "vLLM <= 0.11 OpenAI server: vllm.entrypoints.openai.serving_{completion,chat}"
 
@@ -52,10 +53,25 @@ HOOKS: list[Hook] = [
     # --- engine-core process: one llm.engine.step span per scheduler step ----------------------
     Hook("vllm.v1.core.sched.scheduler", "Scheduler.schedule", "core.schedule", V1,
          "batch composition: SchedulerOutput.num_scheduled_tokens, new vs running requests, preemptions"),
+    Hook("vllm.v1.core.sched.scheduler", "Scheduler.make_stats", "core.make_stats", V1,
+         "SchedulerStats each step: kv_cache_usage, prefix_cache_stats.{queries,hits}, "
+         "num_running_reqs, num_waiting_reqs (engine-state metrics)"),
     Hook("vllm.v1.engine.core", "EngineCore.step", "core.step", V1,
          "step timing (wall, CPU) around schedule + execute + update"),
     Hook("vllm.v1.engine.core", "EngineCore.step_with_batch_queue", "core.step", V1,
          "the same for pipelined / async-scheduling engines"),
+    # --- worker process: device timing of steps (docs/gpu.md) -----------------------------------
+    Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.execute_model", "worker.execute_model", V1,
+         "step begins (NVTX range, ring-buffer record on torch's current stream): the step span ids the "
+         "engine core put on SchedulerOutput, num_scheduled_tokens (batch), finished_req_ids",
+         group="worker.execute_model"),
+    Hook("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.execute_model", "worker.execute_model", RUNNER_V2,
+         "the same for Model Runner V2", group="worker.execute_model"),
+    Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.sample_tokens", "worker.sample_tokens", V1,
+         "step ends after sampling (two-phase step); records complete asynchronously",
+         group="worker.sample_tokens"),
+    Hook("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.sample_tokens", "worker.sample_tokens", RUNNER_V2,
+         "the same for Model Runner V2", group="worker.sample_tokens"),
     # --- worker process: full-vocabulary logit statistics for sampled requests -----------------
     Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._sample", "worker.sample", V1,
          "logits (batch, vocab) on device before sampling; rows <-> input_batch.req_ids"),

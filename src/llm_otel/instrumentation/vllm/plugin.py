@@ -10,7 +10,9 @@ for zero-code serving (``LLM_OTEL_ENABLED=1 python -m vllm.entrypoints.openai.ap
 
 In the engine-core and worker processes the providers come from the ``OTEL_*`` environment (batch
 OTLP export, flushed at exit; resource attribute ``llm.process.role``); without an OTLP endpoint
-their spans are dropped - the frontend's console shows the request trees.
+their spans are dropped - the frontend's console shows the request trees. With
+``OTEL_METRICS_EXPORTER=prometheus`` the engine core serves its metrics on its own port
+(:mod:`llm_otel.export.prometheus`).
 """
 
 from __future__ import annotations
@@ -70,14 +72,19 @@ def register() -> None:
 def engine_process_providers(role: str):
     """Tracer and meter providers for an engine-core or worker process, from the ``OTEL_*``
     environment, with resource attribute ``llm.process.role``; flushed at exit (with the worker's
-    pending logit statistics)."""
+    pending logit statistics and step device timings)."""
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    from llm_otel.export.providers import SystemRandomIdGenerator, metric_exporter_from_env, span_exporter_from_env
+    from llm_otel.export.providers import (
+        SystemRandomIdGenerator,
+        metric_exporter_from_env,
+        prometheus_reader_from_env,
+        span_exporter_from_env,
+    )
     from llm_otel.semconv import attributes as A
 
     resource = Resource.create({A.LLM_PROCESS_ROLE: role})
@@ -87,6 +94,14 @@ def engine_process_providers(role: str):
         tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
     metric_exporter = metric_exporter_from_env()
     readers = [PeriodicExportingMetricReader(metric_exporter)] if metric_exporter is not None else []
+    if metric_exporter is None:
+        try:
+            prometheus = prometheus_reader_from_env(role=role)  # engine core: port + 1 + DP rank
+        except Exception as exc:  # noqa: BLE001 - a bad port must not stop the engine process
+            logger.warning("llm-otel: no Prometheus endpoint in this %s process (%s)", role, exc)
+            prometheus = None
+        if prometheus is not None:
+            readers.append(prometheus)
     meter_provider = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False)
 
     def _flush() -> None:
@@ -96,6 +111,9 @@ def engine_process_providers(role: str):
         try:
             if adapter is not None:
                 adapter.worker.flush(0.0)
+                steps = adapter.telemetry.steps_if_started
+                if steps is not None:  # device records still in flight complete their step spans
+                    steps.close()
         finally:
             tracer_provider.shutdown()
             meter_provider.shutdown()

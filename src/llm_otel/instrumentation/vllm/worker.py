@@ -1,4 +1,14 @@
-"""Worker side of the vLLM adapter: ``llm.logit_dist`` from the engine's full-vocabulary logits.
+"""Worker side of the vLLM adapter: device timing of each step, and ``llm.logit_dist`` from the
+engine's full-vocabulary logits.
+
+Device timing (docs/gpu.md): ``GPUModelRunner.execute_model(scheduler_output)`` begins a step on
+the core's :class:`~llm_otel.telemetry.steps.StepTracker` - NVTX range and ring-buffer record on
+torch's current CUDA stream - and the step ends after ``sample_tokens`` (or at once when
+``execute_model`` returned the output itself). The step span's ids come from the engine core on
+the ``SchedulerOutput`` (``STEP_CARRIER_ATTR``); steps without a sampled request carry none and
+cost one ``getattr``. ``scheduler_output.num_scheduled_tokens`` gives the batch's request ids,
+``scheduled_new_reqs[i].sampling_params.extra_args`` the request span of a request's first step
+(its NVTX process range), ``finished_req_ids`` the requests whose ranges end.
 
 Engine fields read (vLLM 0.32): ``GPUModelRunner._sample(logits, spec_decode_metadata)`` gets the
 step's ``(rows, vocab)`` logits, row i belonging to ``input_batch.req_ids[i]``;
@@ -22,10 +32,12 @@ from typing import Any
 
 import numpy as np
 
-from llm_otel.instrumentation.vllm.engine_core import CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY
-from llm_otel.propagation import context_from_carrier
+from llm_otel.instrumentation.vllm.engine_core import (CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY,
+                                                       STEP_CARRIER_ATTR)
+from llm_otel.propagation import context_from_carrier, parse_traceparent
 from llm_otel.telemetry import Telemetry
 from llm_otel.telemetry.spans import emit_logit_dist
+from llm_otel.telemetry.steps import step_parent
 
 IDLE_FLUSH_S = 2.0
 MAX_STEPS_PER_REQUEST = 1 << 16
@@ -48,13 +60,115 @@ class _Stream:
 
 
 class WorkerAdapter:
-    """Wrapper factory for ``GPUModelRunner._sample`` (inherited by vLLM's CPU model runner)."""
+    """Wrapper factories for ``GPUModelRunner.execute_model`` / ``sample_tokens`` (device timing
+    of steps) and ``GPUModelRunner._sample`` (logit statistics); vLLM's CPU model runner inherits
+    all three."""
 
     def __init__(self, telemetry: Telemetry) -> None:
         self.telemetry = telemetry
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._flusher: threading.Thread | None = None
+        self._open_steps: dict[int, Any] = {}  # id(model runner) -> StepContext awaiting sample_tokens
+        self._torch_cuda: Any = False  # torch.cuda once known to be usable, None when not
+
+    # --- device timing of steps ---------------------------------------------------------------
+    def execute_model(self, hook: str):
+        """Wrapper for ``GPUModelRunner.execute_model(scheduler_output, intermediate_tensors=None)``."""
+        def wrapper(wrapped, instance, args, kwargs):
+            ctx = None
+            try:
+                stale = self._open_steps.pop(id(instance), None) if self._open_steps else None
+                if stale is not None:  # sample_tokens never came (the step failed in between)
+                    self._end_step(stale, hook)
+                so = args[0] if args else kwargs.get("scheduler_output")
+                ctx = self._begin_step(so)
+            except Exception as exc:  # noqa: BLE001
+                self.telemetry.errors.report(hook, exc)
+            if ctx is None:
+                return wrapped(*args, **kwargs)
+            try:
+                output = wrapped(*args, **kwargs)
+            except BaseException:
+                self._end_step(ctx, hook)
+                raise
+            if output is None:  # two-phase step: sample_tokens() follows and ends it
+                self._open_steps[id(instance)] = ctx
+            else:
+                self._end_step(ctx, hook)
+            return output
+
+        return wrapper
+
+    def sample_tokens(self, hook: str):
+        """Wrapper for ``GPUModelRunner.sample_tokens(grammar_output)``: ends the open step."""
+        def wrapper(wrapped, instance, args, kwargs):
+            try:
+                return wrapped(*args, **kwargs)
+            finally:
+                ctx = self._open_steps.pop(id(instance), None) if self._open_steps else None
+                if ctx is not None:
+                    self._end_step(ctx, hook)
+
+        return wrapper
+
+    def _cuda_stream(self) -> Any:
+        """torch's current CUDA stream handle; None on CPU; False while a CUDA graph is captured."""
+        cuda = self._torch_cuda
+        if cuda is False:
+            try:
+                import torch
+
+                cuda = torch.cuda if torch.cuda.is_available() else None
+            except Exception:  # noqa: BLE001
+                cuda = None
+            self._torch_cuda = cuda
+        if cuda is None or not cuda.is_initialized():
+            return None
+        if cuda.is_current_stream_capturing():
+            return False  # a record launched now would be frozen into the graph
+        return cuda.current_stream().cuda_stream
+
+    def _begin_step(self, so: Any):
+        carrier = getattr(so, STEP_CARRIER_ATTR, None)
+        steps = self.telemetry.steps if carrier is not None else self.telemetry.steps_if_started
+        if steps is None:
+            return None
+        finished = getattr(so, "finished_req_ids", None)
+        if finished:
+            steps.end_requests(finished)
+        if carrier is None:
+            return None
+        stream = self._cuda_stream()
+        if stream is False:
+            return None
+        trace_id, span_id, sampled = carrier
+        scheduled = so.num_scheduled_tokens
+        new = so.scheduled_new_reqs
+        prefill = sum(scheduled.get(r.req_id, 0) for r in new)
+        cached = so.scheduled_cached_reqs
+        for req_id, n_out in zip(cached.req_ids, cached.num_output_tokens):
+            if n_out == 0:
+                prefill += scheduled.get(req_id, 0)
+        total = int(so.total_num_scheduled_tokens)
+        phase = "decode" if prefill == 0 else "prefill" if prefill == total else "mixed"
+        request_spans = None
+        if steps.nvtx.active and new:
+            request_spans = {}
+            for r in new:
+                extra = getattr(getattr(r, "sampling_params", None), "extra_args", None)
+                sc = parse_traceparent(extra.get(CARRIER_KEY)) if extra else None
+                if sc is not None:
+                    request_spans[r.req_id] = (sc.trace_id, sc.span_id)
+        return steps.begin(list(scheduled), parent=step_parent(trace_id, span_id, sampled), phase=phase,
+                           stream=stream, request_spans=request_spans)
+
+    def _end_step(self, ctx: Any, hook: str) -> None:
+        try:
+            stream = self._cuda_stream()
+            self.telemetry.steps.end(ctx, stream=stream if stream is not False else None)
+        except Exception as exc:  # noqa: BLE001
+            self.telemetry.errors.report(hook, exc)
 
     def sample(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):

@@ -2,3 +2,7 @@
 class Scheduler:
     def schedule(self, throttle_prefills=False):
         return None
+
+    def make_stats(self, spec_decoding_stats=None, kv_connector_stats=None, cudagraph_stats=None,
+                   perf_stats=None, ec_connector_stats=None):
+        return None  # SchedulerStats | None (None when log_stats is off)

@@ -1,0 +1,382 @@
+"""Device check of the GPU step timeline (issue 6), for a CUDA machine; finishes in well under 5 min.
+
+What it does, on torch's current CUDA stream (the stream vLLM's model runs on):
+
+1. **Ordered and complete**: ``--steps`` steps of a torch workload with varied kernel sizes
+   (matmuls of 64..4096, elementwise ops, a reduction), each bracketed by the core's
+   ``StepTracker.begin/end`` with the CuPy ring. Every step must get exactly one begin and one
+   end record, begin <= end, and step i's end <= step i+1's begin (one stream, so device order).
+2. **Accuracy**: each step's device duration from the ring (``%globaltimer``) against
+   ``torch.cuda.Event`` elapsed time bracketing the same kernels; reports the error.
+3. **Never blocks**: ``begin``/``end`` host time while the stream is busy with ~100 ms of work.
+4. **Cost**: wall time per step of a launch-bound workload (tiny kernels) with and without the
+   tracker; and per-step host cost of ``begin`` + ``end``.
+5. **Overflow**: a small ring written faster than it is drained counts exactly what it lost.
+6. **Clock**: the calibration window (offset error bound) and the queueing delay seen.
+
+Writes a short Markdown report (``--out``) and a JSON file next to it. Exit status 0 when every
+check passed, 1 when one failed, 2 when the machine cannot run it (no CUDA / CuPy / torch).
+
+``--cpu-dry-run`` runs the same code paths with the NumPy ring and host timers (no GPU needed;
+numbers are meaningless) so the script itself is exercised where there is no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "src"))
+
+
+def percentile(values, q):
+    s = sorted(values)
+    if not s:
+        return float("nan")
+    k = min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))
+    return s[k]
+
+
+class Env:
+    """torch + CUDA (or the CPU dry run): streams, timing events, workload."""
+
+    def __init__(self, dry: bool):
+        import torch
+
+        self.torch = torch
+        self.dry = dry
+        self.device = "cpu" if dry else "cuda"
+        if not dry:
+            torch.cuda.init()
+        self.mats = {n: torch.randn(n, n, device=self.device, dtype=torch.float16 if not dry else torch.float32)
+                     for n in (64, 256, 1024, 2048, 4096)}
+
+    def stream(self):
+        return None if self.dry else self.torch.cuda.current_stream().cuda_stream
+
+    def sync(self):
+        if not self.dry:
+            self.torch.cuda.synchronize()
+
+    def event(self):
+        if self.dry:
+            return HostEvent()
+        return self.torch.cuda.Event(enable_timing=True)
+
+    def work(self, step: int):
+        """Varied kernel sizes: step-dependent matmul size and repeat count, plus small ops."""
+        sizes = (64, 256, 1024, 2048, 4096) if not self.dry else (64, 256)
+        n = sizes[step % len(sizes)]
+        a = self.mats[n]
+        reps = 1 + (step * 7) % 4
+        for _ in range(reps):
+            a = (a @ self.mats[n]).clamp_(-1, 1)
+        return (a.float().sum() + a.abs().max()).item() if step < 0 else a
+
+    def busy(self, ms: float):
+        """Enqueue roughly ``ms`` of device work: torch's spin kernel (clock cycles at the GPU's
+        clock rate), else 4096 matmuls."""
+        torch = self.torch
+        if not self.dry and hasattr(torch.cuda, "_sleep"):
+            rate_khz = torch.cuda.get_device_properties(0).clock_rate if hasattr(
+                torch.cuda.get_device_properties(0), "clock_rate") else 1_500_000
+            torch.cuda._sleep(int(ms * rate_khz))
+            return None
+        a = self.mats[4096] if not self.dry else self.mats[256]
+        for _ in range(max(1, int(ms / 2))):
+            a = a @ self.mats[4096 if not self.dry else 256]
+        return a
+
+
+class HostEvent:
+    def record(self, stream=None):
+        self.t = time.perf_counter_ns()
+
+    def elapsed_time(self, other):
+        return (other.t - self.t) / 1e6
+
+
+def make_tracker(ring):
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from llm_otel.config import Settings
+    from llm_otel.telemetry import Telemetry
+    from llm_otel.telemetry.steps import StepTracker
+
+    exporter = InMemorySpanExporter()
+    tp = TracerProvider()
+    tp.add_span_processor(SimpleSpanProcessor(exporter))
+    reader = InMemoryMetricReader()
+    telemetry = Telemetry(tp, MeterProvider(metric_readers=[reader]), Settings.from_env({}))
+    tracker = StepTracker(telemetry, backend=ring, nvtx=False, start_thread=False, step_timeout_s=60)
+    return telemetry, tracker, exporter
+
+
+def new_ring(dry: bool, capacity: int):
+    from llm_otel.gpu.ring import CupyRing, NumpyRing
+
+    return NumpyRing(capacity) if dry else CupyRing(capacity)
+
+
+def check_order_and_accuracy(env: Env, steps: int, results: dict, failures: list):
+    from llm_otel.gpu.ring import KIND_BEGIN, KIND_END
+
+    ring = new_ring(env.dry, capacity=4 * steps + 16)
+    telemetry, tracker, exporter = make_tracker(ring)
+    polled = []
+    real_poll = ring.poll
+
+    def keep_poll():
+        recs = real_poll()
+        polled.extend((int(r["span_id"]), int(r["kind"]), int(r["timestamp"])) for r in recs)
+        return recs
+
+    ring.poll = keep_poll
+    env.work(0)
+    env.sync()
+    events = []
+    ctxs = []
+    for i in range(steps):
+        span = telemetry.tracer.start_span("llm.engine.step")
+        ctx = tracker.begin([f"r{i % 8}"], span=span, phase="decode", stream=env.stream())
+        e0, e1 = env.event(), env.event()
+        e0.record()
+        env.work(i)
+        e1.record()
+        tracker.end(ctx, stream=env.stream())
+        events.append((e0, e1))
+        ctxs.append(ctx)
+        if i % 16 == 0:
+            tracker.drain()  # concurrently with the running stream, as the drain thread does
+    env.sync()
+    deadline = time.monotonic() + 30
+    while tracker._pending and time.monotonic() < deadline:
+        tracker.drain()
+        time.sleep(0.001)
+    spans = {s.context.span_id: s for s in exporter.get_finished_spans()}
+    # 1. ordered and complete
+    by_step: dict[int, list] = {}
+    for sid, kind, ts in polled:
+        by_step.setdefault(sid, []).append((kind, ts))
+    complete = sum(1 for c in ctxs if sorted(k for k, _ in by_step.get(c.span_id, [])) == [KIND_BEGIN, KIND_END])
+    ordered = all(b[1] <= e[1] for c in ctxs for b, e in [sorted(by_step.get(c.span_id, [(1, 0), (2, 0)]))])
+    seq_ordered = all(ctxs[i].device_end_ns is not None and ctxs[i + 1].device_begin_ns is not None
+                      and ctxs[i].device_end_ns <= ctxs[i + 1].device_begin_ns for i in range(len(ctxs) - 1))
+    results["steps"] = steps
+    results["records_read"] = len(polled)
+    results["steps_complete"] = complete
+    results["overwritten"] = ring.overwritten
+    results["begin_before_end"] = ordered
+    results["steps_in_stream_order"] = seq_ordered
+    results["spans_with_device_time"] = sum(1 for s in spans.values() if "llm.engine.step.device.duration" in s.attributes)
+    if complete != steps or ring.overwritten or not ordered or not seq_ordered:
+        failures.append(f"records incomplete or out of order: {complete}/{steps} complete, overwritten "
+                        f"{ring.overwritten}, begin<=end {ordered}, stream order {seq_ordered}")
+    if results["spans_with_device_time"] != steps:
+        failures.append(f"only {results['spans_with_device_time']}/{steps} step spans got device times")
+    # 2. accuracy against CUDA events
+    errors_us, rel = [], []
+    for c, (e0, e1) in zip(ctxs, events):
+        if c.device_duration_ns is None:
+            continue
+        ref_ms = e0.elapsed_time(e1)
+        err = c.device_duration_ns / 1e3 - ref_ms * 1e3
+        errors_us.append(err)
+        if ref_ms > 0:
+            rel.append(abs(err) / (ref_ms * 1e3))
+    abs_err = [abs(e) for e in errors_us]
+    results["duration_error_us"] = {
+        "mean": statistics.fmean(errors_us) if errors_us else None,
+        "p50_abs": percentile(abs_err, 50), "p99_abs": percentile(abs_err, 99), "max_abs": max(abs_err, default=None),
+        "p50_rel": percentile(rel, 50), "p99_rel": percentile(rel, 99)}
+    durations = [c.device_duration_ns / 1e3 for c in ctxs if c.device_duration_ns is not None]
+    results["step_device_us"] = {"min": min(durations, default=None), "p50": percentile(durations, 50),
+                                 "max": max(durations, default=None)}
+    queue = [c.queue_delay_ns / 1e3 for c in ctxs if c.queue_delay_ns is not None]
+    results["queue_delay_us"] = {"p50": percentile(queue, 50), "p99": percentile(queue, 99)}
+    results["clock_error_us"] = ring.clock_error_ns / 1e3
+    results["clock"] = ring.clock
+    # with globaltimer granularity (up to ~1 us on some GPUs) and the two extra tiny kernels
+    # inside the bracket, a healthy ring stays within a few tens of microseconds
+    if not env.dry and errors_us and percentile(abs_err, 50) > 50:
+        failures.append(f"median |device duration - CUDA event| = {percentile(abs_err, 50):.1f} us > 50 us")
+    # the request span accumulations
+    acc = tracker.request_device_time("r0")
+    results["request_r0_device_steps"] = acc[1] if acc else 0
+    tracker.close()
+
+
+def check_never_blocks(env: Env, results: dict, failures: list):
+    ring = new_ring(env.dry, capacity=64)
+    telemetry, tracker, _ = make_tracker(ring)
+    env.sync()
+    env.busy(100)  # ~100 ms queued on the stream
+    t0 = time.perf_counter_ns()
+    ctx = tracker.begin(["a"], span=telemetry.tracer.start_span("s"), stream=env.stream())
+    env.work(1)
+    tracker.end(ctx, stream=env.stream())
+    tracker.drain()  # must not wait for the stream either
+    host_us = (time.perf_counter_ns() - t0) / 1e3
+    env.sync()
+    tracker.drain()
+    results["begin_end_drain_while_busy_us"] = host_us
+    results["queue_delay_while_busy_ms"] = (ctx.queue_delay_ns or 0) / 1e6
+    if not env.dry and host_us > 20_000:
+        failures.append(f"begin/end/drain took {host_us:.0f} us while the stream was busy: something waited")
+    if not env.dry and results["queue_delay_while_busy_ms"] < 20:
+        failures.append(f"queue delay behind ~100 ms of queued work read {results['queue_delay_while_busy_ms']:.1f} ms "
+                        "(launch -> execution mapping or clock calibration is off)")
+    tracker.close()
+
+
+def check_cost(env: Env, steps: int, results: dict):
+    torch = env.torch
+    x = torch.randn(64, 64, device=env.device)
+
+    def tiny():
+        y = x
+        for _ in range(8):
+            y = y * 1.0001 + 0.5
+        return y
+
+    def run(tracker, telemetry):
+        env.sync()
+        t0 = time.perf_counter_ns()
+        for i in range(steps):
+            ctx = tracker.begin(["a"], span=telemetry.tracer.start_span("s"), stream=env.stream()) if tracker else None
+            tiny()
+            if tracker:
+                tracker.end(ctx, stream=env.stream())
+        env.sync()
+        return (time.perf_counter_ns() - t0) / steps / 1e3
+
+    ring = new_ring(env.dry, capacity=4 * steps + 16)
+    telemetry, tracker, _ = make_tracker(ring)
+    run(None, telemetry)
+    run(tracker, telemetry)  # warm-up (kernel compile, events)
+    base = [run(None, telemetry) for _ in range(3)]
+    with_t = []
+    for _ in range(3):
+        with_t.append(run(tracker, telemetry))
+        tracker.drain()
+    results["launch_bound_step_us"] = {"without": min(base), "with": min(with_t),
+                                      "added_per_step": min(with_t) - min(base)}
+    # host cost of begin + end alone
+    t0 = time.perf_counter_ns()
+    for _ in range(steps):
+        tracker.end(tracker.begin(["a"], span=telemetry.tracer.start_span("s"), stream=env.stream()),
+                    stream=env.stream())
+    results["begin_plus_end_host_us"] = (time.perf_counter_ns() - t0) / steps / 1e3
+    env.sync()
+    tracker.close()
+
+
+def check_overflow(env: Env, results: dict, failures: list):
+    ring = new_ring(env.dry, capacity=32)
+    telemetry, tracker, _ = make_tracker(ring)
+    for _ in range(50):  # 100 records into 32 slots, nobody draining
+        tracker.end(tracker.begin(["a"], span=telemetry.tracer.start_span("s"), stream=env.stream()),
+                    stream=env.stream())
+    env.sync()
+    tracker.drain()
+    results["overflow_overwritten"] = tracker.counts["overwritten"]
+    if tracker.counts["overwritten"] != 100 - 32:
+        failures.append(f"overflow counted {tracker.counts['overwritten']} lost records, expected 68")
+    tracker.close()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(HERE, "out", "device_check.md"))
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--cpu-dry-run", action="store_true")
+    args = ap.parse_args(argv)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    results: dict = {"python": platform.python_version(), "dry_run": args.cpu_dry_run}
+    failures: list[str] = []
+    try:
+        import torch
+
+        results["torch"] = torch.__version__
+        if not args.cpu_dry_run:
+            import cupy
+
+            results["cupy"] = cupy.__version__
+            if not torch.cuda.is_available():
+                raise RuntimeError("torch sees no CUDA device")
+            results["gpu"] = torch.cuda.get_device_name()
+        env = Env(args.cpu_dry_run)
+    except Exception as exc:  # noqa: BLE001
+        print(f"device check cannot run here: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    for name, fn in (("order+accuracy", lambda: check_order_and_accuracy(env, args.steps, results, failures)),
+                     ("never blocks", lambda: check_never_blocks(env, results, failures)),
+                     ("cost", lambda: check_cost(env, max(200, args.steps), results)),
+                     ("overflow", lambda: check_overflow(env, results, failures))):
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001
+            failures.append(f"{name}: {type(exc).__name__}: {exc}")
+    results["seconds"] = round(time.monotonic() - t0, 1)
+    results["failures"] = failures
+    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+        json.dump(results, f, indent=2, default=str)
+    with open(args.out, "w") as f:
+        f.write(report(results))
+    print(report(results))
+    return 1 if failures else 0
+
+
+def fmt(v, nd=1):
+    return "n/a" if v is None else f"{v:.{nd}f}"
+
+
+def report(r: dict) -> str:
+    e = r.get("duration_error_us", {})
+    c = r.get("launch_bound_step_us", {})
+    lines = [
+        "# llm-otel GPU step timeline: device check",
+        "",
+        f"GPU: {r.get('gpu', 'none (CPU dry run)')} | torch {r.get('torch')} | cupy {r.get('cupy', '-')} | "
+        f"python {r.get('python')} | {r.get('seconds')} s",
+        "",
+        "| check | result |",
+        "|---|---|",
+        f"| steps complete (begin+end records) | {r.get('steps_complete')}/{r.get('steps')} "
+        f"(records read {r.get('records_read')}, overwritten {r.get('overwritten')}) |",
+        f"| begin <= end, steps in stream order | {r.get('begin_before_end')}, {r.get('steps_in_stream_order')} |",
+        f"| step spans with device times | {r.get('spans_with_device_time')}/{r.get('steps')} |",
+        f"| step device time (us) min/p50/max | {fmt(r.get('step_device_us', {}).get('min'))} / "
+        f"{fmt(r.get('step_device_us', {}).get('p50'))} / {fmt(r.get('step_device_us', {}).get('max'))} |",
+        f"| ring duration - CUDA event (us): mean, p50/p99/max abs | {fmt(e.get('mean'), 2)}, {fmt(e.get('p50_abs'), 2)} / "
+        f"{fmt(e.get('p99_abs'), 2)} / {fmt(e.get('max_abs'), 2)} |",
+        f"| relative error p50 / p99 | {fmt(e.get('p50_rel'), 4)} / {fmt(e.get('p99_rel'), 4)} |",
+        f"| launch -> execution queue delay (us) p50 / p99 | {fmt(r.get('queue_delay_us', {}).get('p50'))} / "
+        f"{fmt(r.get('queue_delay_us', {}).get('p99'))} |",
+        f"| clock ({r.get('clock')}) calibration half-window (us) | {fmt(r.get('clock_error_us'), 2)} |",
+        f"| begin+end+drain while stream busy ~100 ms (us) | {fmt(r.get('begin_end_drain_while_busy_us'))} "
+        f"(queue delay seen {fmt(r.get('queue_delay_while_busy_ms'))} ms) |",
+        f"| launch-bound step (us) without / with tracker / added | {fmt(c.get('without'))} / {fmt(c.get('with'))} / "
+        f"{fmt(c.get('added_per_step'))} |",
+        f"| begin+end host cost per step (us) | {fmt(r.get('begin_plus_end_host_us'))} |",
+        f"| overflow: 100 records into 32 slots, counted lost | {r.get('overflow_overwritten')} (expected 68) |",
+        "",
+        "Result: " + ("PASS" if not r.get("failures") else "FAIL"),
+    ]
+    lines += [f"- {f}" for f in r.get("failures", [])]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Prometheus pull endpoint: the OpenTelemetry Prometheus exporter, with exemplars.
+
+``OTEL_METRICS_EXPORTER=prometheus`` (or ``llm_otel.instrument(prometheus_port=...)``) makes each
+instrumented process serve its metrics over HTTP, on ``OTEL_EXPORTER_PROMETHEUS_HOST``
+(default ``localhost``) and a port per process role, so that vLLM's processes never collide:
+
+==============  =============================================  ==================================
+process         port                                           metrics
+==============  =============================================  ==================================
+frontend        ``OTEL_EXPORTER_PROMETHEUS_PORT`` (9464)        per-request (TTFT, TPOT, ITL, ...),
+                                                               requests by finish reason,
+                                                               sampling probability, self-metrics
+engine core     port + 1 + data-parallel rank                  KV cache, prefix cache, queue,
+(``EngineCore_DP<rank>``)                                      GPU utilisation/memory by phase
+workers         none (they record no metrics)
+==============  =============================================  ==================================
+
+Exemplars: the upstream exporter (``opentelemetry-exporter-prometheus``) drops them; the reader
+here attaches each histogram bucket's SDK exemplar (``trace_id``, ``span_id`` labels) to that
+bucket's sample. Prometheus keeps them when it scrapes the OpenMetrics format (it asks for it)
+and runs with ``--enable-feature=exemplar-storage``.
+
+Each process serves its own ``prometheus_client`` registry (not the global one vLLM's API server
+exposes on ``/metrics``). A port already in use is logged once and metrics stay unexposed in that
+process; the engine is unaffected. Importing this module needs ``opentelemetry-exporter-prometheus``
+(``pip install 'llm-otel[prometheus]'``); :func:`llm_otel.export.providers.prometheus_reader_from_env`
+reports its absence instead.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import multiprocessing
+import re
+from typing import Any, Mapping
+
+from opentelemetry.exporter.prometheus import PrometheusMetricReader  # opentelemetry-exporter-prometheus
+from prometheus_client import CollectorRegistry, start_http_server
+
+logger = logging.getLogger("llm_otel")
+
+DEFAULT_PORT = 9464  # OpenTelemetry's default for OTEL_EXPORTER_PROMETHEUS_PORT
+DEFAULT_HOST = "localhost"
+
+
+def prometheus_port(env: Mapping[str, str], role: str, process_name: str | None = None) -> int | None:
+    """The port a process of ``role`` (``frontend``/``engine_core``/``worker``) serves on, or None
+    (workers). Raises ConfigError for a bad ``OTEL_EXPORTER_PROMETHEUS_PORT``."""
+    from llm_otel.config import ConfigError
+
+    raw = (env.get("OTEL_EXPORTER_PROMETHEUS_PORT") or "").strip()
+    try:
+        base = int(raw) if raw else DEFAULT_PORT
+    except ValueError:
+        raise ConfigError(f"OTEL_EXPORTER_PROMETHEUS_PORT={raw!r}: expected a port number") from None
+    if not 0 < base < 65535:
+        raise ConfigError(f"OTEL_EXPORTER_PROMETHEUS_PORT={raw!r}: expected a port number in [1, 65534]")
+    if role == "frontend":
+        return base
+    if role == "engine_core":
+        name = process_name if process_name is not None else multiprocessing.current_process().name
+        match = re.search(r"_DP(\d+)$", name)
+        return base + 1 + (int(match.group(1)) if match else 0)
+    return None
+
+
+def prometheus_reader(env: Mapping[str, str], role: str):
+    """Start this process's endpoint and return its metric reader, or None (worker role, or the
+    port is busy: logged). Raises ConfigError for a bad port variable."""
+    port = prometheus_port(env, role)
+    if port is None:
+        return None
+    host = (env.get("OTEL_EXPORTER_PROMETHEUS_HOST") or DEFAULT_HOST).strip()
+    registry = CollectorRegistry(auto_describe=False)
+    reader = ExemplarPrometheusMetricReader(registry=registry)
+    try:
+        start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        logger.warning("llm-otel: cannot serve Prometheus metrics on %s:%d (%s); this %s process's metrics "
+                       "are not exposed", host, port, exc, role)
+        return None
+    logger.info("llm-otel: Prometheus metrics of this %s process on http://%s:%d/metrics", role, host, port)
+    return reader
+
+
+class _ExemplarIndex:
+    """Exemplars of the last collection, keyed by (sanitized metric name, label set) -> {le: exemplar}."""
+
+    def __init__(self) -> None:
+        self.by_metric: dict[str, dict[frozenset, dict[str, Any]]] = {}
+
+    @classmethod
+    def build(cls, metrics_data, scope_labels: bool) -> "_ExemplarIndex":
+        from opentelemetry.exporter.prometheus._mapping import sanitize_attribute, sanitize_full_name
+        from opentelemetry.sdk.metrics.export import Histogram
+        from prometheus_client.samples import Exemplar
+
+        index = cls()
+        for rm in metrics_data.resource_metrics:
+            for sm in rm.scope_metrics:
+                scope = {}
+                if scope_labels:
+                    scope = {"otel_scope_name": sm.scope.name or "", "otel_scope_version": sm.scope.version or "",
+                             "otel_scope_schema_url": sm.scope.schema_url or ""}
+                    for key, value in (sm.scope.attributes or {}).items():
+                        scope[sanitize_attribute("otel_scope_" + key)] = _label_value(value)
+                for metric in sm.metrics:
+                    if not isinstance(metric.data, Histogram):
+                        continue
+                    points = index.by_metric.setdefault(sanitize_full_name(metric.name), {})
+                    for point in metric.data.data_points:
+                        if not point.exemplars:
+                            continue
+                        labels = dict(scope)
+                        for key, value in point.attributes.items():
+                            labels[sanitize_attribute(key)] = _label_value(value)
+                        bounds = list(point.explicit_bounds)
+                        by_le = {}
+                        for ex in point.exemplars:
+                            if not ex.trace_id:
+                                continue
+                            i = bisect.bisect_left(bounds, ex.value)
+                            le = f"{bounds[i]}" if i < len(bounds) else "+Inf"
+                            by_le[le] = Exemplar({"trace_id": f"{ex.trace_id:032x}", "span_id": f"{ex.span_id:016x}"},
+                                                 ex.value, ex.time_unix_nano / 1e9)
+                        if by_le:
+                            points[_key(labels)] = by_le
+        return index
+
+    def attach(self, family) -> None:
+        """Put the exemplars on ``family``'s ``_bucket`` samples (a prometheus_client Metric)."""
+        names = [n for n in self.by_metric if family.name == n or family.name.startswith(n + "_")]
+        if not names:
+            return
+        points = self.by_metric[max(names, key=len)]
+        if not points:
+            return
+        for i, sample in enumerate(family.samples):
+            if not sample.name.endswith("_bucket"):
+                continue
+            labels = dict(sample.labels)
+            le = labels.pop("le", None)
+            ex = points.get(_key(labels), {}).get(le)
+            if ex is not None:
+                family.samples[i] = sample._replace(exemplar=ex)
+
+
+def _key(labels: Mapping[str, str]) -> frozenset:
+    return frozenset((k, v) for k, v in labels.items() if v != "")
+
+
+def _label_value(value: Any) -> str:
+    import json
+
+    return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
+class _ExemplarCollector:
+    """Wraps the upstream collector: its families, with exemplars on histogram buckets."""
+
+    def __init__(self, inner, reader) -> None:
+        self._inner = inner
+        self._reader = reader
+
+    def collect(self):
+        for family in self._inner.collect():  # runs the reader's collection first
+            if family.type == "histogram" and self._reader._index is not None:
+                try:
+                    self._reader._index.attach(family)
+                except Exception as exc:  # noqa: BLE001 - a scrape without exemplars beats no scrape
+                    self._reader._warn(exc)
+            yield family
+
+
+class ExemplarPrometheusMetricReader(PrometheusMetricReader):
+    """``PrometheusMetricReader`` whose histogram buckets carry the SDK's exemplars (``trace_id``,
+    ``span_id`` labels). Arguments are the upstream reader's."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._index: _ExemplarIndex | None = None
+        self._warned = False
+        self._scope_labels = kwargs.get("scope_info_enabled", True)
+        self._registry.unregister(self._collector)
+        self._wrapper = _ExemplarCollector(self._collector, self)
+        self._registry.register(self._wrapper)
+
+    def _receive_metrics(self, metrics_data, timeout_millis: float = 10_000, **kwargs: Any) -> None:
+        if metrics_data is not None:
+            try:
+                self._index = _ExemplarIndex.build(metrics_data, self._scope_labels)
+            except Exception as exc:  # noqa: BLE001
+                self._index = None
+                self._warn(exc)
+        super()._receive_metrics(metrics_data, timeout_millis, **kwargs)
+
+    def _warn(self, exc: BaseException) -> None:
+        if not self._warned:
+            self._warned = True
+            logger.warning("llm-otel: Prometheus exemplars unavailable (%s); metrics are exposed without them", exc)
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        self._registry.unregister(self._wrapper)

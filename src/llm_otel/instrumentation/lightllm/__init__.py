@@ -1,0 +1,140 @@
+"""OpenTelemetry instrumentation for LightLLM (ModelTC/lightllm) across all of its processes.
+
+Usage
+-----
+Zero-code, which reaches every LightLLM process (the spawned router, model-infer workers and
+detokenization, and the gunicorn HTTP workers): ``opentelemetry-instrument`` puts its
+``sitecustomize`` on ``PYTHONPATH``, every child inherits it and instruments itself::
+
+    OTEL_EXPORTER_OTLP_ENDPOINT=http://collector:4317 OTEL_SERVICE_NAME=lightllm \\
+        opentelemetry-instrument python -m lightllm.server.api_server --model_dir /models/llama ...
+
+In code (this process only; LightLLM's children are fresh interpreters, so serving needs the
+command above)::
+
+    from llm_otel.instrumentation.lightllm import LightLLMInstrumentor
+    LightLLMInstrumentor().instrument(tracer_provider=tp, meter_provider=mp)
+
+Nothing of LightLLM is imported here: the hooks are post-import hooks, applied in whichever process
+imports the module they target (see hooks.py for the table and the layouts it knows). A module
+whose shape matches no known layout gets one warning naming the targets it lacks; the rest keeps
+working. Spans: the request span ``{text_completion|chat} {model}`` (SERVER) with ``llm.prompt``
+and ``llm.token_stream`` in the HTTP worker, ``llm.router.request`` and ``llm.engine.step`` in the
+router, ``llm.infer.request`` (and ``llm.logit_dist`` for chosen requests) in the worker - one
+trace per request; see docs/lightllm.md.
+
+Configuration
+-------------
+``OTEL_*`` (exporters, service name, sampler), ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT``
+(false; LightLLM prompts and completions are not captured by this adapter in any case),
+``LLM_OTEL_TOKEN_EVENTS`` (16), ``LLM_OTEL_LOGIT_DIST_RATIO`` (0: share of sampled requests that get
+``llm.logit_dist`` from the worker's logits), ``LLM_OTEL_LOGPROBS_TOP_K`` (5),
+``LLM_OTEL_LOGIT_EVENTS`` (32) - see :class:`llm_otel.config.Settings`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Collection
+
+import wrapt
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+
+from llm_otel.config import Settings
+from llm_otel.instrumentation._hooks import AppliedHook, _resolve, apply_hooks, remove_hooks
+from llm_otel.instrumentation.lightllm import carrier
+from llm_otel.instrumentation.lightllm.adapter import LightLLMAdapter
+from llm_otel.instrumentation.lightllm.hooks import HOOKS, MODULES, SETSTATE, detect_layout, expected
+from llm_otel.instrumentation.lightllm.package import _instruments
+from llm_otel.telemetry import Telemetry
+
+__all__ = ["LightLLMInstrumentor", "HOOKS"]
+logger = logging.getLogger("llm_otel")
+
+
+class LightLLMInstrumentor(BaseInstrumentor):
+    """Instruments LightLLM. ``instrument(tracer_provider=None, meter_provider=None, settings=None)``.
+
+    Without providers it uses the global ones, creating them from the ``OTEL_*`` environment when
+    the process has none (so ``opentelemetry-instrument`` works without a distro, in every process).
+    """
+
+    adapter: LightLLMAdapter | None = None
+    _applied: list[AppliedHook] = []
+    _setstate: tuple | None = None  # (class, previous __dict__ entry or None)
+    layouts: dict[str, str | None] = {}
+    _lock = threading.Lock()
+
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return _instruments
+
+    def _instrument(self, **kwargs: Any) -> None:
+        from llm_otel._setup import ensure_providers
+
+        settings = kwargs.get("settings") or Settings.from_env()
+        tracer_provider, meter_provider = kwargs.get("tracer_provider"), kwargs.get("meter_provider")
+        if tracer_provider is None and meter_provider is None:
+            ensure_providers(settings)
+        self.adapter = LightLLMAdapter(Telemetry(tracer_provider, meter_provider, settings, scope=__name__))
+        self._applied, self._setstate, self.layouts = [], None, {}
+        for name in MODULES:
+            wrapt.register_post_import_hook(self._on_import, name)
+
+    def _on_import(self, module) -> None:
+        """Post-import hook: wrap the targets of ``module`` (in this process); never raises."""
+        try:
+            with self._lock:
+                if self.adapter is None or module.__name__ in self.layouts:
+                    return
+                self._hook_module(module)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("llm-otel: could not instrument %s (%s); it runs uninstrumented",
+                           getattr(module, "__name__", module), exc)
+
+    def _hook_module(self, module) -> None:
+        name = module.__name__
+        layout = detect_layout(name, module)
+        self.layouts[name] = layout
+        if name == SETSTATE.module:
+            self._install_setstate(module)
+            return
+        hooks = [h for h in HOOKS if h.module == name]
+        found, missing = [], []
+        for hook in hooks:
+            try:
+                _resolve(hook)
+                found.append(hook)
+            except (ImportError, AttributeError):
+                missing.append(hook)
+        self._applied.extend(apply_hooks(found, self.adapter, "LightLLM"))
+        groups = {h.group for h in found if h.group}
+        report = [h.target for h in missing if expected(h, layout) and not (h.group and h.group in groups)]
+        if report:
+            logger.warning("llm-otel: LightLLM module %s has an unknown layout (known: main, v1.0, pr965, 2024): "
+                           "%s not found; those stages are not traced, the others keep working",
+                           name, ", ".join(report))
+
+    def _install_setstate(self, module) -> None:
+        cls = getattr(module, "MultimodalParams", None)
+        if cls is None:
+            logger.warning("llm-otel: LightLLM module %s has no MultimodalParams; trace context does not "
+                           "cross processes (HTTP-side spans still work)", module.__name__)
+            return
+        previous = vars(cls).get("__setstate__")
+        cls.__setstate__ = carrier.make_setstate(previous)
+        self._setstate = (cls, previous)
+
+    def _uninstrument(self, **kwargs: Any) -> None:
+        with self._lock:
+            remove_hooks(self._applied)
+            self._applied = []
+            if self._setstate is not None:
+                cls, previous = self._setstate
+                if previous is None:
+                    del cls.__setstate__
+                else:
+                    cls.__setstate__ = previous
+                self._setstate = None
+            self.adapter = None  # post-import hooks stay registered (wrapt cannot remove them) but do nothing
+            self.layouts = {}

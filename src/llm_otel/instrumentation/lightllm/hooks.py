@@ -1,0 +1,122 @@
+"""Every LightLLM function llm-otel wraps, with the LightLLM layout it targets. One screen, one table.
+
+LightLLM runs each stage in its own fresh interpreter (gunicorn HTTP workers, router, one
+model-infer worker per TP rank, detokenization). The table is applied per module, when that module
+is imported in whichever process imports it (post-import hooks), so a process only pays for the
+stages it runs and LightLLM is never imported by llm-otel itself.
+
+Layouts (ModelTC/lightllm; detected from the code, never from the version string):
+
+* ``main``: main @ fc72ffab (2025-07-11): shared-memory ``Req``s, router-driven steps
+  (``RouterManager._prefill_batch`` / ``_decode_batch()``).
+* ``v1.0``: tags v1.0.0 (2d768aac) / v1.0.1 (b418bdf0): as main, ``_decode_batch(batch)``.
+* ``pr965``: the router refactor, PR #965 @ 746bf849: ``_add_req``, no router step methods
+  (workers loop on their own), ``set_next_gen_token_id(..., output_len)``.
+* ``2024``: PyPI lightllm 0.0.1 = e6452fd2 (2024-05-15): ``generate(prompt, sampling_params,
+  group_request_id, multimodal_params, request=None)``, ``io_struct`` objects, rpyc workers.
+  HTTP-side spans and router queueing; no worker spans (there is no ``InferenceContext``).
+"""
+
+from llm_otel.instrumentation._hooks import Hook
+
+ALL = "main, v1.0, pr965, 2024"
+SHM = "main, v1.0, pr965 (shared-memory requests, v1.0.0+)"
+HTTP = "lightllm.server.httpserver.manager"
+ROUTER = "lightllm.server.router.manager"
+QUEUE = "lightllm.server.router.req_queue"
+INFER = "lightllm.server.router.model_infer.infer_batch"
+MULTIMODAL = "lightllm.server.multimodal_params"
+
+# not a wrapper: a __setstate__ added to the class (it has none), see carrier.py
+SETSTATE = Hook(MULTIMODAL, "MultimodalParams.__setstate__", "carrier_setstate", ALL,
+                "the trace carrier arrives in this process (every hop pickles MultimodalParams by value)")
+
+HOOKS: list[Hook] = [
+    # --- HTTP worker (gunicorn): the request span ----------------------------------------------
+    Hook(HTTP, "HttpServerManager.generate", "http.generate", ALL,
+         "request span (SERVER when a Request is given): headers, sampling params, every yielded "
+         "(sub_req_id, text, metadata, finish_status); client disconnect; health probes skipped"),
+    Hook(HTTP, "HttpServerManager.transfer_to_next_module", "http.transfer", SHM,
+         "group id, final prompt length (shm Req.input_len); puts the carrier on MultimodalParams "
+         "before GroupReqIndexes is pickled to the router"),
+    Hook(HTTP, "HttpServerManager.abort", "http.abort", ALL, "aborted requests end with error.type=aborted"),
+    # --- router: queueing, admission, engine steps, release -------------------------------------
+    Hook(ROUTER, "RouterManager.add_req", "router.add_req", "main, v1.0, 2024",
+         "queued: GroupReqIndexes.{group_req_id, time_mark, shm_req_indexes, multimodal_params}",
+         group="router.add_req"),
+    Hook(ROUTER, "RouterManager._add_req", "router.add_req", "pr965", "the same, renamed",
+         group="router.add_req"),
+    Hook(ROUTER, "RouterManager._decode_batch", "router.decode_batch", "main, v1.0, 2024",
+         "one engine step (chunked prefill + one decode token per running request): llm.engine.step"),
+    Hook(f"{QUEUE}.chunked_prefill.impl", "ChunkedPrefillQueue.generate_new_batch", "router.admit", SHM,
+         "requests leaving the wait queue (default queue)"),
+    Hook(f"{QUEUE}.continues_batch.impl", "ContinuesBatchQueue.generate_new_batch", "router.admit", ALL,
+         "the same, --disable_chunked_prefill"),
+    Hook(f"{QUEUE}.chunked_prefill.beam_impl", "ChunkedBeamContinuesBatchQueue.generate_new_batch",
+         "router.admit", "main, pr965", "the same, diverse (beam) mode"),
+    Hook(f"{QUEUE}.chunked_prefill.impl_for_pd_prefill", "QueueForPDChunkedPrefill.generate_new_batch",
+         "router.admit", "main, pr965", "the same, P/D prefill node"),
+    Hook(f"{QUEUE}.continues_batch.impl_for_pd_decode", "QueueForPDDecode.generate_new_batch",
+         "router.admit", "main, pr965", "the same, P/D decode node"),
+    Hook("lightllm.server.router.batch", "Batch.filter_out_finished_req", "router.filter_finished", SHM,
+         "released requests: shm_cur_output_len, prompt_cache_len, is_aborted, finish_status",
+         group="router.filter"),
+    Hook("lightllm.server.io_struct", "Batch.filter_out_finished_req", "router.filter_finished", "2024",
+         "the same in the 2024 layout (Req.cur_output_len, FinishStatus enum)", group="router.filter"),
+    # --- model-infer worker (master rank of each DP group only) ---------------------------------
+    Hook(INFER, "InferenceContext.add_reqs", "worker.add_reqs", SHM,
+         "request tuples (request_id, shm_index, multimodal_params, dp_index): the carrier"),
+    Hook(INFER, "InferReq.set_next_gen_token_id", "worker.token", SHM,
+         "every generated token: id and sampled log-prob; the first one ends prefill"),
+    Hook(INFER, "InferenceContext.filter", "worker.filter", SHM,
+         "finished requests: finish_status, shm_req.{input_len, prompt_cache_len, router_aborted}"),
+    Hook(f"{INFER.rsplit('.', 1)[0]}.mode_backend.generic_post_process", "sample", "worker.sample", SHM,
+         "(batch, vocab) logits before sampling (modified in place by it) -> llm.logit_dist for chosen "
+         "requests; wrapped when the module is imported, before the backends import it by name"),
+]
+
+MODULES = sorted({h.module for h in HOOKS} | {MULTIMODAL})
+
+
+def _params(cls, name: str) -> list[str]:
+    import inspect
+
+    try:
+        return list(inspect.signature(getattr(cls, name)).parameters)
+    except (AttributeError, TypeError, ValueError):
+        return []
+
+
+def detect_layout(module_name: str, module) -> str | None:
+    """The known layout an imported LightLLM module has (``main``, ``v1.0``, ``pr965``, ``2024``),
+    read from its classes and signatures; None when it matches none of them."""
+    if module_name == HTTP:
+        cls = getattr(module, "HttpServerManager", None)
+        if cls is None:
+            return None
+        if "group_request_id" in _params(cls, "generate"):
+            return "2024"
+        return "main" if hasattr(cls, "transfer_to_next_module") else None
+    if module_name == ROUTER:
+        cls = getattr(module, "RouterManager", None)
+        if cls is None:
+            return None
+        if hasattr(cls, "_add_req"):
+            return "pr965"
+        params = _params(cls, "add_req")
+        if "group_req_indexes" in params:
+            return "v1.0" if "batch" in _params(cls, "_decode_batch") else "main"
+        return "2024" if "prompt_ids" in params else None
+    if module_name == INFER:
+        cls = getattr(module, "InferReq", None)
+        if not hasattr(module, "InferenceContext"):
+            return "2024" if hasattr(module, "InferBatch") else None  # 2024: rpyc workers, InferBatch
+        if cls is None:
+            return None
+        return "pr965" if "output_len" in _params(cls, "set_next_gen_token_id") else "main"
+    return None
+
+
+def expected(hook: Hook, layout: str | None) -> bool:
+    """Whether ``hook`` should resolve in a module of ``layout`` (unknown layout: every hook)."""
+    return layout is None or layout in hook.layout

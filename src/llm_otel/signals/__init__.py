@@ -1,0 +1,458 @@
+"""Serving signals for SLA tiers and load balancing: request classes, tier SLO checks, KV-cache
+footprint per request, token efficiency, VRAM pressure levels and a health score (+ ``/healthz``).
+
+:class:`Signals` is created by :class:`llm_otel.telemetry.Telemetry` (one per ``instrument()``);
+adapters call :meth:`Signals.classify` and :meth:`Signals.admit` when a request starts,
+:meth:`Signals.on_tokens` once per engine step, and the core calls :meth:`Signals.on_finish`.
+Its background thread (started when an engine registers, :meth:`Signals.attach_engine`) feeds
+the VRAM pressure monitor once a second. Formulas, units and sources: docs/signals.md.
+
+Configuration (environment, read once; invalid values raise ConfigError at ``instrument()``):
+
+``LLM_OTEL_CLASS_HEADERS`` (unset) dimension:source pairs, see :mod:`.classes`;
+``LLM_OTEL_CLASS_MAX_VALUES`` (20) metric labels per dimension before ``other``;
+``LLM_OTEL_CLASS_MAX_LEN`` (64) longest accepted value;
+``LLM_OTEL_TIERS`` / ``LLM_OTEL_TIERS_FILE`` (unset) tier table, see :mod:`.tiers`;
+``LLM_OTEL_MODEL_REVISION`` (unset) revision label (canary/stable) when no header gives one;
+``LLM_OTEL_VRAM_WARN`` (0.80), ``LLM_OTEL_VRAM_WARN_HOLD_S`` (30), ``LLM_OTEL_VRAM_CRITICAL`` (0.90),
+``LLM_OTEL_VRAM_CRITICAL_HOLD_S`` (10), ``LLM_OTEL_VRAM_CLEAR_MARGIN`` (0.05),
+``LLM_OTEL_VRAM_CLEAR_HOLD_S`` (30), ``LLM_OTEL_VRAM_SOURCE`` (auto | nvml | kv_cache);
+``LLM_OTEL_EFFICIENCY_WINDOW_S`` (10);
+``LLM_OTEL_HEALTH_WEIGHTS`` (latency=0.4,errors=0.3,gpu=0.2,uptime=0.1),
+``LLM_OTEL_HEALTH_TTFT_TARGET_S`` (1.0), ``LLM_OTEL_HEALTH_MAX_ERROR_RATE`` (0.05),
+``LLM_OTEL_HEALTH_GPU_KNEE`` (0.85), ``LLM_OTEL_HEALTH_WARMUP_S`` (60), ``LLM_OTEL_HEALTH_WINDOW_S`` (300),
+``LLM_OTEL_HEALTH_PORT`` (unset: no endpoint), ``LLM_OTEL_HEALTH_HOST`` (127.0.0.1),
+``LLM_OTEL_HEALTH_MIN_SCORE`` (0.5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Any, Callable, Mapping
+
+from opentelemetry.metrics import Meter, Observation
+
+from llm_otel.config import ConfigError, _choice, _float, _int
+from llm_otel.semconv import attributes as A
+from llm_otel.semconv import metrics as M
+from llm_otel.semconv import spans as S
+from llm_otel.signals.classes import DIMENSIONS, ClassExtractor, parse_class_sources
+from llm_otel.signals.health import DEFAULT_WEIGHTS, FACTORS, HealthScore, HealthServer, otlp_endpoint_reachable
+from llm_otel.signals.kv import KVSpec
+from llm_otel.signals.pressure import LEVELS, PressureMonitor
+from llm_otel.signals.tiers import Tier, TierTable
+
+logger = logging.getLogger("llm_otel")
+
+__all__ = ["Signals", "SignalsConfig", "KVSpec", "PressureMonitor", "HealthScore", "HealthServer", "TierTable",
+           "ClassExtractor"]
+
+GIB = float(1 << 30)
+
+
+@dataclasses.dataclass(frozen=True)
+class SignalsConfig:
+    """Validated signal settings; see the module docstring for variables and defaults."""
+
+    class_sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    class_max_values: int = 20
+    class_max_len: int = 64
+    tiers: TierTable | None = None
+    model_revision: str | None = None
+    vram_warn: float = 0.80
+    vram_warn_hold_s: float = 30.0
+    vram_critical: float = 0.90
+    vram_critical_hold_s: float = 10.0
+    vram_clear_margin: float = 0.05
+    vram_clear_hold_s: float = 30.0
+    vram_source: str = "auto"
+    efficiency_window_s: float = 10.0
+    health_weights: Mapping[str, float] = dataclasses.field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
+    health_ttft_target_s: float = 1.0
+    health_max_error_rate: float = 0.05
+    health_gpu_knee: float = 0.85
+    health_warmup_s: float = 60.0
+    health_window_s: float = 300.0
+    health_port: int | None = None
+    health_host: str = "127.0.0.1"
+    health_min_score: float = 0.5
+    tick_s: float = 1.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "SignalsConfig":
+        """Read and validate. Raises ConfigError naming the variable (or the tier table line)."""
+        env = os.environ if env is None else env
+        warn = _float(env, "LLM_OTEL_VRAM_WARN", 0.80, lo=0.01, hi=1.0)
+        critical = _float(env, "LLM_OTEL_VRAM_CRITICAL", 0.90, lo=0.01, hi=1.0)
+        if warn > critical:
+            raise ConfigError(f"LLM_OTEL_VRAM_WARN={warn} is above LLM_OTEL_VRAM_CRITICAL={critical}")
+        revision = (env.get("LLM_OTEL_MODEL_REVISION") or "").strip() or None
+        if revision is not None:
+            from llm_otel.signals.classes import _VALID
+
+            if len(revision) > 64 or not _VALID.fullmatch(revision):
+                raise ConfigError(f"LLM_OTEL_MODEL_REVISION={revision!r}: 1-64 of A-Z a-z 0-9 . _ : / @ + -")
+        port_raw = (env.get("LLM_OTEL_HEALTH_PORT") or "").strip()
+        return cls(
+            class_sources=parse_class_sources(env.get("LLM_OTEL_CLASS_HEADERS")),
+            class_max_values=_int(env, "LLM_OTEL_CLASS_MAX_VALUES", 20, lo=1, hi=10_000),
+            class_max_len=_int(env, "LLM_OTEL_CLASS_MAX_LEN", 64, lo=1, hi=1024),
+            tiers=TierTable.from_env(env),
+            model_revision=revision,
+            vram_warn=warn,
+            vram_warn_hold_s=_float(env, "LLM_OTEL_VRAM_WARN_HOLD_S", 30.0, lo=0.0),
+            vram_critical=critical,
+            vram_critical_hold_s=_float(env, "LLM_OTEL_VRAM_CRITICAL_HOLD_S", 10.0, lo=0.0),
+            vram_clear_margin=_float(env, "LLM_OTEL_VRAM_CLEAR_MARGIN", 0.05, lo=0.0, hi=0.5),
+            vram_clear_hold_s=_float(env, "LLM_OTEL_VRAM_CLEAR_HOLD_S", 30.0, lo=0.0),
+            vram_source=_choice(env, "LLM_OTEL_VRAM_SOURCE", "auto", {"auto", "nvml", "kv_cache"}),
+            efficiency_window_s=_float(env, "LLM_OTEL_EFFICIENCY_WINDOW_S", 10.0, lo=0.1, hi=3600.0),
+            health_weights=_weights(env.get("LLM_OTEL_HEALTH_WEIGHTS")),
+            health_ttft_target_s=_float(env, "LLM_OTEL_HEALTH_TTFT_TARGET_S", 1.0, lo=1e-6),
+            health_max_error_rate=_float(env, "LLM_OTEL_HEALTH_MAX_ERROR_RATE", 0.05, lo=1e-6, hi=1.0),
+            health_gpu_knee=_float(env, "LLM_OTEL_HEALTH_GPU_KNEE", 0.85, lo=0.0, hi=0.999),
+            health_warmup_s=_float(env, "LLM_OTEL_HEALTH_WARMUP_S", 60.0, lo=0.0),
+            health_window_s=_float(env, "LLM_OTEL_HEALTH_WINDOW_S", 300.0, lo=1.0),
+            health_port=_int(env, "LLM_OTEL_HEALTH_PORT", 0, lo=0, hi=65535) if port_raw else None,
+            health_host=(env.get("LLM_OTEL_HEALTH_HOST") or "127.0.0.1").strip(),
+            health_min_score=_float(env, "LLM_OTEL_HEALTH_MIN_SCORE", 0.5, lo=0.0, hi=1.0),
+        )
+
+
+def _weights(raw: str | None) -> dict[str, float]:
+    name = "LLM_OTEL_HEALTH_WEIGHTS"
+    if raw is None or not raw.strip():
+        return dict(DEFAULT_WEIGHTS)
+    out = {f: 0.0 for f in FACTORS}
+    for entry in raw.split(","):
+        key, sep, value = entry.strip().partition("=")
+        if not sep or key not in FACTORS:
+            raise ConfigError(f"{name}={raw!r}: entry {entry.strip()!r}: expected factor=weight, factor one of "
+                              f"{list(FACTORS)}")
+        try:
+            weight = float(value)
+        except ValueError:
+            raise ConfigError(f"{name}={raw!r}: weight {value!r} is not a number") from None
+        if not weight >= 0:
+            raise ConfigError(f"{name}={raw!r}: weights must be >= 0")
+        out[key] = weight
+    if sum(out.values()) <= 0:
+        raise ConfigError(f"{name}={raw!r}: at least one weight must be > 0")
+    return out
+
+
+class Signals:
+    """Per-``instrument()`` signal state and instruments.
+
+    Args:
+        meter: where the signal metrics go.
+        config: :class:`SignalsConfig` (from the environment when None).
+        poller: a :class:`llm_otel.gpu.nvml.UtilizationPoller` to share (the adaptive sampler's);
+            one on NVML is created at :meth:`start` when None.
+    """
+
+    def __init__(self, meter: Meter, config: SignalsConfig | None = None, poller: Any = None) -> None:
+        self.config = cfg = config or SignalsConfig.from_env()
+        self.tiers = cfg.tiers
+        self.poller = poller
+        self._collapsed = meter.create_counter(
+            M.LLM_OTEL_REQUEST_CLASS_COLLAPSED, unit=M.LLM_OTEL_REQUEST_CLASS_COLLAPSED_UNIT,
+            description="Request-class values replaced by 'other'.")
+        self.classes = ClassExtractor(
+            cfg.class_sources, cfg.class_max_values, cfg.class_max_len,
+            reserved=self.tiers.reserved() if self.tiers else None,
+            on_collapse=lambda dim, reason: self._collapsed.add(
+                1, {A.LLM_REQUEST_CLASS_KEY: dim, A.LLM_REQUEST_CLASS_REASON: reason}))
+        # every (dimension, reason) series starts at 0, so rate()/increase() see the first collapse
+        for dim in self.classes.sources:
+            for reason in ClassExtractor.REASONS:
+                self._collapsed.add(0, {A.LLM_REQUEST_CLASS_KEY: dim, A.LLM_REQUEST_CLASS_REASON: reason})
+        self.kv_size = meter.create_histogram(
+            M.LLM_SERVER_REQUEST_KV_CACHE_SIZE, unit=M.LLM_SERVER_REQUEST_KV_CACHE_SIZE_UNIT,
+            description="Estimated KV-cache bytes per request at admission and finish.",
+            explicit_bucket_boundaries_advisory=list(M.LLM_SERVER_REQUEST_KV_CACHE_SIZE_BUCKETS))
+        self.slo_checks = meter.create_counter(
+            M.LLM_SERVER_SLO_CHECKS, unit=M.LLM_SERVER_SLO_CHECKS_UNIT,
+            description="Finished requests checked against their tier's targets.")
+        meter.create_observable_gauge(M.LLM_SERVER_TOKEN_EFFICIENCY, callbacks=[self._observe_efficiency],
+                                      unit=M.LLM_SERVER_TOKEN_EFFICIENCY_UNIT,
+                                      description="Output tokens/s per GiB of GPU memory in use.")
+        meter.create_observable_gauge(M.LLM_SERVER_VRAM_PRESSURE, callbacks=[self._observe_pressure],
+                                      unit=M.LLM_SERVER_VRAM_PRESSURE_UNIT,
+                                      description="VRAM pressure level: 0 ok, 1 warn, 2 critical.")
+        meter.create_observable_gauge(M.LLM_SERVER_VRAM_USAGE, callbacks=[self._observe_usage],
+                                      unit=M.LLM_SERVER_VRAM_USAGE_UNIT,
+                                      description="Memory usage fraction behind the pressure level.")
+        meter.create_observable_gauge(M.LLM_SERVER_HEALTH_SCORE, callbacks=[self._observe_health],
+                                      unit=M.LLM_SERVER_HEALTH_SCORE_UNIT,
+                                      description="Weighted health score in [0, 1].")
+        self.pressure = PressureMonitor(cfg.vram_warn, cfg.vram_warn_hold_s, cfg.vram_critical,
+                                        cfg.vram_critical_hold_s, cfg.vram_clear_margin, cfg.vram_clear_hold_s)
+        self.health = HealthScore(cfg.health_weights, cfg.health_ttft_target_s, cfg.health_max_error_rate,
+                                  cfg.health_gpu_knee, cfg.health_warmup_s, cfg.health_window_s,
+                                  utilization=self._utilization)
+        self._kv_sources: list[Callable[[], tuple[int, int] | None]] = []
+        self._steps: deque[tuple[float, int]] = deque(maxlen=16384)  # (monotonic s, output tokens)
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.health_server: HealthServer | None = None
+        self._exporter_checked = (-1e18, None)
+        self._own_poller = False
+
+    # --- request path ----------------------------------------------------------------------
+    def classify(self, headers: Any = None, engine_request: Any = None) -> tuple[dict, dict, Tier | None]:
+        """Span attributes, metric attributes and tier of one request. Never raises."""
+        try:
+            values, labels = self.classes.extract(headers, engine_request)
+            if self.config.model_revision is not None and "revision" not in values:
+                values["revision"] = labels["revision"] = self.config.model_revision
+            tier = self.tiers.tier_for(values) if self.tiers is not None else None
+            span_attrs = {DIMENSIONS[d]: v for d, v in values.items()}
+            metric_attrs = {DIMENSIONS[d]: v for d, v in labels.items()}
+            if tier is not None:
+                span_attrs[A.LLM_REQUEST_TIER] = metric_attrs[A.LLM_REQUEST_TIER] = tier.name
+            return span_attrs, metric_attrs, tier
+        except Exception:  # noqa: BLE001
+            logger.debug("llm-otel: request classification failed", exc_info=True)
+            return {}, {}, None
+
+    def admit(self, rec: Any, metric_attrs: Mapping[str, Any], tier: Tier | None, kv: KVSpec | None) -> None:
+        """At admission: keep class labels on the record, KV estimate of the prompt, pressure event."""
+        rec.metric_attributes = dict(metric_attrs)
+        rec.signal_state = (tier, kv)
+        if kv is not None:
+            size = kv.bytes(rec.input_tokens)
+            attrs = {A.GEN_AI_REQUEST_MODEL: rec.model, A.LLM_KV_CACHE_PHASE: "admission"}
+            if tier is not None:
+                attrs[A.LLM_REQUEST_TIER] = tier.name
+            self.kv_size.record(size, attrs)
+            if rec.recording:
+                rec.span.set_attribute(A.LLM_REQUEST_KV_CACHE_PROMPT_BYTES, size)
+        level = self.pressure.level
+        if level != "ok" and rec.recording:
+            event = {A.LLM_VRAM_PRESSURE_LEVEL: level}
+            if self.pressure.usage is not None:
+                event[A.LLM_VRAM_USAGE] = float(self.pressure.usage)
+            if self.pressure.source is not None:
+                event[A.LLM_VRAM_SOURCE] = self.pressure.source
+            rec.span.add_event(S.EVENT_LLM_VRAM_PRESSURE, event)
+
+    def on_tokens(self, count: int, engine_mono: float) -> None:
+        """Output tokens an engine step produced (hot path: one deque append per step)."""
+        if count:
+            self._steps.append((engine_mono, count))
+
+    def on_finish(self, rec: Any, duration_s: float) -> None:
+        """At finish: KV estimate of prompt + output, SLO checks of the tier, health windows."""
+        tier, kv = getattr(rec, "signal_state", None) or (None, None)
+        ttft = rec.time_to_first_token_s()
+        error = rec.error_type is not None
+        self.health.observe(ttft, error)
+        if kv is not None:
+            tokens = rec.input_tokens + max(0, rec.num_output_tokens - 1)
+            size = kv.bytes(tokens)
+            attrs = {A.GEN_AI_REQUEST_MODEL: rec.model, A.LLM_KV_CACHE_PHASE: "finish"}
+            if tier is not None:
+                attrs[A.LLM_REQUEST_TIER] = tier.name
+            self.kv_size.record(size, attrs)
+            if rec.recording:
+                rec.span.set_attribute(A.LLM_REQUEST_KV_CACHE_FINAL_BYTES, size)
+                rec.span.set_attribute(A.LLM_REQUEST_KV_CACHE_BLOCKS, kv.blocks(tokens))
+                if rec.cached_tokens is not None:
+                    rec.span.set_attribute(A.LLM_REQUEST_KV_CACHE_CACHED_BLOCKS, rec.cached_tokens // kv.block_size)
+        if tier is None:
+            return
+        base = {A.GEN_AI_REQUEST_MODEL: rec.model, A.LLM_REQUEST_TIER: tier.name}
+
+        def check(objective: str, met: bool) -> None:
+            self.slo_checks.add(1, {**base, A.LLM_SLO_OBJECTIVE: objective,
+                                    A.LLM_SLO_OUTCOME: "met" if met else "breached"})
+
+        check("availability", not error)
+        if error:
+            return  # latency objectives count successful requests only
+        targets = tier.targets
+        if "ttft" in targets and ttft is not None:
+            check("ttft", ttft <= targets["ttft"])
+        tpot = rec.time_per_output_token_s()
+        if "tpot" in targets and tpot is not None:
+            check("tpot", tpot <= targets["tpot"])
+        if "e2e" in targets:
+            check("e2e", duration_s <= targets["e2e"])
+
+    # --- engines and the background thread -----------------------------------------------
+    def attach_kv_source(self, source: Callable[[], tuple[int, int] | None]) -> None:
+        """``source() -> (blocks held by live requests, blocks in the pool)`` or None; starts the
+        background thread (and the health endpoint when configured)."""
+        with self._lock:
+            self._kv_sources.append(source)
+        self.start()
+
+    def start(self) -> "Signals":
+        """Start the NVML poller (if none is shared), the 1 s tick thread and the health endpoint."""
+        with self._lock:
+            if self._thread is not None:
+                return self
+            if self.poller is None:
+                from llm_otel.gpu.nvml import UtilizationPoller
+
+                self.poller = UtilizationPoller.from_nvml().start()
+                self._own_poller = True
+            self._thread = threading.Thread(target=self._loop, name="llm-otel-signals", daemon=True)
+            self._thread.start()
+        if self.config.health_port is not None and self.health_server is None:
+            try:
+                self.health_server = HealthServer(self.report, self.config.health_port, self.config.health_host,
+                                                  self.config.health_min_score).start()
+                logger.info("llm-otel: health endpoint on http://%s:%d/healthz", self.config.health_host,
+                            self.health_server.port)
+            except OSError as exc:
+                logger.warning("llm-otel: health endpoint not started on %s:%s (%s)", self.config.health_host,
+                               self.config.health_port, exc)
+        return self
+
+    def stop(self) -> None:
+        """Stop the thread, the health endpoint and a poller this object started (idempotent)."""
+        self._stop.set()
+        if self._own_poller and self.poller is not None:
+            self.poller.stop()
+        if self.health_server is not None:
+            self.health_server.stop()
+            self.health_server = None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.config.tick_s):
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001
+                logger.debug("llm-otel: signals tick failed", exc_info=True)
+
+    def tick(self, now: float | None = None) -> str:
+        """Read the usage source once and update the pressure level (the thread calls this)."""
+        usage, source = self.usage()
+        return self.pressure.update(usage, time.monotonic() if now is None else now, source)
+
+    def usage(self) -> tuple[float | None, str | None]:
+        """Usage fraction and its source per ``LLM_OTEL_VRAM_SOURCE``: ``kv_cache`` = blocks held
+        by live requests / pool blocks (engines that preallocate their KV pool, e.g. vLLM, keep
+        NVML memory near full by design); ``nvml`` = used / total; ``auto`` = kv_cache when an
+        engine reported its pool, else nvml."""
+        mode = self.config.vram_source
+        if mode in ("auto", "kv_cache"):
+            held = total = 0
+            for src in list(self._kv_sources):
+                try:
+                    got = src()
+                except Exception:  # noqa: BLE001
+                    got = None
+                if got is not None:
+                    held, total = held + got[0], total + got[1]
+            if total > 0:
+                return min(1.0, held / total), "kv_cache"
+            if mode == "kv_cache":
+                return None, None
+        mem = self._nvml_memory()
+        return (None, None) if mem is None else (mem[0] / mem[1], "nvml")
+
+    def _nvml_memory(self) -> tuple[int, int] | None:
+        poller = self.poller
+        source = getattr(poller, "source", None)
+        if source is None or not getattr(poller, "available", False) or poller.utilization is None:
+            return None
+        used, total = getattr(source, "memory_used_bytes", 0), getattr(source, "memory_total_bytes", 0)
+        return (used, total) if total > 0 else None
+
+    def _utilization(self) -> float | None:
+        poller = self.poller
+        if poller is None or not getattr(poller, "available", False):
+            return None
+        return poller.utilization
+
+    def token_efficiency(self, now: float | None = None) -> float | None:
+        """Output tokens per second over the last ``efficiency_window_s`` per GiB of GPU memory in
+        use (NVML); None without NVML (CPU-only: absent, not zero)."""
+        mem = self._nvml_memory()
+        if mem is None or mem[0] <= 0:
+            return None
+        now = time.monotonic() if now is None else now
+        window = self.config.efficiency_window_s
+        tokens = sum(n for t, n in list(self._steps) if now - window < t <= now)
+        return tokens / window / (mem[0] / GIB)
+
+    # --- observation ---------------------------------------------------------------------------
+    def report(self) -> tuple:
+        """``(score, dominant, factors, pressure level or None, exporter reachable or None)`` for /healthz."""
+        value, dominant, factors = self.health.compute()
+        level = self.pressure.level if self.pressure.usage is not None or self.pressure.level != "ok" else None
+        return value, dominant, factors, level, self._exporter_ok()
+
+    def _exporter_ok(self) -> bool | None:
+        checked_at, result = self._exporter_checked
+        now = time.monotonic()
+        if now - checked_at < 15.0:
+            return result
+        from llm_otel.export.providers import exporter_choice
+
+        endpoint = None
+        if exporter_choice(os.environ, "TRACES") == "otlp":
+            endpoint = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+                        or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+        result = otlp_endpoint_reachable(endpoint)
+        self._exporter_checked = (now, result)
+        return result
+
+    # Efficiency and health describe a serving frontend: reported once started (an engine attached
+    # or the sidecar), never from vLLM's engine-core/worker processes, whose Telemetry sees no requests.
+    def _observe_efficiency(self, _options):
+        if self._thread is None:
+            return []
+        value = self.token_efficiency()
+        return [] if value is None else [Observation(value)]
+
+    def _observe_pressure(self, _options):
+        p = self.pressure
+        if p.usage is None and p.level == "ok":
+            return []
+        return [Observation(LEVELS.index(p.level), {A.LLM_VRAM_PRESSURE_LEVEL: p.level,
+                                                    A.LLM_VRAM_SOURCE: p.source or "nvml"})]
+
+    def _observe_usage(self, _options):
+        p = self.pressure
+        return [] if p.usage is None else [Observation(float(p.usage), {A.LLM_VRAM_SOURCE: p.source or "nvml"})]
+
+    def _observe_health(self, _options):
+        if self._thread is None:
+            return []
+        value, dominant, _ = self.health.compute()
+        return [Observation(value, {A.LLM_HEALTH_FACTOR: dominant})]
+
+
+def kv_source_for(records_owner: Any, spec_of: Callable[[Any], KVSpec | None]) -> Callable[[], tuple[int, int] | None]:
+    """A KV usage source over an adapter's live records: ``records_owner.records`` maps request id
+    -> RequestRecord; blocks held = sum of ceil((prompt + output tokens) / block size)."""
+    ref = weakref.ref(records_owner)
+
+    def source() -> tuple[int, int] | None:
+        owner = ref()
+        spec = spec_of(owner) if owner is not None else None
+        if spec is None or not spec.num_blocks:
+            return None
+        for _ in range(3):  # the engine thread may add or drop a record while we copy the dict
+            try:
+                live = list(owner.records.values())
+                break
+            except RuntimeError:
+                continue
+        else:
+            return None
+        held = sum(spec.blocks(rec.input_tokens + rec.num_output_tokens) for rec in live)
+        return held, spec.num_blocks
+
+    return source

@@ -1,0 +1,82 @@
+"""VRAM pressure levels ``ok`` / ``warn`` / ``critical`` with thresholds, hold times and hysteresis.
+
+A level is entered when usage has stayed at or above its threshold for its hold time
+(``warn`` >= 0.80 for 30 s, ``critical`` >= 0.90 for 10 s by default). It is left when usage has
+stayed below ``threshold - clear_margin`` (0.05) for ``clear_hold_s`` (30 s); the level then
+becomes whatever the entry rules give for the current history (critical -> warn while usage stays
+above the warn threshold). Each transition is logged once. :meth:`PressureMonitor.update` is fed
+by the signals thread once a second; readers only read :attr:`level`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("llm_otel")
+
+LEVELS = ("ok", "warn", "critical")
+
+
+class PressureMonitor:
+    """Hysteresis state machine over a usage fraction in [0, 1].
+
+    Raises ValueError for thresholds outside (0, 1], ``warn > critical`` or negative times.
+    """
+
+    def __init__(self, warn: float = 0.80, warn_hold_s: float = 30.0, critical: float = 0.90,
+                 critical_hold_s: float = 10.0, clear_margin: float = 0.05, clear_hold_s: float = 30.0) -> None:
+        if not (0 < warn <= critical <= 1) or min(warn_hold_s, critical_hold_s, clear_hold_s, clear_margin) < 0:
+            raise ValueError("need 0 < warn <= critical <= 1 and non-negative hold times and margin")
+        self.thresholds = {"warn": warn, "critical": critical}
+        self.holds = {"warn": warn_hold_s, "critical": critical_hold_s}
+        self.clear_margin = clear_margin
+        self.clear_hold_s = clear_hold_s
+        self.level = "ok"
+        self.usage: float | None = None
+        self.source: str | None = None
+        self._above: dict[str, float | None] = {"warn": None, "critical": None}
+        self._below: dict[str, float | None] = {"warn": None, "critical": None}
+        self.transitions: list[tuple[float, str, str]] = []  # (time, from, to), last 64
+
+    def update(self, usage: float | None, now: float, source: str | None = None) -> str:
+        """Fold one reading (``usage`` fraction at monotonic ``now`` seconds) in; returns the level.
+        ``None`` (source unavailable) resets the hold timers and keeps the level."""
+        if usage is None:
+            self.usage = None
+            self._above = {"warn": None, "critical": None}
+            self._below = {"warn": None, "critical": None}
+            return self.level
+        self.usage, self.source = usage, source
+        for name, threshold in self.thresholds.items():
+            if usage >= threshold:
+                if self._above[name] is None:
+                    self._above[name] = now
+            else:
+                self._above[name] = None
+            if usage < threshold - self.clear_margin:
+                if self._below[name] is None:
+                    self._below[name] = now
+            else:
+                self._below[name] = None
+        entered = "ok"
+        for name in ("warn", "critical"):
+            since = self._above[name]
+            if since is not None and now - since >= self.holds[name]:
+                entered = name
+        current = LEVELS.index(self.level)
+        target = LEVELS.index(entered)
+        if target > current:
+            self._move(entered, now)
+        elif target < current:
+            since = self._below[self.level]
+            if since is not None and now - since >= self.clear_hold_s:
+                self._move(entered, now)
+        return self.level
+
+    def _move(self, level: str, now: float) -> None:
+        old, self.level = self.level, level
+        self.transitions.append((now, old, level))
+        del self.transitions[:-64]
+        log = logger.warning if LEVELS.index(level) > LEVELS.index(old) else logger.info
+        log("llm-otel: VRAM pressure %s -> %s (usage %.2f from %s)", old, level, self.usage or 0.0,
+            self.source or "?")

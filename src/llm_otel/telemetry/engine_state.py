@@ -1,0 +1,145 @@
+"""Engine-state metrics: what the engine's scheduler reports about itself each step.
+
+Recorded in the process that runs the scheduler (vLLM: the engine-core process), from the
+engine's own statistics object (vLLM ``SchedulerStats``, built by ``Scheduler.make_stats()`` each
+step when the engine core runs with ``log_stats=True``, which llm-otel asks for):
+
+* ``llm.server.kv_cache.usage`` (1): ``kv_cache_usage``, last step's value;
+* ``llm.server.prefix_cache.queries`` / ``.hits`` ({token}): ``prefix_cache_stats.queries`` /
+  ``.hits`` (per-step deltas of new requests; hit ratio = rate(hits) / rate(queries));
+* ``llm.server.requests.running`` / ``.waiting`` ({request}): ``num_running_reqs`` /
+  ``num_waiting_reqs``.
+
+A field the installed engine does not have leaves its metric absent (never zero), logged once.
+:class:`PhaseClock` tells which phase (prefill / decode / idle) the engine spent most of the
+last second on, for the GPU metrics (:mod:`llm_otel.gpu.metrics`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
+
+from llm_otel.semconv import attributes as A
+from llm_otel.semconv import metrics as M
+
+logger = logging.getLogger("llm_otel")
+
+PREFILL, DECODE, IDLE = "prefill", "decode", "idle"
+
+
+class PhaseClock:
+    """Records each engine step's wall interval (``time.monotonic()`` s) and whether it scheduled
+    prompt tokens; :meth:`phase` returns the phase that covered most of the last ``window_s``
+    seconds, ``idle`` counting the time no step ran. Bounded: the last ``maxlen`` steps."""
+
+    def __init__(self, window_s: float = 1.0, maxlen: int = 8192) -> None:
+        self.window_s = window_s
+        self._steps: deque[tuple[float, float, bool]] = deque(maxlen=maxlen)
+
+    def on_step(self, start_mono: float, end_mono: float, prefill: bool) -> None:
+        """One engine step from ``start_mono`` to ``end_mono``; O(1), called on the engine loop."""
+        self._steps.append((start_mono, end_mono, prefill))
+
+    def phase(self, now: float | None = None) -> str:
+        """``prefill``, ``decode`` or ``idle``: the largest share of ``[now - window_s, now]``."""
+        now = time.monotonic() if now is None else now
+        lo = now - self.window_s
+        busy = {PREFILL: 0.0, DECODE: 0.0}
+        for start, end, prefill in reversed(list(self._steps)):  # list(): one atomic copy
+            if end <= lo:
+                break
+            overlap = min(end, now) - max(start, lo)
+            if overlap > 0:
+                busy[PREFILL if prefill else DECODE] += overlap
+        idle = max(0.0, self.window_s - busy[PREFILL] - busy[DECODE])
+        return max((busy[PREFILL], PREFILL), (busy[DECODE], DECODE), (idle, IDLE))[1]
+
+
+def step_has_prefill(scheduler_output: Any) -> bool:
+    """Whether a vLLM ``SchedulerOutput`` schedules prompt tokens: new requests, or more tokens
+    than one per request plus speculative tokens (chunked or resumed prefill). O(1) unless
+    speculative decoding is on."""
+    if getattr(scheduler_output, "scheduled_new_reqs", None):
+        return True
+    total = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+    per_req = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+    spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+    spec_tokens = sum(len(v) for v in spec.values()) if spec else 0
+    return total > len(per_req) + spec_tokens
+
+
+class EngineStateMetrics:
+    """Instruments fed by the engine's per-step scheduler statistics.
+
+    ``on_scheduler_stats(stats, model)`` is called once per engine step with vLLM's
+    ``SchedulerStats`` (or None when the engine does not collect them) - O(1), no I/O.
+    """
+
+    def __init__(self, meter: Meter, provider: str = "vllm") -> None:
+        self.provider = provider
+        self.attrs: dict[str, str] | None = None
+        self._kv: float | None = None
+        self._running: int | None = None
+        self._waiting: int | None = None
+        self._warned: set[str] = set()
+        self._seen_prefix = False
+        self.hits = meter.create_counter(M.LLM_SERVER_PREFIX_CACHE_HITS, unit=M.LLM_SERVER_PREFIX_CACHE_HITS_UNIT,
+                                         description="Prompt tokens found in the engine's prefix cache.")
+        self.queries = meter.create_counter(M.LLM_SERVER_PREFIX_CACHE_QUERIES,
+                                            unit=M.LLM_SERVER_PREFIX_CACHE_QUERIES_UNIT,
+                                            description="Prompt tokens looked up in the engine's prefix cache.")
+
+        def gauge(name: str, unit: str, field: str, description: str) -> None:
+            def observe(_options: CallbackOptions):
+                value = getattr(self, field)
+                return [] if value is None or self.attrs is None else [Observation(value, self.attrs)]
+
+            meter.create_observable_gauge(name, callbacks=[observe], unit=unit, description=description)
+
+        gauge(M.LLM_SERVER_KV_CACHE_USAGE, M.LLM_SERVER_KV_CACHE_USAGE_UNIT, "_kv",
+              "Fraction of the engine's KV-cache blocks in use.")
+        gauge(M.LLM_SERVER_REQUESTS_RUNNING, M.LLM_SERVER_REQUESTS_RUNNING_UNIT, "_running",
+              "Requests in the engine's running batch.")
+        gauge(M.LLM_SERVER_REQUESTS_WAITING, M.LLM_SERVER_REQUESTS_WAITING_UNIT, "_waiting",
+              "Requests waiting to be scheduled.")
+
+    def _missing(self, what: str, why: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            logger.info("llm-otel: %s; the metrics from it are absent", why)
+
+    def on_scheduler_stats(self, stats: Any, model: str) -> None:
+        if stats is None:
+            self._missing("stats", "the engine reports no scheduler statistics (vLLM log_stats is off, "
+                                   "e.g. LLM_OTEL_VLLM_ENGINE_EVENTS=false)")
+            return
+        if self.attrs is None or self.attrs[A.GEN_AI_REQUEST_MODEL] != model:
+            self.attrs = {A.GEN_AI_PROVIDER_NAME: self.provider, A.GEN_AI_REQUEST_MODEL: model}
+        kv = getattr(stats, "kv_cache_usage", None)
+        if kv is None:
+            self._missing("kv", "the engine's scheduler statistics carry no kv_cache_usage")
+        else:
+            self._kv = float(kv)
+        running = getattr(stats, "num_running_reqs", None)
+        waiting = getattr(stats, "num_waiting_reqs", None)
+        if running is None or waiting is None:
+            self._missing("queue", "the engine's scheduler statistics carry no num_running_reqs/num_waiting_reqs")
+        if running is not None:
+            self._running = int(running)
+        if waiting is not None:
+            self._waiting = int(waiting)
+        prefix = getattr(stats, "prefix_cache_stats", None)
+        if prefix is None:
+            self._missing("prefix", "the engine's scheduler statistics carry no prefix_cache_stats")
+            return
+        queries = int(getattr(prefix, "queries", 0) or 0)
+        if queries or not self._seen_prefix:
+            # the counters exist (at 0) as soon as the engine reports prefix-cache statistics at all
+            self._seen_prefix = True
+            self.queries.add(queries, self.attrs)
+            self.hits.add(int(getattr(prefix, "hits", 0) or 0), self.attrs)

@@ -1,0 +1,1 @@
+from .group_req import GroupReqIndexes, GroupReqObjs  # noqa: F401

@@ -1,0 +1,7 @@
+# Shape of lightllm/server/router/req_queue/continues_batch/impl.py ContinuesBatchQueue @ fc72ffab.
+from ..base_queue import BaseQueue
+
+
+class ContinuesBatchQueue(BaseQueue):
+    def generate_new_batch(self, current_batch, limit_router_queue_length: int = None):
+        return self._admit(current_batch, limit_router_queue_length)

@@ -1,0 +1,97 @@
+# A LightLLM that renamed RouterManager.add_req (the unknown-layout case); otherwise main @ fc72ffab.
+import asyncio
+import multiprocessing
+import queue
+
+from lightllm import _standin
+from lightllm.server.router.batch import Batch
+from lightllm.server.router.req_queue import build_req_queue
+
+
+class RouterManager:
+    def __init__(self, args, recv, shm_raw):
+        self.args = args
+        self.recv = recv
+        self.shm_req_manager = _standin.ShmReqManager(shm_raw)
+        self.batch_seq = 0
+        self.req_queue = build_req_queue(args, self, 1)
+        self.running_batch = None
+        self.schedule_new_batch = None
+        ctx = multiprocessing.get_context("spawn")
+        self.rpc, child = ctx.Pipe()
+        from lightllm.server.router.model_infer.model_rpc import start_model_process
+
+        self.worker = ctx.Process(target=start_model_process, args=(child, shm_raw), name="model_infer_0")
+        self.worker.start()
+
+    async def _rpc(self, *msg):
+        self.rpc.send(msg)
+        return self.rpc.recv()
+
+    def enqueue_group(self, group):
+        req_group = []
+        for req_index in group.shm_req_indexes:
+            req = self.shm_req_manager.get_req_obj_by_index(req_index)
+            req.multimodal_params = group.multimodal_params
+            req.start_time = group.time_mark
+            req_group.append(req)
+        self.req_queue.extend(req_group)
+
+    def generate_new_batch(self):
+        new_batch = self.req_queue.generate_new_batch(
+            Batch.merge_two_batch(self.running_batch, self.schedule_new_batch), None)
+        self.schedule_new_batch = Batch.merge_two_batch(self.schedule_new_batch, new_batch)
+
+    async def _step(self):
+        if self.schedule_new_batch is not None:
+            new_batch, self.schedule_new_batch = self.schedule_new_batch, None
+            if self.running_batch is None:
+                self.running_batch = new_batch
+            else:
+                self.running_batch.merge(new_batch)
+            await self._prefill_batch(new_batch)
+            self._filter_reqs_from_running_batch()
+        if self.running_batch is not None:
+            await self._decode_batch()
+            self._filter_reqs_from_running_batch()
+
+    async def _prefill_batch(self, batch):
+        await self._rpc("prefill", [r.to_router_rpc_obj() for r in batch.reqs])
+
+    async def _decode_batch(self):
+        await self._rpc("decode")
+
+    def _filter_reqs_from_running_batch(self):
+        if self.running_batch is not None:
+            self.running_batch.filter_out_finished_req(self.shm_req_manager)
+            if self.running_batch.is_clear():
+                self.running_batch = None
+
+    def _drain(self):
+        while True:
+            try:
+                obj = self.recv.get(timeout=0.002 if self.running_batch is None else 0)
+            except queue.Empty:
+                return True
+            if obj is None:
+                return False
+            self.enqueue_group(obj)
+
+    def busy(self):
+        return self.running_batch is not None or self.schedule_new_batch is not None \
+            or self.req_queue.get_wait_req_num() > 0
+
+    async def loop_for_fwd(self):
+        stopping = False
+        while not stopping or self.busy():
+            if not stopping:
+                stopping = not self._drain()
+            self.generate_new_batch()
+            await self._step()
+        self.rpc.send(None)
+        self.rpc.recv()
+        self.worker.join(30)
+
+
+def start_router_process(args, recv, shm_raw):
+    asyncio.run(RouterManager(args, recv, shm_raw).loop_for_fwd())

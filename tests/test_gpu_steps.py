@@ -1,0 +1,314 @@
+"""The core's StepContext API (llm_otel.telemetry.steps): begin/end around a model execution,
+ring records drained into step spans, request device time - the whole pipeline on the NumPy
+(host clock) ring, which is what runs wherever there is no GPU."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+from conftest import make_captured
+from opentelemetry.trace import Link, SpanKind
+
+from llm_otel.gpu import ring as R
+from llm_otel.telemetry.steps import StepTracker, step_parent
+
+DEVICE_KEYS = {"llm.engine.step.device.start_ns", "llm.engine.step.device.end_ns",
+               "llm.engine.step.device.duration", "llm.engine.step.device.queue_delay",
+               "llm.engine.step.device.clock", "llm.engine.step.device.clock_error"}
+
+
+def tracker(cap, **kw):
+    kw.setdefault("backend", "numpy")
+    kw.setdefault("nvtx", False)
+    return StepTracker(cap.telemetry, start_thread=False, **kw)
+
+
+def test_step_span_gets_device_times_and_ends_at_the_given_time():
+    cap = make_captured()
+    steps = tracker(cap)
+    span = cap.telemetry.tracer.start_span("llm.engine.step", start_time=time.time_ns())
+    ctx = steps.begin(["a", "b"], span=span, phase="decode")
+    time.sleep(0.002)
+    end_ns = time.time_ns() + 1000
+    steps.end(ctx, span_end_ns=end_ns)
+    assert cap.finished() == []  # ended only once its records are drained
+    assert steps.drain() == 1
+    (s,) = cap.finished()
+    a = s.attributes
+    assert DEVICE_KEYS <= set(a) and a["llm.engine.step.device.clock"] == "host"
+    assert a["llm.engine.step.device.end_ns"] - a["llm.engine.step.device.start_ns"] == \
+        round(a["llm.engine.step.device.duration"] * 1e9)
+    assert a["llm.engine.step.device.duration"] >= 0.002
+    assert ctx.launch_ns <= a["llm.engine.step.device.start_ns"] <= a["llm.engine.step.device.end_ns"]
+    assert s.end_time == end_ns
+    assert s.context.span_id == ctx.span_id
+
+
+def test_request_device_time_accumulates_over_the_steps_that_served_it():
+    cap = make_captured()
+    steps = tracker(cap)
+    durations = {"a": 0, "b": 0}
+    for batch in (["a", "b"], ["a"], ["a", "b"]):
+        ctx = steps.begin(batch, span=cap.telemetry.tracer.start_span("llm.engine.step"))
+        steps.end(ctx)
+        steps.drain()
+        for rid in batch:
+            durations[rid] += ctx.device_duration_ns
+    secs, n = steps.request_device_time("a")
+    assert n == 3 and secs == pytest.approx(durations["a"] / 1e9)
+    assert steps.request_device_time("b")[1] == 2
+    assert steps.request_device_time("a") is None  # popped
+
+
+def test_telemetry_finish_puts_device_time_on_the_request_span():
+    cap = make_captured()
+    t = cap.telemetry
+    rec = t.start_request("r1", operation="text_completion", provider="vllm", model="m",
+                          arrival_s=time.time(), input_tokens=3)
+    for _ in range(2):
+        ctx = t.steps.begin(["r1"])  # the tracker starts its own llm.engine.step span
+        t.steps.end(ctx)
+    rec.on_tokens([1, 2], time.monotonic())
+    t.finish(rec)
+    req = [s for s in cap.finished() if s.name == "text_completion m"][0]
+    assert req.attributes["llm.request.device_steps"] == 2
+    assert req.attributes["llm.request.device_time"] > 0
+    t.steps.close()
+
+
+def test_remote_step_span_gets_a_device_child_span():
+    cap = make_captured()
+    steps = tracker(cap)
+    parent = step_parent(0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7)
+    ctx = steps.begin(["a", "b", "c"], parent=parent, phase="prefill")
+    steps.end(ctx)
+    steps.drain()
+    (child,) = cap.finished()
+    assert child.name == "llm.engine.step.device" and child.kind == SpanKind.INTERNAL
+    assert child.parent.span_id == 0x00F067AA0BA902B7
+    assert child.context.trace_id == 0x4BF92F3577B34DA6A3CE929D0E0E4736
+    assert child.start_time == child.attributes["llm.engine.step.device.start_ns"]
+    assert child.end_time == child.attributes["llm.engine.step.device.end_ns"]
+    assert child.attributes["llm.engine.step.batch_size"] == 3
+
+
+def test_unsampled_remote_step_emits_nothing_but_still_counts_device_time():
+    cap = make_captured()
+    steps = tracker(cap)
+    ctx = steps.begin(["a"], parent=step_parent(1, 2, sampled=False))
+    steps.end(ctx)
+    steps.drain()
+    assert cap.finished() == []
+    assert steps.request_device_time("a")[1] == 1
+
+
+def test_own_step_span_links_to_the_requests():
+    cap = make_captured()
+    steps = tracker(cap)
+    req = cap.telemetry.tracer.start_span("text_completion m")
+    ctx = steps.begin(["a"], links=[Link(req.get_span_context())], attributes={"llm.engine.step.batch_size": 1})
+    steps.end(ctx)
+    steps.drain()
+    (s,) = cap.finished()
+    assert s.name == "llm.engine.step" and [l.context.span_id for l in s.links] == [req.get_span_context().span_id]
+    assert s.attributes["llm.engine.step.batch_size"] == 1 and DEVICE_KEYS <= set(s.attributes)
+
+
+def test_span_owned_by_the_engine_core_is_completed_by_the_in_process_worker_step():
+    """vLLM with one GPU: engine core and worker share a process (UniProcExecutor)."""
+    cap = make_captured()
+    steps = tracker(cap)
+    span = cap.telemetry.tracer.start_span("llm.engine.step")
+    steps.register_span(span)  # engine core, after schedule()
+    ctx = steps.begin(["a"], parent=span.get_span_context())  # worker, same process
+    steps.end(ctx)  # worker done; the span's end time is the core's
+    steps.drain()
+    assert cap.finished() == []
+    end_ns = time.time_ns()
+    assert steps.release_span(span, end_ns) is True
+    steps.drain()
+    (s,) = cap.finished()
+    assert s.end_time == end_ns and DEVICE_KEYS <= set(s.attributes)  # no separate device span
+
+
+def test_release_without_a_local_step_leaves_the_span_to_its_owner():
+    cap = make_captured()
+    steps = tracker(cap)
+    span = cap.telemetry.tracer.start_span("llm.engine.step")
+    steps.register_span(span)
+    assert steps.release_span(span, time.time_ns()) is False  # worker in another process
+    assert cap.finished() == [] and steps._local_spans == {}
+
+
+def test_steps_without_records_are_completed_after_the_timeout():
+    cap = make_captured()
+
+    class Silent(R.NumpyRing):
+        def poll(self):  # records never come back (e.g. the device hangs)
+            return super().poll()[:0]
+
+    steps = tracker(cap, backend=Silent(8), step_timeout_s=0.0)
+    ctx = steps.begin(["a"], span=cap.telemetry.tracer.start_span("llm.engine.step"))
+    steps.end(ctx)
+    time.sleep(0.001)
+    steps.drain()
+    (s,) = cap.finished()
+    assert not DEVICE_KEYS & set(s.attributes)
+    assert steps.counts["completed_without_device"] == 1
+
+
+def test_c13_ring_overflow_is_counted_in_a_self_metric():
+    cap = make_captured()
+    steps = tracker(cap, capacity=16)
+    for _ in range(20):  # 40 records, nobody draining
+        steps.end(steps.begin(["a"], span=cap.telemetry.tracer.start_span("llm.engine.step")))
+    steps.drain()
+    (point,) = cap.metric_points("llm_otel.gpu.ring.overwritten")
+    assert point.value == 24 and point.attributes == {"llm.gpu.ring.backend": "numpy"}
+    assert steps.counts["overwritten"] == 24
+
+
+class Exploding(R.NumpyRing):
+    def __init__(self, fail_after):
+        super().__init__(64)
+        self.calls = 0
+        self.fail_after = fail_after
+
+    def record(self, span_id, kind, stream=None):
+        self.calls += 1
+        if self.calls > self.fail_after:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        super().record(span_id, kind, stream)
+
+
+def test_a_device_error_mid_run_turns_timing_off_with_one_log_line_and_spans_still_end(caplog):
+    cap = make_captured()
+    steps = tracker(cap, backend=Exploding(fail_after=3))
+    with caplog.at_level(logging.WARNING, logger="llm_otel"):
+        for _ in range(4):
+            steps.end(steps.begin(["a"], span=cap.telemetry.tracer.start_span("llm.engine.step")))
+            steps.drain()
+    assert steps.backend == "off"
+    spans = cap.finished()
+    assert len(spans) == 4  # every step span ended
+    assert DEVICE_KEYS <= set(spans[0].attributes)  # before the error
+    assert not DEVICE_KEYS & set(spans[-1].attributes)
+    lines = [r for r in caplog.records if "GPU step timing turned off" in r.getMessage()]
+    assert len(lines) == 1
+    assert cap.telemetry.errors.counts == {}  # handled, not a hook failure
+
+
+def test_asking_for_cupy_without_it_logs_once_and_runs_without_a_ring(caplog):
+    cap = make_captured()
+    try:
+        import cupy  # noqa: F401
+
+        pytest.skip("CuPy is installed")
+    except Exception:  # noqa: BLE001
+        pass
+    with caplog.at_level(logging.WARNING, logger="llm_otel"):
+        steps = tracker(cap, backend="cupy")
+    assert steps.backend == "off"
+    assert len([r for r in caplog.records if "GPU step timing off" in r.getMessage()]) == 1
+    span = cap.telemetry.tracer.start_span("llm.engine.step")
+    steps.end(steps.begin(["a"], span=span), span_end_ns=123)
+    (s,) = cap.finished()
+    assert s.end_time == 123  # ended at once
+
+
+def test_end_of_none_and_bad_input_never_raise():
+    cap = make_captured()
+    steps = tracker(cap)
+    steps.end(None)
+    assert steps.begin(["a"], parent=object()) is None  # not a SpanContext: counted, not raised
+    assert cap.telemetry.errors.counts == {"gpu.step.begin": 1}
+
+
+def test_drain_thread_completes_steps_without_anyone_calling_drain():
+    cap = make_captured()
+    steps = StepTracker(cap.telemetry, backend="numpy", nvtx=False, drain_period_s=0.001)
+    steps.end(steps.begin(["a"], span=cap.telemetry.tracer.start_span("llm.engine.step")))
+    deadline = time.monotonic() + 5
+    while not cap.finished() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(cap.finished()) == 1
+    steps.close()
+    assert steps.backend == "off"
+
+
+def test_close_completes_pending_steps():
+    cap = make_captured()
+    steps = tracker(cap)
+    steps.begin(["a"], span=cap.telemetry.tracer.start_span("llm.engine.step"))  # never ended
+    steps.close()
+    assert len(cap.finished()) == 1
+
+
+def test_c12_no_prompt_text_reaches_nvtx_messages_or_ring_records():
+    from test_gpu_nvtx import RecordingDomain
+
+    from llm_otel.gpu.nvtx import NvtxRanges
+
+    cap = make_captured()
+    domain = RecordingDomain()
+    ring = R.NumpyRing(16)
+    steps = StepTracker(cap.telemetry, backend=ring, nvtx=NvtxRanges(domain=domain), start_thread=False)
+    secret = "SECRET-PROMPT-7f3a"
+    rec = cap.telemetry.start_request("r1", operation="text_completion", provider="vllm", model="m",
+                                      arrival_s=time.time(), input_tokens=3, prompt_text=secret)
+    sc = rec.span.get_span_context()
+    ctx = steps.begin(["r1"], phase="prefill", request_spans={"r1": (sc.trace_id, sc.span_id)})
+    words = ring._words.copy()
+    steps.end(ctx)
+    steps.end_requests(["r1"])
+    messages = [c[1]["message"] for c in domain.calls if c[0] in ("push", "start")]
+    assert all(secret not in m for m in messages)
+    assert secret.encode() not in words.tobytes() and secret.encode() not in ring._words.tobytes()
+
+
+def test_a_step_that_is_never_ended_is_completed_after_the_timeout():
+    cap = make_captured()
+    steps = tracker(cap, step_timeout_s=0.0)
+    ctx = steps.begin(["a"], span=cap.telemetry.tracer.start_span("llm.engine.step"))
+    time.sleep(0.001)
+    steps.drain()
+    (s,) = cap.finished()
+    assert s.end_time == ctx.launch_ns and steps._pending == {}
+
+
+def test_records_drained_before_the_owner_releases_complete_the_span_at_release():
+    cap = make_captured()
+    steps = tracker(cap)
+    span = cap.telemetry.tracer.start_span("llm.engine.step")
+    steps.register_span(span)
+    steps.end(steps.begin(["a"], parent=span.get_span_context()))
+    steps.drain()  # both records read; the span still waits for its owner
+    assert cap.finished() == []
+    assert steps.release_span(span, 42) is True
+    (s,) = cap.finished()  # completed by release itself, no further drain needed
+    assert s.end_time == 42 and DEVICE_KEYS <= set(s.attributes)
+
+
+def test_a_step_begun_before_the_ring_was_ready_ends_at_once_without_device_times():
+    cap = make_captured()
+    steps = tracker(cap, backend="off")  # as while CuPy is still being imported in the background
+    ctx = steps.begin(["a"], span=cap.telemetry.tracer.start_span("llm.engine.step"))
+    steps.ring = ring = R.NumpyRing(8)  # the ring becomes ready mid-step
+    steps.end(ctx, span_end_ns=7)
+    (s,) = cap.finished()
+    assert s.end_time == 7 and not DEVICE_KEYS & set(s.attributes)
+    assert len(ring.poll()) == 0  # no orphan end record
+    assert steps.wait_ready(0) is True
+
+
+def test_ended_requests_drop_their_sums_and_the_sums_are_bounded():
+    cap = make_captured()
+    steps = tracker(cap, max_requests=3)
+    for rid in ("a", "b", "c", "d"):
+        steps.end(steps.begin([rid], span=cap.telemetry.tracer.start_span("llm.engine.step")))
+    steps.drain()
+    assert list(steps._requests) == ["b", "c", "d"]  # "a", the oldest, went first
+    steps.end_requests(["c"])
+    assert list(steps._requests) == ["b", "d"]

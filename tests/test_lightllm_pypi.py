@@ -1,0 +1,82 @@
+"""The 2024 layout against real LightLLM code: PyPI ``lightllm==0.0.1`` (installed by .ci/install.sh
+with ``--no-deps`` into ``.venv/lightllm-pypi``, kept off the venv's own site-packages so that
+``llm_otel.instrument()`` in other tests does not find a LightLLM). Its HTTP manager and router
+request objects run on CPU; tests/lightllm_layouts/pypi_driver.py drives one request from the real
+``HttpServerManager.generate`` through zmq to the real ``RouterManager.add_req`` in a spawned
+process and back (C06: the hook table against a real older layout; C09: exact counts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PYPI = os.path.join(os.path.dirname(sys.executable), "..", "lightllm-pypi")
+TRACE_ID, PARENT = "0000000000000000000000000000c0de", "00000000000000f0"
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="module")
+def pypi_run(receiver, tiny_model):
+    if not os.path.isdir(os.path.join(PYPI, "lightllm")):
+        pytest.skip("PyPI lightllm 0.0.1 not installed in .venv/lightllm-pypi (see .ci/install.sh)")
+    service = f"lightllm-pypi-{os.getpid()}"
+    spec = {"model_dir": str(tiny_model), "prompt": "def main(): return 42", "max_new_tokens": 5,
+            "traceparent": f"00-{TRACE_ID}-{PARENT}-01", "ports": free_ports(2)}
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(PYPI), OTEL_SERVICE_NAME=service,
+               OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+               OTEL_TRACES_EXPORTER="otlp", OTEL_METRICS_EXPORTER="none", OTEL_BSP_SCHEDULE_DELAY="100",
+               LLM_OTEL_ADAPTIVE_SAMPLING="off", LIGHTLLM_START_ARGS=json.dumps({"model_dir": str(tiny_model)}),
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    done = subprocess.run([sys.executable, os.path.join(HERE, "lightllm_layouts", "pypi_driver.py"), json.dumps(spec)],
+                          capture_output=True, text=True, env=env, timeout=400)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads([x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
+    assert result["router_exitcode"] == 0, done.stderr[-4000:]
+    spans = [s for s in receiver.spans() if s["resource"].get("service.name") == service]
+    return {"result": result, "spans": spans, "stderr": done.stderr}
+
+
+def test_c06_real_2024_lightllm_is_the_code_under_test(pypi_run):
+    assert os.path.abspath(pypi_run["result"]["lightllm_file"]).startswith(os.path.abspath(PYPI))
+    assert "unknown layout" not in pypi_run["stderr"] and "not found" not in pypi_run["stderr"]
+
+
+def test_c06_c09_real_2024_layout_request_span_tree_and_exact_counts(pypi_run):
+    result, spans = pypi_run["result"], pypi_run["spans"]
+    assert [t[1] for t in result["tokens"]] == [100, 101, 102, 103, 104]
+    assert result["tokens"][-1][3] == "length"
+    by_name = {}
+    for s in spans:
+        by_name.setdefault(s["name"], []).append(s)
+    (req,) = by_name["text_completion tiny-llama"]
+    assert (req["trace_id"], req["parent_span_id"], req["kind"]) == (TRACE_ID, PARENT, "SPAN_KIND_SERVER")
+    assert req["attributes"]["llm.request.id"] == "8"
+    assert req["attributes"]["gen_ai.usage.input_tokens"] == result["prompt_ids"]  # LightLLM's tokenizer count
+    assert req["attributes"]["gen_ai.usage.output_tokens"] == 5
+    assert req["attributes"]["gen_ai.response.finish_reasons"] == ["length"]
+    for name in ("llm.prompt", "llm.token_stream"):
+        (child,) = by_name[name]
+        assert child["parent_span_id"] == req["span_id"]
+    # the carrier crossed zmq inside LightLLM's own pickled MultimodalParams into the router process
+    (router,) = by_name["llm.router.request"]
+    assert (router["trace_id"], router["parent_span_id"]) == (TRACE_ID, req["span_id"])
+    assert router["attributes"]["gen_ai.usage.input_tokens"] == result["prompt_ids"]
+    assert router["attributes"]["gen_ai.usage.output_tokens"] == 5
+    assert router["attributes"]["gen_ai.response.finish_reasons"] == ["length"]
+    assert [e["name"] for e in router["events"]] == ["llm.request.queued", "llm.request.scheduled"]
+    assert req["start_ns"] <= router["start_ns"] <= router["end_ns"]
