@@ -1,0 +1,70 @@
+"""One configuration of the offline overhead benchmark, in its own process (see overhead.py).
+
+Builds a vLLM ``LLM`` on the tiny model, instrumented as configuration ``--config`` says, prints
+``{"ready": true}``, then answers each ``run`` line on stdin with one JSON line
+``{"output_tokens": N, "seconds": S}`` for one pass of the fixed workload; ``quit`` flushes the
+telemetry and exits. The workload is fixed by ``--prompts``/``--tokens`` and the engine seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import _workload
+
+
+def build(config: str, model: str, sink: str):
+    """The engine for ``config`` (a..e), instrumented the way a user of that tool would do it."""
+    from vllm import LLM
+
+    kwargs = dict(model=model, dtype="float32", max_model_len=_workload.MAX_MODEL_LEN, seed=0,
+                  block_size=32)
+    if config in ("b", "c"):
+        import llm_otel  # providers from OTEL_* (OTLP gRPC to the sink), set by overhead.py
+
+        llm_otel.instrument()
+    elif config == "d":
+        # vLLM's own tracing: one span per finished request, built from the iteration stats it
+        # only keeps with log stats on
+        kwargs.update(otlp_traces_endpoint=sink, disable_log_stats=False)
+    elif config == "e":
+        import openlit
+
+        openlit.init(otlp_endpoint=sink, disable_metrics=False, collect_system_metrics=False)
+    return LLM(**kwargs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--sink", required=True, help="OTLP gRPC endpoint of the sink")
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args()
+    llm = build(args.config, args.model, args.sink)
+    prompts, params = _workload.offline(args.prompts, args.tokens)
+    print(json.dumps({"ready": True, "pid": os.getpid()}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        dt = time.perf_counter() - t
+        print(json.dumps({"output_tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": dt}),
+              flush=True)
+    from opentelemetry import metrics, trace
+
+    for provider in (trace.get_tracer_provider(), metrics.get_meter_provider()):
+        flush = getattr(provider, "force_flush", None)
+        if flush:
+            flush()
+    print(json.dumps({"done": True}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
