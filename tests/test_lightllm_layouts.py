@@ -123,7 +123,9 @@ def event_time(span: dict, name: str) -> int:
 @pytest.fixture(scope="module")
 def main_run(receiver, tmp_path_factory):
     # every sampled request gets llm.logit_dist from the worker's logits
-    return run_layout("main", receiver, tmp_path_factory, REQUESTS + [HEALTH], LLM_OTEL_LOGIT_DIST_RATIO="1")
+    # (with content capture on: token ids decode back to the text, so they are content)
+    return run_layout("main", receiver, tmp_path_factory, REQUESTS + [HEALTH], LLM_OTEL_LOGIT_DIST_RATIO="1",
+                      OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT="true")
 
 
 @pytest.fixture(scope="module")
@@ -323,3 +325,13 @@ def test_c05_unknown_layout_warns_once_per_process_and_http_spans_still_work(rec
     assert tree["llm.prompt"] is not None and tree["llm.token_stream"] is not None
     # without the transfer hook no carrier crossed: the other stages are simply not traced
     assert not Trace(run).named("llm.router.request") and not Trace(run).named("llm.infer.request")
+
+
+def test_token_ids_stay_out_of_spans_without_content_capture(runs):
+    """The v1.0 and router-refactor runs have content capture off (the default): their worker and
+    HTTP token events carry index and latency, never the token id."""
+    for layout in ("v1_0", "pr965"):
+        events = [e for span in runs[layout]["spans"] for e in span["events"] if e["name"] == "llm.token"]
+        assert events, layout
+        assert all("llm.token.id" not in e["attributes"] for e in events), layout
+        assert all("llm.token.latency" in e["attributes"] for e in events), layout

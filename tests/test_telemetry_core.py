@@ -116,7 +116,7 @@ def test_c08_delayed_first_token_span_starts_before_first_token_and_ttft_is_the_
 
 
 def test_token_events_for_the_first_n_tokens_with_ids_and_latency():
-    cap = make_captured(Settings(token_events=3))
+    cap = make_captured(Settings(token_events=3, capture_content=True))
     _, spans = run_request(cap, delays=(0.05, 0.01, 0.01, 0.01, 0.01))
     events = [e for e in spans["llm.token_stream"].events if e.name == "llm.token"]
     assert [e.attributes["llm.token.index"] for e in events] == [0, 1, 2]
@@ -248,7 +248,7 @@ def test_rejected_request_yields_one_error_span_and_duration_metric(captured):
 def test_logit_dist_span_from_engine_logprobs():
     import numpy as np
 
-    cap = make_captured(Settings(logit_events=2))
+    cap = make_captured(Settings(logit_events=2, capture_content=True))
     rec = start(cap)
     rec.logprob_cap = 100
     rec.vocab_size = 4
@@ -293,7 +293,11 @@ def test_nan_logprobs_mark_the_step_never_raise():
 def test_broken_span_building_is_counted_and_the_request_span_still_ends(captured, caplog):
     rec = start(captured)
     rec.on_tokens([1], mono(ARRIVAL + 0.01))
-    rec.head_token_ids = None  # corrupt the record: span building raises
+
+    def broken(*args, **kwargs):
+        raise TypeError("corrupt record")
+
+    captured.telemetry.spans._token_stream = broken  # span building raises half-way through the tree
     captured.telemetry.finish(rec)
     assert captured.telemetry.errors.counts == {"telemetry.spans": 1}
     assert len([r for r in caplog.records if "telemetry.spans failed" in r.getMessage()]) == 1
@@ -343,3 +347,26 @@ def test_completion_text_needs_content_capture():
     root = next(s for s in cap.finished() if s.parent is None)
     assert json.loads(root.attributes["gen_ai.output.messages"]) == [
         {"role": "assistant", "parts": [{"type": "text", "content": "hello"}], "finish_reason": "stop"}]
+
+
+def test_token_ids_are_content_and_stay_out_of_spans_without_content_capture():
+    """Token ids decode back to the completion with the model's tokenizer: with content capture
+    off (the default) neither llm.token nor llm.logit.step events carry them."""
+    import numpy as np
+
+    cap = make_captured(Settings(token_events=3))
+    rec = start(cap)
+    rec.logprob_cap = 100
+    lp = np.log(np.array([[0.5, 0.5, 0.3, 0.2], [0.7, 0.7, 0.2, 0.1]]))
+    ids = np.array([[9, 9, 3, 1], [4, 4, 2, 0]])
+    for i in range(2):
+        rec.on_logprobs(ids[i:i + 1], lp[i:i + 1])
+        rec.on_tokens([int(ids[i, 0])], mono(ARRIVAL + 0.01 * (i + 1)))
+    cap.telemetry.finish(rec)
+    spans = {s.name: s for s in cap.finished()}
+    tokens = [e for e in spans["llm.token_stream"].events if e.name == "llm.token"]
+    steps = [e for e in spans["llm.logit_dist"].events if e.name == "llm.logit.step"]
+    assert len(tokens) == 2 and len(steps) == 2
+    assert all("llm.token.id" not in e.attributes for e in tokens)
+    assert all("llm.logit.top_token_ids" not in e.attributes for e in steps)
+    assert list(steps[0].attributes["llm.logit.top_logprobs"]) == pytest.approx(list(np.log([0.5, 0.3, 0.2])))

@@ -10,6 +10,8 @@ import types
 import pytest
 from conftest import make_captured
 
+from llm_otel.config import Settings
+
 from llm_otel.instrumentation.vllm.engine_core import CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY
 from llm_otel.instrumentation.vllm.worker import WorkerAdapter
 
@@ -31,7 +33,7 @@ def sample_fn(logits, spec_decode_metadata=None):
 
 
 def test_only_chosen_rows_are_reduced_and_a_span_is_emitted_when_max_tokens_is_reached():
-    cap = make_captured()
+    cap = make_captured(Settings(capture_content=True))  # top token ids are content
     worker = WorkerAdapter(cap.telemetry)
     wrap = worker.sample("hook")
     chosen = {CARRIER_KEY: f"00-{TID}-{SID}-01", CARRIER_TOPK_KEY: 3}

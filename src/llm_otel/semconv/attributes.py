@@ -171,10 +171,10 @@ LLM_LOGIT_TOP_K = 'llm.logit.top_k'
 """Number of top log-probs kept per decode step. Type: int. Origin: llm-otel."""
 
 LLM_LOGIT_TOP_LOGPROBS = 'llm.logit.top_logprobs'
-"""Log-probs (nats) of one step's top-k tokens, aligned with llm.logit.top_token_ids. Type: double[]. Origin: llm-otel."""
+"""Log-probs (nats) of one step's top-k tokens, most likely first (aligned with llm.logit.top_token_ids when that is recorded). Type: double[]. Origin: llm-otel."""
 
 LLM_LOGIT_TOP_TOKEN_IDS = 'llm.logit.top_token_ids'
-"""Vocabulary ids of one step's top-k tokens, most likely first. Type: int[]. Origin: llm-otel."""
+"""Vocabulary ids of one step's top-k tokens, most likely first; only with content capture on. Type: int[]. Origin: llm-otel."""
 
 LLM_PROCESS_ROLE = 'llm.process.role'
 """Role of the engine process (a resource attribute of its providers). Type: enum (string). Origin: llm-otel."""
@@ -291,7 +291,7 @@ LLM_TOKEN_EVENTS_DROPPED = 'llm.token.events.dropped'
 """Events not recorded because of a per-span cap (llm.token.stall on llm.token_stream, llm.logit.step on llm.logit_dist); llm.token events cover only the first N tokens by design. Type: int. Origin: llm-otel."""
 
 LLM_TOKEN_ID = 'llm.token.id'
-"""Vocabulary id of the output token (ids only; token text is never captured here). Type: int. Origin: llm-otel."""
+"""Vocabulary id of the output token; only with content capture on (ids decode back to the completion). Type: int. Origin: llm-otel."""
 
 LLM_TOKEN_INDEX = 'llm.token.index'
 """Zero-based position of the output token in the generated sequence. Type: int. Origin: llm-otel."""

@@ -126,7 +126,8 @@ class SpanBuilder:
         latency = np.maximum(0.0, np.diff(token_t, prepend=arrival_mono))
         for i in range(n_ev):
             ev = {A.LLM_TOKEN_INDEX: i, A.LLM_TOKEN_LATENCY: float(latency[i])}
-            if i < len(rec.head_token_ids):
+            if st.capture_content and i < len(rec.head_token_ids):
+                # token ids decode back to the completion with the model's tokenizer: content
                 ev[A.LLM_TOKEN_ID] = int(rec.head_token_ids[i])
             span.add_event(S.EVENT_LLM_TOKEN, ev,
                            timestamp=min(max(rec.epoch_ns(float(token_t[i])), first_ns), last_ns))
@@ -225,12 +226,13 @@ def emit_logit_dist(tracer: Tracer, settings: Settings, parent, *, source: str, 
         order = np.argsort(-np.where(np.isnan(row), -np.inf, row), kind="stable")
         ev = {
             A.LLM_TOKEN_INDEX: i,
-            A.LLM_LOGIT_TOP_TOKEN_IDS: [int(v) for v in top_ids[i][order]],
             A.LLM_LOGIT_TOP_LOGPROBS: [float(v) for v in row[order]],
             A.LLM_LOGIT_ENTROPY: float(entropy[i]),
             A.LLM_LOGIT_MARGIN: float(margin[i]),
             A.LLM_LOGIT_NONFINITE: bool(nonfinite[i]),
         }
+        if settings.capture_content:  # the top token ids are the completion (and its alternatives)
+            ev[A.LLM_LOGIT_TOP_TOKEN_IDS] = [int(v) for v in top_ids[i][order]]
         if sampled_logprobs is not None:
             ev[A.LLM_LOGIT_SAMPLED_LOGPROB] = float(sampled_logprobs[i])
         span.add_event(S.EVENT_LLM_LOGIT_STEP, ev, timestamp=times_ns[i])

@@ -732,10 +732,13 @@ class WorkerAdapter:
         span = self.telemetry.tracer.start_span(S.LLM_INFER_REQUEST, context=st.parent, kind=SpanKind.INTERNAL,
                                                 attributes=attrs, start_time=st.admitted_ns)
         previous = st.admitted_ns
+        with_ids = self.telemetry.settings.capture_content  # token ids decode back to the text
         for i, token_id in enumerate(st.ids):
             t = times[i]
-            span.add_event(S.EVENT_LLM_TOKEN, {A.LLM_TOKEN_INDEX: i, A.LLM_TOKEN_ID: token_id,
-                                               A.LLM_TOKEN_LATENCY: max(0, t - previous) / 1e9}, timestamp=t)
+            ev = {A.LLM_TOKEN_INDEX: i, A.LLM_TOKEN_LATENCY: max(0, t - previous) / 1e9}
+            if with_ids:
+                ev[A.LLM_TOKEN_ID] = token_id
+            span.add_event(S.EVENT_LLM_TOKEN, ev, timestamp=t)
             previous = t
         if facts["aborted"]:
             span.set_status(Status(StatusCode.ERROR, "aborted"))
