@@ -23,7 +23,7 @@ def build(config: str, model: str, sink: str):
 
     kwargs = dict(model=model, dtype="float32", max_model_len=_workload.MAX_MODEL_LEN, seed=0,
                   block_size=32)
-    if config in ("b", "c"):
+    if config in ("b", "c", "f"):
         import llm_otel  # providers from OTEL_* (OTLP gRPC to the sink), set by overhead.py
 
         llm_otel.instrument()

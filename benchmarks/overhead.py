@@ -45,6 +45,7 @@ CONFIGS = {
     "c": "llm-otel, 100% sampling + logit stats every step",
     "d": "vLLM native tracing (100%)",
     "e": "OpenLIT vLLM instrumentation",
+    "f": "llm-otel defaults + --set f:... (an experiment, e.g. one feature off)",
 }
 BENCH_VENV = ROOT / ".venv-bench"
 SERVED = "tiny"
@@ -58,15 +59,19 @@ def base_env() -> dict[str, str]:
     return env
 
 
+EXTRA_ENV: dict[str, dict[str, str]] = {}  # --set CONFIG:KEY=VALUE
+
+
 def config_env(config: str, sink: str) -> dict[str, str]:
     env = base_env()
     env["OTEL_SERVICE_NAME"] = f"bench-{config}"
-    if config in ("b", "c"):
+    if config in ("b", "c", "f"):
         env.update(OTEL_EXPORTER_OTLP_ENDPOINT=sink, OTEL_EXPORTER_OTLP_PROTOCOL="grpc")
     if config == "c":
         env.update(OTEL_TRACES_SAMPLER="always_on", LLM_OTEL_LOGIT_DIST_RATIO="1")
     if config == "e":
         env.update(OTEL_EXPORTER_OTLP_ENDPOINT=sink, OTEL_EXPORTER_OTLP_PROTOCOL="grpc")
+    env.update(EXTRA_ENV.get(config, {}))
     return env
 
 
@@ -146,7 +151,7 @@ class ServerRunner:
                "--dtype", "float32", "--max-model-len", str(_workload.MAX_MODEL_LEN), "--block-size", "32",
                "--seed", "0"]
         bindir = Path(python).parent
-        if config in ("b", "c"):
+        if config in ("b", "c", "f"):
             cmd = [str(bindir / "opentelemetry-instrument")] + cmd
         elif config == "d":
             cmd += ["--otlp-traces-endpoint", sink]
@@ -276,7 +281,13 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--json", default=None)
     parser.add_argument("--log-dir", default="/tmp")
+    parser.add_argument("--set", action="append", default=[], metavar="CONFIG:KEY=VALUE",
+                        help="extra environment for one configuration, e.g. f:LLM_OTEL_GPU_STEPS=off")
     args = parser.parse_args()
+    for item in args.set:
+        config, _, kv = item.partition(":")
+        key, _, value = kv.partition("=")
+        EXTRA_ENV.setdefault(config, {})[key] = value
 
     from llm_otel.demo.tiny_model import ensure_tiny_model
 

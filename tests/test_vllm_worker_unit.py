@@ -94,3 +94,45 @@ def test_the_request_spans_tracestate_reaches_the_worker_span():
     worker.sample("hook")(sample_fn, r, (torch.randn(1, 8),), {})
     (span,) = cap.finished()
     assert span.context.trace_state.get("ot") == "th:c" and span.context.trace_state.get("vendor") == "x"
+
+
+class EngineDeadError(Exception):
+    """Stands in for vllm.v1.engine.exceptions.EngineDeadError (only its class name matters)."""
+
+
+class OutputProcessor:
+    """Stands in for vllm.v1.engine.output_processor.OutputProcessor (a weak-referenceable key)."""
+
+
+def test_engine_dying_mid_generate_ends_every_request_in_flight_with_the_error():
+    """Review finding: when the engine died inside LLM.generate, the requests it was serving were
+    never ended (no spans, no metrics) and one bogus 'rejected' span appeared instead."""
+    import time
+
+    from llm_otel.instrumentation.vllm.adapter import VLLMAdapter
+
+    cap = make_captured()
+    adapter = VLLMAdapter(cap.telemetry)
+    output_processor = OutputProcessor()
+    llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(output_processor=output_processor))
+    state = adapter._state_for(output_processor)
+    for rid in ("a", "b"):
+        rec = cap.telemetry.start_request(rid, operation="text_completion", provider="vllm", model="tiny",
+                                          arrival_s=time.time(), input_tokens=3)
+        rec.on_tokens([5], time.monotonic())
+        state.records[rid] = rec
+
+    def generate(*args, **kwargs):
+        raise EngineDeadError("EngineCore encountered an issue: the prompt was 'secret'")
+
+    wrapper = adapter.traced_operation("vllm.entrypoints.llm:LLM.generate")
+    with pytest.raises(EngineDeadError):  # the user's exception, unchanged
+        wrapper(generate, llm, (), {})
+    assert state.records == {}
+    roots = [s for s in cap.finished() if s.name == "text_completion tiny"]
+    assert sorted(s.attributes["llm.request.id"] for s in roots) == ["a", "b"]  # no extra 'rejected' span
+    for span in roots:
+        assert span.attributes["error.type"] == "EngineDeadError"
+        assert "secret" not in (span.status.description or "")
+    counts = {p.attributes.get("error.type"): p.value for p in cap.metric_points("llm.server.requests")}
+    assert counts == {"EngineDeadError": 2}

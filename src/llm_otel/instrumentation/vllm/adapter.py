@@ -149,12 +149,36 @@ class VLLMAdapter:
             except Exception as error:
                 engine = getattr(instance, "llm_engine", None)
                 if engine is not None and not getattr(error, "_llm_otel_reported", False):
-                    self._rejected(hook, engine, (), {}, arrival, error)
+                    # requests already in the engine (it died mid-run: EngineDeadError, ...) end with
+                    # the error; with none in flight vLLM refused the call before the engine saw it
+                    if not self._fail_in_flight(hook, engine, error):
+                        self._rejected(hook, engine, (), {}, arrival, error)
                 raise
             finally:
                 _operation.reset(token)
 
         return wrapper
+
+    def _fail_in_flight(self, hook: str, engine: Any, error: BaseException) -> bool:
+        """End every request still tracked for ``engine`` with ``error.type`` = the exception's
+        class name; True if there was any. The exception's message is not recorded (it can quote
+        the prompt)."""
+        try:
+            state = self._states.get(getattr(engine, "output_processor", None))
+            if state is None or not state.records:
+                return False
+            for rid in list(state.records):
+                rec = state.records.pop(rid)
+                rec.error_type = type(error).__name__
+                self.telemetry.finish(rec)
+            try:
+                error._llm_otel_reported = True
+            except Exception:  # noqa: BLE001 - exceptions with __slots__
+                pass
+            return True
+        except Exception as exc:  # noqa: BLE001
+            self.telemetry.errors.report(hook, exc)
+            return False
 
     def engine_core_client(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
