@@ -420,3 +420,31 @@ def test_c12_prompt_and_completion_text_only_with_content_capture(eng, monkeypat
     (completion,) = json.loads(root.attributes["gen_ai.output.messages"])
     assert completion == {"role": "assistant", "parts": [{"type": "text", "content": out.outputs[0].text[:64]}],
                           "finish_reason": "length"}
+
+
+def test_trace_headers_given_to_the_offline_engine_parent_the_request(eng):
+    """LLMEngine.add_request(trace_headers=...) with vLLM's own tracing off: vLLM drops the headers,
+    llm-otel still parents the request span on them; malformed headers give a new root."""
+    from vllm import SamplingParams
+
+    engine = eng.llm.llm_engine
+    tid, sid = "5" * 32, "6" * 16
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    engine.add_request("th-ok", "def f(x):", sp, trace_headers={"traceparent": f"00-{tid}-{sid}-01",
+                                                                 "tracestate": "vendor=1"})
+    engine.add_request("th-bad", "def g(y):", sp, trace_headers={"traceparent": "00-zz-nonsense-01"})
+    while engine.has_unfinished_requests():
+        engine.step()
+    eng.captured.tracer_provider.force_flush()
+    t = trees(eng)
+
+    def span_of(rid):  # vLLM may suffix the request id it was given
+        (match,) = [v for k, v in t.items() if k == rid or k.startswith(rid + "-")]
+        return match
+
+    ok, _ = span_of("th-ok")
+    assert (f"{ok.context.trace_id:032x}", f"{ok.parent.span_id:016x}") == (tid, sid)
+    assert ok.parent.is_remote and ok.context.trace_state.get("vendor") == "1"
+    assert ok.attributes["gen_ai.usage.output_tokens"] == 3
+    bad, _ = span_of("th-bad")
+    assert bad.parent is None and f"{bad.context.trace_id:032x}" != tid

@@ -271,11 +271,18 @@ class VLLMAdapter:
         return wrapper
 
     def engine_add_request(self, hook: str):
+        """LLMEngine.add_request: rejected requests, and the ``trace_headers`` the caller passed
+        (vLLM drops them when its own tracing is off; they parent the request span)."""
+
         def wrapper(wrapped, instance, args, kwargs):
             arrival = time.time()
+            token = None
             try:
                 if instance.output_processor not in self._states:  # instrumented after the engine was built
                     self._register_engine(instance)
+                headers = kwargs.get("trace_headers", args[6] if len(args) > 6 else None)
+                if headers:
+                    token = _engine_carrier.set(extract_carrier(headers))
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
             try:
@@ -283,6 +290,9 @@ class VLLMAdapter:
             except Exception as error:
                 self._rejected(hook, instance, args, kwargs, arrival, error)
                 raise
+            finally:
+                if token is not None:
+                    _engine_carrier.reset(token)
 
         return wrapper
 
