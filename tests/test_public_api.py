@@ -194,6 +194,43 @@ def test_instrument_rejects_a_bad_exporter_variable_before_creating_providers():
     assert out.split() == ["True", "True", "True", "ProxyTracerProvider"]
 
 
+def test_instrument_takes_one_engine_name_as_a_string():
+    out = run_py("""
+        import llm_otel
+        try:
+            llm_otel.instrument(engines="nope")
+        except ValueError as exc:
+            print("nope" in str(exc) and "'n'" not in str(exc))
+        import importlib.util
+        print(llm_otel.instrument(engines="vllm") == (["vllm"] if importlib.util.find_spec("vllm") else []))
+        llm_otel.uninstrument()
+    """, env={"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"})
+    assert out.split() == ["True", "True"]
+
+
+@pytest.mark.parametrize("port", [True, False, -1, 0, 65535, 70000, "9464", 9464.0])
+def test_invalid_prometheus_port_raises_and_leaves_the_environment_untouched(port, monkeypatch):
+    from llm_otel.config import ConfigError
+
+    monkeypatch.delenv("OTEL_METRICS_EXPORTER", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_PROMETHEUS_PORT", raising=False)
+    before = dict(os.environ)
+    with pytest.raises(ConfigError, match="prometheus_port"):
+        llm_otel.instrument(engines=[], prometheus_port=port)
+    assert dict(os.environ) == before
+
+
+def test_prometheus_port_is_applied_only_after_the_rest_validates(monkeypatch):
+    from llm_otel.config import ConfigError
+
+    monkeypatch.delenv("OTEL_METRICS_EXPORTER", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_PROMETHEUS_PORT", raising=False)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin")
+    before = dict(os.environ)
+    with pytest.raises(ConfigError, match="OTEL_TRACES_EXPORTER"):
+        llm_otel.instrument(engines=[], prometheus_port=9500)
+    assert dict(os.environ) == before
+
 
 def test_c04_doctor_probes_the_metrics_exporter_too(receiver, capsys):
     env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.grpc_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
