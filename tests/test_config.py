@@ -39,3 +39,51 @@ def test_invalid_values_raise_config_error_naming_the_variable(name, raw):
 def test_settings_are_frozen():
     with pytest.raises(Exception):
         Settings().token_events = 3
+
+
+# --- exporter variables (checked when llm-otel builds the providers, and by `llm-otel doctor`) ----
+
+@pytest.mark.parametrize("name, raw, accepted", [
+    ("OTEL_METRICS_EXPORTER", "prometeus", "otlp, prometheus, console, none"),
+    ("OTEL_METRICS_EXPORTER", "foo", "otlp, prometheus, console, none"),
+    ("OTEL_TRACES_EXPORTER", "zipkin", "otlp, console, none"),
+    ("OTEL_TRACES_EXPORTER", "prometheus", "otlp, console, none"),  # metrics only
+    ("OTEL_TRACES_EXPORTER", "otlp,zipkin", "otlp, console, none"),
+    ("OTEL_METRICS_EXPORTER", "otlp,prometheus", "otlp, prometheus, console, none"),  # one per signal
+])
+def test_unknown_exporter_names_raise_naming_the_variable_and_the_accepted_values(name, raw, accepted):
+    from llm_otel.config import validate_exporter_env
+    from llm_otel.export.providers import build_providers, exporter_choice
+
+    signal = name.split("_")[1]
+    for check in (lambda: exporter_choice({name: raw}, signal), lambda: validate_exporter_env({name: raw}),
+                  lambda: build_providers(Settings.from_env({}), {name: raw})):
+        with pytest.raises(ConfigError) as err:
+            check()
+        assert name in str(err.value) and accepted in str(err.value)
+
+
+@pytest.mark.parametrize("raw, expected", [(None, "otlp"), ("", "otlp"), ("none", "none"), (" Console ", "console"),
+                                           ("prometheus", "prometheus"), ("otlp,", "otlp"), ("none,none", "none")])
+def test_exporter_choice_accepts_the_known_names_and_single_exporter_lists(raw, expected):
+    from llm_otel.export.providers import exporter_choice
+
+    env = {} if raw is None else {"OTEL_METRICS_EXPORTER": raw}
+    assert exporter_choice(env, "METRICS") == expected
+
+
+@pytest.mark.parametrize("name", ["OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+                                  "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL"])
+@pytest.mark.parametrize("endpoint", [{}, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}])
+def test_invalid_otlp_protocol_raises_with_or_without_an_endpoint(name, endpoint):
+    from llm_otel.config import otlp_protocol, validate_exporter_env
+    from llm_otel.export.providers import build_providers
+
+    env = {**endpoint, name: "grpcc"}
+    with pytest.raises(ConfigError, match=name):
+        validate_exporter_env(env)
+    with pytest.raises(ConfigError, match=name):
+        build_providers(Settings.from_env({}), env)
+    assert otlp_protocol({name: "http/protobuf"}, "TRACES") in ("http/protobuf", "grpc")
+    assert otlp_protocol({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                          "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"}, "TRACES") == "grpc"

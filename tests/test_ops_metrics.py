@@ -404,6 +404,43 @@ def test_prometheus_names_and_exemplar_on_the_bucket_holding_the_value(prom_tele
     assert "trace_id" not in _exposition(registry, openmetrics=False)
 
 
+def _itl_exemplar_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines()
+            if line.startswith("llm_server_inter_token_latency_seconds_bucket") and "# {" in line]
+
+
+def _finish_with_itl(cap, gap_s: float):
+    rec = cap.telemetry.start_request("r", operation="text_completion", provider="vllm", model="m",
+                                      arrival_s=time.time() - 0.3, input_tokens=2)
+    base = time.monotonic()
+    rec.on_tokens([1], base - 0.2)
+    rec.on_tokens([2], base - 0.2 + gap_s)
+    rec.finish_reason = "stop"
+    cap.telemetry.finish(rec)
+    return f"{rec.span.get_span_context().trace_id:032x}"
+
+
+def test_exemplars_survive_repeated_scrapes_of_either_format(prom_telemetry):
+    """Every scrape collects (and the SDK then empties its reservoirs); exemplars are state of the
+    histogram, not consumed by a scrape: a second scraper or a plain-text `curl` takes none away."""
+    registry, cap = prom_telemetry
+    first = _finish_with_itl(cap, 0.06)  # bucket le=0.075
+    for _ in range(2):  # OpenMetrics twice
+        lines = _itl_exemplar_lines(_exposition(registry))
+        assert len(lines) == 1 and 'le="0.075"' in lines[0] and f'trace_id="{first}"' in lines[0]
+    second = _finish_with_itl(cap, 0.06)  # same bucket: the newer exemplar replaces the older
+    assert "trace_id" not in _exposition(registry, openmetrics=False)  # text first: shows none, takes none
+    lines = _itl_exemplar_lines(_exposition(registry))
+    assert len(lines) == 1 and f'trace_id="{second}"' in lines[0]
+    third = _finish_with_itl(cap, 0.35)  # another bucket (le=0.4): both buckets carry their latest
+    assert "trace_id" not in _exposition(registry, openmetrics=False)
+    for _ in range(2):
+        lines = _itl_exemplar_lines(_exposition(registry))
+        by_le = {line.split('le="')[1].split('"')[0]: line for line in lines}
+        assert set(by_le) == {"0.075", "0.4"}, lines
+        assert f'trace_id="{second}"' in by_le["0.075"] and f'trace_id="{third}"' in by_le["0.4"]
+
+
 def test_prometheus_port_per_process_role():
     from llm_otel.export.prometheus import prometheus_port
 

@@ -141,7 +141,95 @@ def test_c04_doctor_confirms_a_working_exporter(protocol, receiver, capsys, monk
 
 def test_doctor_rejects_an_unsupported_protocol(capsys):
     assert doctor({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}) == 1
-    assert "http/json" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "[FAIL] configuration: OTEL_EXPORTER_OTLP_PROTOCOL='http/json'" in out
+    assert "[  ok]" not in out  # never "configuration valid" and then a failure of the same thing
+
+
+@pytest.mark.parametrize("env, name", [
+    ({"OTEL_METRICS_EXPORTER": "prometeus"}, "OTEL_METRICS_EXPORTER"),
+    ({"OTEL_METRICS_EXPORTER": "foo"}, "OTEL_METRICS_EXPORTER"),
+    ({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER"),
+    ({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpcc"}, "OTEL_EXPORTER_OTLP_PROTOCOL"),  # no endpoint set
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpcc"},
+     "OTEL_EXPORTER_OTLP_PROTOCOL"),
+])
+def test_doctor_fails_the_configuration_on_a_bad_exporter_variable(env, name, capsys):
+    assert doctor(env) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"[FAIL] configuration: {name}=") and "[  ok]" not in out
+
+
+def test_doctor_says_where_spans_go_when_exporters_are_off(capsys):
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{_closed_port()}", "OTEL_TRACES_EXPORTER": "none",
+           "OTEL_METRICS_EXPORTER": "none"}
+    assert doctor(env) == 0
+    out = capsys.readouterr().out
+    assert "OTEL_TRACES_EXPORTER=none: spans are not exported" in out
+    assert "OTEL_METRICS_EXPORTER=none: metrics are not exported" in out
+    assert "console" not in out and "no OTEL_EXPORTER_OTLP_ENDPOINT" not in out
+    assert doctor({"OTEL_METRICS_EXPORTER": "none", "LLM_OTEL_CONSOLE": "off"}) == 0
+    assert "LLM_OTEL_CONSOLE=off: spans are not exported" in capsys.readouterr().out
+
+
+def test_instrument_rejects_a_bad_exporter_variable_before_creating_providers():
+    out = run_py("""
+        import llm_otel
+        from opentelemetry import trace
+        from llm_otel.config import ConfigError
+        for env in ({"OTEL_METRICS_EXPORTER": "prometeus"}, {"OTEL_TRACES_EXPORTER": "zipkin"},
+                    {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpcc"}):
+            import os
+            os.environ.update(env)
+            try:
+                llm_otel.instrument(engines=[])
+            except ConfigError as exc:
+                print(next(iter(env)) in str(exc))
+            else:
+                print("accepted", env)
+            for k in env:
+                del os.environ[k]
+        print(type(trace.get_tracer_provider()).__name__)
+    """)
+    assert out.split() == ["True", "True", "True", "ProxyTracerProvider"]
+
+
+def test_instrument_takes_one_engine_name_as_a_string():
+    out = run_py("""
+        import llm_otel
+        try:
+            llm_otel.instrument(engines="nope")
+        except ValueError as exc:
+            print("nope" in str(exc) and "'n'" not in str(exc))
+        import importlib.util
+        print(llm_otel.instrument(engines="vllm") == (["vllm"] if importlib.util.find_spec("vllm") else []))
+        llm_otel.uninstrument()
+    """, env={"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"})
+    assert out.split() == ["True", "True"]
+
+
+@pytest.mark.parametrize("port", [True, False, -1, 0, 65535, 70000, "9464", 9464.0])
+def test_invalid_prometheus_port_raises_and_leaves_the_environment_untouched(port, monkeypatch):
+    from llm_otel.config import ConfigError
+
+    monkeypatch.delenv("OTEL_METRICS_EXPORTER", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_PROMETHEUS_PORT", raising=False)
+    before = dict(os.environ)
+    with pytest.raises(ConfigError, match="prometheus_port"):
+        llm_otel.instrument(engines=[], prometheus_port=port)
+    assert dict(os.environ) == before
+
+
+def test_prometheus_port_is_applied_only_after_the_rest_validates(monkeypatch):
+    from llm_otel.config import ConfigError
+
+    monkeypatch.delenv("OTEL_METRICS_EXPORTER", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_PROMETHEUS_PORT", raising=False)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin")
+    before = dict(os.environ)
+    with pytest.raises(ConfigError, match="OTEL_TRACES_EXPORTER"):
+        llm_otel.instrument(engines=[], prometheus_port=9500)
+    assert dict(os.environ) == before
 
 
 def test_c04_doctor_probes_the_metrics_exporter_too(receiver, capsys):

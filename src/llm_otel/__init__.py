@@ -37,33 +37,42 @@ def instrument(tracer_provider: Any = None, meter_provider: Any = None, *, engin
             the global providers are used, and created from the ``OTEL_*`` environment if the
             application has none (``OTEL_EXPORTER_OTLP_ENDPOINT`` set: OTLP export; otherwise
             readable console output).
-        engines: restrict to these engine names (``["vllm"]``); default all installed ones.
-        prometheus_port: serve metrics for Prometheus instead of pushing them: sets
+        engines: restrict to these engine names (``["vllm"]``, or one name ``"vllm"``); default all
+            installed ones.
+        prometheus_port: an int in [1, 65534]: serve metrics for Prometheus instead of pushing them: sets
             ``OTEL_METRICS_EXPORTER=prometheus`` and ``OTEL_EXPORTER_PROMETHEUS_PORT`` in
-            ``os.environ`` (so vLLM's engine-core process, which serves on port + 1, follows).
+            ``os.environ`` (so vLLM's engine-core process, which serves on port + 1, follows), only
+            after the whole configuration validated: on ConfigError the environment is untouched.
             Applies when llm-otel creates the providers (both provider arguments None).
 
     Idempotent: a second call while instrumented is a no-op for engines already instrumented.
 
     Raises:
         llm_otel.config.ConfigError: an ``OTEL_*``/``LLM_OTEL_*`` variable (or ``prometheus_port``)
-            holds an invalid value.
+            holds an invalid value; the exporter variables (``OTEL_{TRACES,METRICS}_EXPORTER``,
+            ``OTEL_EXPORTER_OTLP*_PROTOCOL``) are checked when llm-otel creates the providers.
         ValueError: ``engines`` names an engine llm-otel does not know.
     """
     from llm_otel._setup import ensure_providers
-    from llm_otel.config import Settings
+    from llm_otel.config import ConfigError, Settings, validate_exporter_env
 
-    if prometheus_port is not None:
-        from llm_otel.config import ConfigError
-
-        if not isinstance(prometheus_port, int) or not 0 < prometheus_port < 65535:
-            raise ConfigError(f"prometheus_port={prometheus_port!r}: expected a port number in [1, 65534]")
-        os.environ["OTEL_METRICS_EXPORTER"] = "prometheus"
-        os.environ["OTEL_EXPORTER_PROMETHEUS_PORT"] = str(prometheus_port)
-    settings = Settings.from_env()
+    if isinstance(engines, str):
+        engines = [engines]
     unknown = set(engines or ()) - set(_ENGINES)
     if unknown:
         raise ValueError(f"unknown engine(s) {sorted(unknown)}; known: {sorted(_ENGINES)}")
+    if prometheus_port is None:
+        settings = Settings.from_env()
+    else:  # validate everything against the environment it would make, then change os.environ
+        if isinstance(prometheus_port, bool) or not isinstance(prometheus_port, int) \
+                or not 0 < prometheus_port < 65535:
+            raise ConfigError(f"prometheus_port={prometheus_port!r}: expected an int port number in [1, 65534] "
+                              "(the engine-core process serves on port + 1)")
+        changes = {"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_PORT": str(prometheus_port)}
+        env = {**os.environ, **changes}
+        settings = Settings.from_env(env)
+        validate_exporter_env(env)
+        os.environ.update(changes)
     if tracer_provider is None and meter_provider is None and not _in_vllm_engine_process():
         ensure_providers(settings)
     done = []

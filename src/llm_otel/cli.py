@@ -69,6 +69,26 @@ def _doctor_prometheus(env, say) -> bool:
     return good
 
 
+def _spans_destination(env, choice: str, console: str) -> str:
+    """Where spans go when no OTLP span exporter is built (the rules of build_providers)."""
+    if choice == "none":
+        return "OTEL_TRACES_EXPORTER=none: spans are not exported"
+    why = ("OTEL_TRACES_EXPORTER=console" if choice == "console"
+           else "no OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    if console == "off":
+        return f"{why} and LLM_OTEL_CONSOLE=off: spans are not exported"
+    return f"{why}: spans go to the console ({'json' if console == 'json' else 'tree'}, stderr)"
+
+
+def _metrics_destination(env, choice: str, console: str) -> str:
+    """Where metrics go when neither an OTLP metric exporter nor Prometheus is configured."""
+    why = ("OTEL_METRICS_EXPORTER=console" if choice == "console"
+           else "no OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
+    if console in ("auto", "tree"):
+        return f"{why}: a metrics summary is printed at exit"
+    return f"{why} and LLM_OTEL_CONSOLE={console}: metrics are not exported"
+
+
 def doctor(env=None, out=None) -> int:
     """Print a health report; exit status 1 when something would lose telemetry.
 
@@ -82,8 +102,8 @@ def doctor(env=None, out=None) -> int:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExportResult
 
-    from llm_otel.config import ConfigError, Settings
-    from llm_otel.export.providers import metric_exporter_from_env, span_exporter_from_env
+    from llm_otel.config import ConfigError, Settings, validate_exporter_env
+    from llm_otel.export.providers import exporter_choice, metric_exporter_from_env, span_exporter_from_env
 
     env = os.environ if env is None else env
     out = out or sys.stdout
@@ -94,6 +114,7 @@ def doctor(env=None, out=None) -> int:
 
     try:
         Settings.from_env(env)
+        validate_exporter_env(env)  # exporters and OTLP protocols, endpoint or not
         from llm_otel.signals import SignalsConfig
 
         SignalsConfig.from_env(env)  # class headers, tier table, VRAM and health settings
@@ -107,7 +128,7 @@ def doctor(env=None, out=None) -> int:
         say("FAIL", str(exc))
         return 1
     if exporter is None:
-        say("info", "no OTEL_EXPORTER_OTLP_ENDPOINT: spans go to the console")
+        say("info", _spans_destination(env, exporter_choice(env, "TRACES"), Settings.from_env(env).console))
     else:
         provider = TracerProvider()
         span = provider.get_tracer("llm_otel.doctor").start_span("llm_otel.doctor.probe")
@@ -154,6 +175,11 @@ def doctor(env=None, out=None) -> int:
             say("FAIL", f"OTLP metric exporter -> {endpoint} did not accept a probe metric ({result}); metrics "
                         "would be lost (a traces-only backend such as Jaeger needs OTEL_METRICS_EXPORTER=none)")
     if metric_exporter is None:
+        metrics_choice = exporter_choice(env, "METRICS")
+        if metrics_choice == "none":
+            say("info", "OTEL_METRICS_EXPORTER=none: metrics are not exported")
+        elif metrics_choice != "prometheus":
+            say("info", _metrics_destination(env, metrics_choice, Settings.from_env(env).console))
         ok = _doctor_prometheus(env, say) and ok
     if importlib.util.find_spec("vllm") is None:
         say("info", "vLLM not installed")

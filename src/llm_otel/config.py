@@ -172,3 +172,59 @@ def _choice(env: Mapping[str, str], name: str, default: str, choices: set[str]) 
     if value not in choices:
         raise ConfigError(f"{name}={raw!r}: expected one of {sorted(choices)}")
     return value
+
+
+EXPORTERS = {"TRACES": ("otlp", "console", "none"), "METRICS": ("otlp", "prometheus", "console", "none")}
+OTLP_PROTOCOLS = ("grpc", "http/protobuf")
+
+
+def exporter_setting(env: Mapping[str, str], signal: str) -> str:
+    """``OTEL_<signal>_EXPORTER`` (``signal``: ``TRACES``/``METRICS``): ``otlp`` when unset, else
+    one of :data:`EXPORTERS`. A comma list (the OpenTelemetry form) is accepted when it names one
+    exporter (``otlp,`` or ``otlp,otlp``): llm-otel configures one per signal.
+
+    Raises ConfigError naming the variable and the accepted values for any other value."""
+    name = f"OTEL_{signal}_EXPORTER"
+    raw = env.get(name)
+    accepted = EXPORTERS[signal]
+    names = {part.strip().lower() for part in (raw or "").split(",")} - {""}
+    if not names:
+        return "otlp"
+    unknown = sorted(names - set(accepted))
+    if unknown:
+        raise ConfigError(f"{name}={raw!r}: unknown exporter {', '.join(unknown)}; "
+                          f"expected one of {', '.join(accepted)}")
+    if len(names) > 1:
+        raise ConfigError(f"{name}={raw!r}: llm-otel configures one exporter per signal; "
+                          f"expected one of {', '.join(accepted)}")
+    return names.pop()
+
+
+def otlp_protocol(env: Mapping[str, str], signal: str) -> str:
+    """The OTLP protocol for ``signal``: ``OTEL_EXPORTER_OTLP_<signal>_PROTOCOL``, else
+    ``OTEL_EXPORTER_OTLP_PROTOCOL``, else ``grpc`` (the Python SDK's default).
+
+    Raises ConfigError for a value other than ``grpc`` / ``http/protobuf`` in either variable,
+    whether or not an endpoint is set."""
+    general = _protocol_var(env, "OTEL_EXPORTER_OTLP_PROTOCOL")
+    specific = _protocol_var(env, f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL")
+    return specific or general or "grpc"
+
+
+def _protocol_var(env: Mapping[str, str], name: str) -> str | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    value = raw.strip().lower()
+    if value not in OTLP_PROTOCOLS:
+        raise ConfigError(f"{name}={raw!r}: llm-otel supports {' and '.join(OTLP_PROTOCOLS)}")
+    return value
+
+
+def validate_exporter_env(env: Mapping[str, str]) -> None:
+    """Check the exporter variables llm-otel reads when it builds providers itself:
+    ``OTEL_{TRACES,METRICS}_EXPORTER`` and ``OTEL_EXPORTER_OTLP{,_TRACES,_METRICS}_PROTOCOL``.
+    Raises ConfigError naming the first invalid variable."""
+    for signal in ("TRACES", "METRICS"):
+        exporter_setting(env, signal)
+        otlp_protocol(env, signal)

@@ -17,7 +17,8 @@ workers         none (they record no metrics)
 
 Exemplars: the upstream exporter (``opentelemetry-exporter-prometheus``) drops them; the reader
 here attaches each histogram bucket's SDK exemplar (``trace_id``, ``span_id`` labels) to that
-bucket's sample. Prometheus keeps them when it scrapes the OpenMetrics format (it asks for it)
+bucket's sample. A bucket shows its latest exemplar on every OpenMetrics scrape, whoever scrapes
+(an HA pair, a ``curl``); plain-text scrapes show none and take none away. Prometheus keeps them when it scrapes the OpenMetrics format (it asks for it)
 and runs with ``--enable-feature=exemplar-storage``.
 
 Each process serves its own ``prometheus_client`` registry (not the global one vLLM's API server
@@ -33,6 +34,7 @@ import bisect
 import logging
 import multiprocessing
 import re
+import threading
 from typing import Any, Mapping
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader  # opentelemetry-exporter-prometheus
@@ -85,7 +87,12 @@ def prometheus_reader(env: Mapping[str, str], role: str):
 
 
 class _ExemplarIndex:
-    """Exemplars of the last collection, keyed by (sanitized metric name, label set) -> {le: exemplar}."""
+    """Latest exemplar per histogram bucket, keyed by sanitized metric name -> label set -> {le: exemplar}.
+
+    The SDK's exemplar reservoirs are emptied by every collection, and every scrape (OpenMetrics or
+    plain text, from any scraper) runs one; so the index is part of the reader's state, like the
+    cumulative histogram itself: :meth:`merged` keeps a bucket's exemplar until a newer measurement
+    in that bucket replaces it, and a scrape only reads it."""
 
     def __init__(self) -> None:
         self.by_metric: dict[str, dict[frozenset, dict[str, Any]]] = {}
@@ -110,8 +117,6 @@ class _ExemplarIndex:
                         continue
                     points = index.by_metric.setdefault(sanitize_full_name(metric.name), {})
                     for point in metric.data.data_points:
-                        if not point.exemplars:
-                            continue
                         labels = dict(scope)
                         for key, value in point.attributes.items():
                             labels[sanitize_attribute(key)] = _label_value(value)
@@ -124,9 +129,26 @@ class _ExemplarIndex:
                             le = f"{bounds[i]}" if i < len(bounds) else "+Inf"
                             by_le[le] = Exemplar({"trace_id": f"{ex.trace_id:032x}", "span_id": f"{ex.span_id:016x}"},
                                                  ex.value, ex.time_unix_nano / 1e9)
-                        if by_le:
-                            points[_key(labels)] = by_le
+                        points[_key(labels)] = by_le  # present, even without new exemplars
         return index
+
+    def merged(self, previous: "_ExemplarIndex | None") -> "_ExemplarIndex":
+        """This collection's exemplars over ``previous``'s: a bucket keeps its last exemplar until a
+        newer one replaces it; series no longer collected are dropped (bounded by the SDK's series)."""
+        if previous is not None:
+            for name, points in self.by_metric.items():
+                old_points = previous.by_metric.get(name, {})
+                for key, by_le in points.items():
+                    old = old_points.get(key)
+                    if old:
+                        points[key] = {**old, **by_le}
+        for name in list(self.by_metric):
+            points = self.by_metric[name]
+            for key in [k for k, v in points.items() if not v]:
+                del points[key]
+            if not points:
+                del self.by_metric[name]
+        return self
 
     def attach(self, family) -> None:
         """Put the exemplars on ``family``'s ``_bucket`` samples (a prometheus_client Metric)."""
@@ -180,6 +202,7 @@ class ExemplarPrometheusMetricReader(PrometheusMetricReader):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._index: _ExemplarIndex | None = None
+        self._index_lock = threading.Lock()  # concurrent scrapes (prometheus_client serves in threads)
         self._warned = False
         self._scope_labels = kwargs.get("scope_info_enabled", True)
         self._registry.unregister(self._collector)
@@ -189,9 +212,9 @@ class ExemplarPrometheusMetricReader(PrometheusMetricReader):
     def _receive_metrics(self, metrics_data, timeout_millis: float = 10_000, **kwargs: Any) -> None:
         if metrics_data is not None:
             try:
-                self._index = _ExemplarIndex.build(metrics_data, self._scope_labels)
-            except Exception as exc:  # noqa: BLE001
-                self._index = None
+                with self._index_lock:
+                    self._index = _ExemplarIndex.build(metrics_data, self._scope_labels).merged(self._index)
+            except Exception as exc:  # noqa: BLE001 - keep the previous exemplars, expose the metrics
                 self._warn(exc)
         super()._receive_metrics(metrics_data, timeout_millis, **kwargs)
 

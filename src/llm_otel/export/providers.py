@@ -63,24 +63,18 @@ def _endpoint(env: Mapping[str, str], signal: str) -> str | None:
 
 
 def _protocol(env: Mapping[str, str], signal: str) -> str:
-    name = f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL"
-    if not env.get(name):
-        name = "OTEL_EXPORTER_OTLP_PROTOCOL"
-    proto = (env.get(name) or "grpc").strip()
-    if proto not in ("grpc", "http/protobuf"):
-        from llm_otel.config import ConfigError
+    from llm_otel.config import otlp_protocol
 
-        raise ConfigError(f"{name}={proto!r}: llm-otel supports 'grpc' and 'http/protobuf'")
-    return proto
+    return otlp_protocol(env, signal)
 
 
 def exporter_choice(env: Mapping[str, str], signal: str) -> str:
     """``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER``: ``otlp`` (default), ``console``,
-    ``none``, or for metrics ``prometheus``."""
-    value = (env.get(f"OTEL_{signal}_EXPORTER") or "otlp").strip().lower()
-    if value == "prometheus" and signal == "METRICS":
-        return value
-    return value if value in ("otlp", "console", "none") else "otlp"
+    ``none``, or for metrics ``prometheus``. Raises ConfigError naming the variable and the
+    accepted values for anything else (see :func:`llm_otel.config.exporter_setting`)."""
+    from llm_otel.config import exporter_setting
+
+    return exporter_setting(env, signal)
 
 
 def prometheus_reader_from_env(env: Mapping[str, str] | None = None, role: str = "frontend"):
@@ -143,11 +137,14 @@ def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
                     stream=None) -> tuple[TracerProvider, MeterProvider]:
     """Tracer and meter providers for this process, configured from ``env`` (``os.environ``).
 
-    Raises ConfigError for an unsupported OTLP protocol.
+    Raises ConfigError, before creating anything, for an unknown ``OTEL_{TRACES,METRICS}_EXPORTER``
+    or an unsupported ``OTEL_EXPORTER_OTLP*_PROTOCOL`` (with or without an endpoint).
     """
+    from llm_otel.config import validate_exporter_env
     from llm_otel.export.console import ConsoleMetricsSummary, ConsoleTreeExporter, JsonLinesExporter
 
     env = os.environ if env is None else env
+    validate_exporter_env(env)
     resource = Resource.create()  # OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES
     sampler, poller = _adaptive_sampler(settings, env)
     tracer_provider = TracerProvider(resource=resource, id_generator=SystemRandomIdGenerator(), sampler=sampler)

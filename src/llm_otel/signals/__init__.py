@@ -401,7 +401,11 @@ class Signals:
         from llm_otel.export.providers import exporter_choice
 
         endpoint = None
-        if exporter_choice(os.environ, "TRACES") == "otlp":
+        try:
+            traces_otlp = exporter_choice(os.environ, "TRACES") == "otlp"
+        except ValueError:  # ConfigError: reported by instrument()/doctor, not on the health path
+            traces_otlp = False
+        if traces_otlp:
             endpoint = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
                         or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
         result = otlp_endpoint_reachable(endpoint)
