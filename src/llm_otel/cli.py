@@ -7,6 +7,17 @@ import os
 import sys
 
 
+def _port(text: str) -> int:
+    """argparse type: a TCP port 0..65535 (argparse turns the ValueError into a one-line usage error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}: not an integer") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"invalid port {value}: must be 0..65535 (0 picks a free one)")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llm-otel", description="OpenTelemetry for LLM serving engines.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -18,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("semconv-check", help="validate semconv/ and check the generated code is current")
     health = sub.add_parser("serve-health", help="node sidecar: /healthz from GPU utilisation, VRAM pressure "
                                                  "(NVML), uptime and exporter reachability (docs/signals.md)")
-    health.add_argument("--port", type=int, required=True, help="TCP port (0 picks a free one)")
+    health.add_argument("--port", type=_port, required=True, help="TCP port (0 picks a free one)")
     health.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     args = parser.parse_args(argv)
     if args.command == "serve-health":
