@@ -312,3 +312,55 @@ def test_ended_requests_drop_their_sums_and_the_sums_are_bounded():
     assert list(steps._requests) == ["b", "c", "d"]  # "a", the oldest, went first
     steps.end_requests(["c"])
     assert list(steps._requests) == ["b", "d"]
+
+
+@pytest.mark.parametrize("kwargs, problem", [
+    ({"request_ids": None}, "request_ids must be an iterable of request ids, got NoneType"),
+    ({"request_ids": "r1"}, "request_ids must be an iterable of request ids, got str"),
+    ({"request_ids": 7}, "request_ids must be an iterable of request ids, got int"),
+    ({"request_ids": ["a"], "span": "span"}, "span must be an OpenTelemetry Span, got str"),
+    ({"request_ids": ["a"], "parent": object()}, "parent must be a SpanContext, got object"),
+])
+def test_bad_input_to_begin_is_one_log_line_without_traceback_and_starts_no_span(kwargs, problem, caplog):
+    from opentelemetry.sdk.trace import SpanProcessor
+
+    started = []
+
+    class OnStart(SpanProcessor):
+        def on_start(self, span, parent_context=None):
+            started.append(span.name)
+
+    cap = make_captured()
+    cap.tracer_provider.add_span_processor(OnStart())
+    steps = tracker(cap)
+    with caplog.at_level(logging.DEBUG, logger="llm_otel"):
+        assert steps.begin(**kwargs) is None
+        assert steps.begin(**kwargs) is None  # counted again, not logged again
+    records = [r for r in caplog.records if r.name == "llm_otel"]
+    assert len(records) == 1, [r.getMessage() for r in records]
+    (record,) = records
+    assert record.levelno == logging.WARNING and record.exc_info is None and "\n" not in record.getMessage()
+    assert "gpu.step.begin ignored a call with bad input" in record.getMessage() and problem in record.getMessage()
+    assert cap.telemetry.errors.counts == {"gpu.step.begin": 2}
+    assert started == [] and cap.finished() == [] and steps.counts["steps"] == 0
+    points = [p for p in cap.metric_points("llm_otel.instrumentation.errors")
+              if p.attributes.get("llm.instrumentation.hook") == "gpu.step.begin"]
+    assert [(p.attributes["error.type"], p.value) for p in points] == [("invalid_input", 2)]
+    steps.end(steps.begin(("a", "b")))  # good input still works after
+    steps.drain()
+    assert [s.name for s in cap.finished()] == ["llm.engine.step"]
+
+
+def test_bad_input_to_end_is_one_log_line_and_a_real_step_still_ends(caplog):
+    cap = make_captured()
+    steps = tracker(cap)
+    ctx = steps.begin(iter(["a", "b"]))  # any iterable, read once
+    assert ctx.request_ids == ("a", "b")
+    with caplog.at_level(logging.DEBUG, logger="llm_otel"):
+        steps.end("not a context")
+    (record,) = [r for r in caplog.records if r.name == "llm_otel"]
+    assert record.exc_info is None and "gpu.step.end ignored a call with bad input" in record.getMessage()
+    assert cap.telemetry.errors.counts == {"gpu.step.end": 1}
+    steps.end(ctx)
+    steps.drain()
+    assert [s.name for s in cap.finished()] == ["llm.engine.step"]

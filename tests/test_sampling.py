@@ -331,3 +331,55 @@ def test_reason_and_threshold_change_together():
     result = decide(sampler, (1 << 56) - 1)  # kept at any p
     assert result.attributes["llm.sampling.reason"] == "head"
     assert OtelTraceState.parse(result.trace_state).threshold != 0
+
+
+def test_a_bare_signal_source_is_wrapped_in_a_started_poller():
+    """docs/sampling.md: queue depth, KV usage... plug in as a SignalSource with read() -> [0, 1]."""
+    class QueueDepth:
+        def read(self) -> float:
+            return 1.0
+
+    sampler = adaptive_sampler(UtilizationPolicy(floor=0.01, ceiling=1.0, interval_s=0.0, hysteresis=0.0),
+                               poller=QueueDepth())
+    poller = sampler.root.poller
+    try:
+        assert isinstance(poller, UtilizationPoller) and isinstance(poller.source, QueueDepth)
+        assert poller._thread is not None and poller._thread.is_alive()  # started: it will be read
+        assert poller.utilization is None
+        assert decide(sampler, 1).decision == Decision.RECORD_AND_SAMPLE  # no reading yet: base rate 1
+        poller.sample()  # what the poller thread does every period_s
+        sampler.root._next_update = 0.0
+        assert sampler.root.current_probability() == pytest.approx(0.5, abs=2 ** -12)  # one step toward floor
+        provider = TracerProvider(sampler=sampler)
+        with provider.get_tracer("t").start_as_current_span("root"):
+            pass  # a span can be created (it used to raise AttributeError: no .utilization)
+    finally:
+        poller.stop()
+
+
+@pytest.mark.parametrize("bad", [0.5, "gpu", object(), lambda: 0.5])
+def test_a_poller_that_is_neither_a_poller_nor_a_source_is_rejected_at_construction(bad):
+    with pytest.raises(TypeError, match="UtilizationPoller .* or a SignalSource"):
+        adaptive_sampler(poller=bad)
+    with pytest.raises(TypeError):
+        AdaptiveRootSampler(poller=bad)
+
+
+@pytest.mark.parametrize("utilization", [float("nan"), "high", RuntimeError("gone")])
+def test_an_unusable_utilization_is_the_base_rate_and_never_raises_from_should_sample(utilization, caplog):
+    class Weird:
+        @property
+        def utilization(self):
+            if isinstance(utilization, Exception):
+                raise utilization
+            return utilization
+
+    sampler = adaptive_sampler(UtilizationPolicy(floor=0.01, ceiling=0.5, base=0.5), poller=Weird())
+    with caplog.at_level("WARNING", logger="llm_otel"):
+        for _ in range(2):
+            sampler.root._next_update = 0.0
+            result = decide(sampler, (1 << 56) - 1)  # randomness at the top: kept at any p > 0
+            assert result.decision == Decision.RECORD_AND_SAMPLE
+            assert probability_of(result) == pytest.approx(0.5)
+    warnings = [r for r in caplog.records if "sampler utilisation unusable" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].exc_info is None

@@ -3,6 +3,7 @@ hysteresis, health-score maths, /healthz, token efficiency, SLO checks (docs/sig
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -331,6 +332,64 @@ def test_healthz_is_503_when_the_report_fails():
             503, {"status": "unhealthy", "reasons": ["health report failed: RuntimeError"]})
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("report, code", [((0.9, "none", {"latency": 1.0}, "ok", True), 200),
+                                          ((0.9, "none", {"latency": 1.0}, "critical", True), 503)])
+def test_healthz_head_has_the_get_status_and_no_body(report, code):
+    import http.client
+
+    server = HealthServer(lambda: report, port=0).start()
+    try:
+        for path, want in (("/healthz", code), ("/health", code), ("/", code), ("/metrics", 404)):
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+            try:
+                conn.request("HEAD", path)
+                resp = conn.getresponse()
+                assert resp.status == want, path
+                assert resp.read() == b""
+                if want != 404:
+                    get_len = len(json.dumps(server.response()[1]).encode())
+                    assert resp.getheader("Content-Type") == "application/json"
+                    assert int(resp.getheader("Content-Length")) == get_len
+            finally:
+                conn.close()
+        assert get(f"http://127.0.0.1:{server.port}/healthz")[0] == code  # the connection still serves GET
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("port", [-1, 65536, 99999, True, "80"])
+def test_health_server_rejects_a_bad_port(port):
+    with pytest.raises(ValueError, match="0..65535"):
+        HealthServer(lambda: (1.0, "none", {}, None, None), port=port)
+
+
+def test_signals_with_a_bad_health_port_log_and_run_without_endpoint(caplog):
+    config = dataclasses.replace(SignalsConfig.from_env({}), health_port=99999)  # bypasses from_env's check
+    signals = Signals(MeterProvider().get_meter("t"), config, poller=UtilizationPoller(None))
+    with caplog.at_level(logging.WARNING, logger="llm_otel"):
+        signals.start()
+    try:
+        assert signals.health_server is None
+        assert [r.getMessage() for r in caplog.records if "health endpoint not started" in r.getMessage()]
+    finally:
+        signals.stop()
+
+
+@pytest.mark.parametrize("port, message", [("99999", "invalid port 99999: must be 0..65535"),
+                                           ("-1", "invalid port -1: must be 0..65535"),
+                                           ("65536", "invalid port 65536"),
+                                           ("http", "invalid port 'http': not an integer")])
+def test_cli_serve_health_rejects_a_bad_port(port, message, capsys):
+    from llm_otel.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve-health", "--port", port])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("llm-otel serve-health: error: argument --port:")
 
 
 @pytest.mark.parametrize("warmup, code", [("0", 200), ("3600", 503)])

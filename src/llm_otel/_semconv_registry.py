@@ -9,7 +9,8 @@ event, attribute and metric name llm-otel emits. This module:
   requirement levels, resolvable ``ref``s, metric instrument and UCUM unit, span kinds;
 * ``render_python(registry)`` / ``render_markdown(registry)`` return the generated files;
 * ``main()`` (``python -m llm_otel._semconv_registry [--check]``) writes them, or with ``--check``
-  exits 1 when the checked-in files are stale.
+  exits 1 when the checked-in files are stale; exits 2 with one line on stderr when there is no
+  registry (not a source checkout) or PyYAML is missing.
 
 Requires PyYAML (a development/test dependency; the generated constants need nothing).
 """
@@ -370,7 +371,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="validate and fail if generated files are stale")
     parser.add_argument("--root", type=pathlib.Path, default=None, help="registry directory (semconv/model)")
     args = parser.parse_args(argv)
-    reg = load_registry(args.root)
+    root = pathlib.Path(args.root or default_root())
+    if not (root / "manifest.yaml").is_file():
+        print(f"semconv: no registry at {root}: the check validates semconv/model and the generated files of a "
+              "source checkout of llm-otel (a git clone installed with pip install -e '.[test]', which also "
+              "brings PyYAML); an installed package has nothing to check", file=sys.stderr)
+        return 2
+    try:
+        import yaml  # noqa: F401
+    except ImportError:
+        print("semconv: the check needs PyYAML, from the test extra: pip install -e '.[test]'", file=sys.stderr)
+        return 2
+    reg = load_registry(root)
     problems = validate(reg)
     for p in problems:
         print(f"semconv: {p}", file=sys.stderr)

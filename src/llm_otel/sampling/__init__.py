@@ -16,6 +16,7 @@ Usage: ``TracerProvider(sampler=adaptive_sampler())`` or ``OTEL_TRACES_SAMPLER=l
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -37,6 +38,8 @@ from llm_otel.semconv import attributes as A
 
 __all__ = ["UtilizationPolicy", "DriftDetector", "AdaptiveRootSampler", "adaptive_sampler", "traces_sampler_factory",
            "quantize_threshold"]
+
+logger = logging.getLogger("llm_otel")
 
 QUANT_BITS = 12  # thresholds keep their top 12 bits: at most 3 hex digits in `th`
 
@@ -157,13 +160,41 @@ class DriftDetector:
         return (time.monotonic() if now is None else now) < self.boost_until
 
 
+def _as_poller(poller):
+    """What the sampler reads utilisation from. Returns ``poller`` itself when it has a
+    ``utilization`` attribute (a :class:`~llm_otel.gpu.nvml.UtilizationPoller` or alike), a started
+    ``UtilizationPoller`` around it when it is a bare ``SignalSource`` (a ``read()`` method and no
+    ``utilization``), None for None. Raises TypeError for anything else, at construction, so that
+    span creation never meets it."""
+    try:
+        has_utilization = hasattr(poller, "utilization")
+    except Exception:  # noqa: BLE001 - a property failing now: read (guarded) at each decision
+        has_utilization = True
+    if poller is None or has_utilization:
+        return poller
+    if callable(getattr(poller, "read", None)):
+        from llm_otel.gpu.nvml import UtilizationPoller
+
+        return UtilizationPoller(poller).start()
+    raise TypeError(f"poller must be a UtilizationPoller (a .utilization attribute) or a SignalSource "
+                    f"(a .read() method returning utilisation in [0, 1]), not {type(poller).__name__}")
+
+
 class AdaptiveRootSampler(ComposableSampler):
-    """Composable root sampler: threshold from the policy (and drift boost); outliers kept untracked."""
+    """Composable root sampler: threshold from the policy (and drift boost); outliers kept untracked.
+
+    ``poller``: a ``UtilizationPoller`` (its ``utilization``, a fraction in [0, 1] or None, is read
+    at most every 100 ms), a bare ``SignalSource`` (wrapped in a started ``UtilizationPoller``, see
+    :attr:`poller`), or None (base rate). Raises TypeError for anything else. A utilisation that
+    cannot be read or is not a finite number counts as None (logged once); nothing raises out of a
+    sampling decision.
+    """
 
     def __init__(self, policy: UtilizationPolicy | None = None, poller=None,
                  drift: DriftDetector | None = None) -> None:
         self.policy = policy or UtilizationPolicy()
-        self.poller = poller
+        self.poller = _as_poller(poller)
+        self._bad_utilization_logged = False
         self.drift = drift or DriftDetector()
         self._state = (quantize_threshold(self.policy.probability), {A.LLM_SAMPLING_REASON: "head"})
         self._next_update = 0.0
@@ -176,13 +207,31 @@ class AdaptiveRootSampler(ComposableSampler):
             with self._lock:
                 if now >= self._next_update:
                     self._next_update = now + 0.1
-                    util = self.poller.utilization if self.poller is not None else None
+                    util = self._utilization()
                     boosting = self.drift.boosting(now)
                     p = 1.0 if boosting else self.policy.update(util, now)
                     # threshold and reason change together (one tuple, swapped atomically)
                     self._state = (quantize_threshold(p),
                                    {A.LLM_SAMPLING_REASON: "drift_boost" if boosting else "head"})
         return (MAX_THRESHOLD - self._state[0]) / MAX_THRESHOLD
+
+    def _utilization(self) -> float | None:
+        if self.poller is None:
+            return None
+        try:
+            util = self.poller.utilization
+            if util is None:
+                return None
+            util = float(util)
+            if math.isfinite(util):
+                return util
+            problem = f"not a finite number: {util!r}"
+        except Exception as exc:  # noqa: BLE001 - a broken signal must not fail span creation
+            problem = f"{type(exc).__name__}: {exc}"
+        if not self._bad_utilization_logged:
+            self._bad_utilization_logged = True
+            logger.warning("llm-otel: sampler utilisation unusable (%s); using the base rate", problem)
+        return None
 
     def sampling_intent(self, parent_ctx, name, span_kind, attributes, links, trace_state=None) -> SamplingIntent:
         if attributes and attributes.get(A.LLM_SAMPLING_REASON) == "outlier":
@@ -199,7 +248,10 @@ def adaptive_sampler(policy: UtilizationPolicy | None = None, poller=None,
                      drift: DriftDetector | None = None) -> Sampler:
     """A complete SDK sampler: parent threshold for children, :class:`AdaptiveRootSampler` for roots.
 
-    ``poller`` defaults to an NVML poller (started), unavailable without a GPU.
+    ``poller`` defaults to an NVML poller (started), unavailable without a GPU. A ``UtilizationPoller``
+    is used as given (start it yourself); a bare ``SignalSource`` (``read() -> [0, 1]``) is wrapped in
+    a started ``UtilizationPoller`` (``sampler.root.poller``; stop it when done). Raises TypeError
+    for any other ``poller``.
     """
     from llm_otel.gpu.nvml import UtilizationPoller
 

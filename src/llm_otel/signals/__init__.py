@@ -313,7 +313,7 @@ class Signals:
                                                   self.config.health_min_score).start()
                 logger.info("llm-otel: health endpoint on http://%s:%d/healthz", self.config.health_host,
                             self.health_server.port)
-            except OSError as exc:
+            except (OSError, ValueError) as exc:
                 logger.warning("llm-otel: health endpoint not started on %s:%s (%s)", self.config.health_host,
                                self.config.health_port, exc)
         return self

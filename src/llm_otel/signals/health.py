@@ -130,24 +130,28 @@ def otlp_endpoint_reachable(endpoint: str | None, timeout_s: float = 1.0) -> boo
 
 class HealthServer:
     """``GET /healthz`` -> 200 when healthy, 503 otherwise, with a JSON body explaining why.
+    ``HEAD`` answers the same status and headers without the body (load-balancer checks).
 
     Healthy = score >= ``min_score`` and VRAM pressure is not ``critical`` and the exporter is not
     known to be unreachable. ``report`` returns ``(score, dominant, factors, pressure level or None,
     exporter_ok or None)``. Runs in daemon threads; binds ``host`` (127.0.0.1) and ``port`` (0 picks
-    a free one, see :attr:`port`). Raises OSError when the port cannot be bound.
+    a free one, see :attr:`port`). Raises ValueError when ``port`` is not an int in 0..65535 and
+    OSError when the port cannot be bound.
     """
 
     def __init__(self, report: Callable[[], tuple], port: int, host: str = "127.0.0.1",
                  min_score: float = 0.5) -> None:
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"health port must be an integer in 0..65535, got {port!r}")
         self.report = report
         self.min_score = min_score
         server = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 - http.server API
+            def _respond(self, with_body: bool) -> None:
                 path = self.path.split("?", 1)[0]
                 if path not in ("/healthz", "/health", "/"):
-                    self.send_error(404)
+                    self.send_error(404)  # send_error itself omits the body for HEAD
                     return
                 code, body = server.response()
                 data = json.dumps(body).encode()
@@ -156,7 +160,14 @@ class HealthServer:
                 self.send_header("Content-Length", str(len(data)))
                 self.send_header("Cache-Control", "no-store")
                 self.end_headers()
-                self.wfile.write(data)
+                if with_body:
+                    self.wfile.write(data)
+
+            def do_GET(self):  # noqa: N802 - http.server API
+                self._respond(with_body=True)
+
+            def do_HEAD(self):  # noqa: N802 - load-balancer checks: same status and headers, no body
+                self._respond(with_body=False)
 
             def log_message(self, *args):  # health checks are frequent: no access log
                 pass

@@ -196,9 +196,15 @@ class StepTracker:
             request_spans: ``{request_id: (trace_id, span_id)}`` of requests whose NVTX process
                 range should start now (first step of a request); ranges end in :meth:`end_requests`.
 
-        Returns the :class:`StepContext` to pass to :meth:`end`, or None if nothing could be started.
+        Returns the :class:`StepContext` to pass to :meth:`end`, or None if nothing could be started
+        (bad input - ``request_ids`` not an iterable of ids, ``span`` not a span, ``parent`` not a
+        SpanContext - is counted and logged as one line, and starts no span).
         """
         try:
+            request_ids, problem = _check_begin(request_ids, span, parent)
+            if problem:
+                self.telemetry.errors.bad_input("gpu.step.begin", problem)
+                return None
             now = time.time_ns()
             if span is None and parent is None:
                 span = self.tracer.start_span(S.LLM_ENGINE_STEP, kind=SpanKind.INTERNAL, links=list(links),
@@ -209,7 +215,7 @@ class StepTracker:
                 with self._lock:
                     span = self._local_spans.pop(sc.span_id, None)
                 owner_ends = span is not None  # release_span gives the end time
-            ctx = StepContext(span_id=sc.span_id, trace_id=sc.trace_id, request_ids=tuple(request_ids),
+            ctx = StepContext(span_id=sc.span_id, trace_id=sc.trace_id, request_ids=request_ids,
                               phase=phase if phase in PHASES else "mixed", launch_ns=now, span=span,
                               parent=None if span is not None else parent, thread=threading.get_ident(),
                               owner_ends=owner_ends)
@@ -235,6 +241,10 @@ class StepTracker:
         once the device records are drained (or at once when the ring is off).
         """
         if ctx is None:
+            return
+        if not isinstance(ctx, StepContext):
+            self.telemetry.errors.bad_input("gpu.step.end", f"ctx must be what begin() returned, "
+                                                            f"got {type(ctx).__name__}")
             return
         try:
             ctx.end_launch_ns = time.time_ns()
@@ -498,3 +508,18 @@ def step_parent(trace_id: int, span_id: int, sampled: bool = True) -> SpanContex
     """The SpanContext of a step span received from another process (for ``begin(parent=...)``)."""
     return SpanContext(trace_id, span_id, is_remote=True,
                        trace_flags=TraceFlags(TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT))
+
+
+def _check_begin(request_ids: Any, span: Any, parent: Any) -> tuple[tuple, str | None]:
+    """``(request ids as a tuple, None)``, or ``((), what is wrong)`` for :meth:`StepTracker.begin`."""
+    if request_ids is None or isinstance(request_ids, (str, bytes)):
+        return (), f"request_ids must be an iterable of request ids, got {type(request_ids).__name__}"
+    try:
+        ids = tuple(request_ids)
+    except TypeError:
+        return (), f"request_ids must be an iterable of request ids, got {type(request_ids).__name__}"
+    if span is not None and not callable(getattr(span, "get_span_context", None)):
+        return (), f"span must be an OpenTelemetry Span, got {type(span).__name__}"
+    if parent is not None and not isinstance(parent, SpanContext):
+        return (), f"parent must be a SpanContext, got {type(parent).__name__}"
+    return ids, None
