@@ -456,11 +456,23 @@ def test_classes_and_tier_on_span_and_genai_metrics_and_slo_checks():
 def test_failed_request_counts_against_availability_only():
     cap, signals, reader = signals_captured({"LLM_OTEL_TIERS": "free * ttft=1"})
     rec = start(cap, signals, None)
-    rec.error_type = "aborted"
+    rec.error_type = "EngineDeadError"
     cap.telemetry.finish(rec)
     checks = {(p.attributes[A.LLM_SLO_OBJECTIVE], p.attributes[A.LLM_SLO_OUTCOME], p.attributes[A.LLM_REQUEST_TIER]):
               p.value for p in metric_points(reader, M.LLM_SERVER_SLO_CHECKS)}
     assert checks == {("availability", "breached", "free"): 1}
+    assert signals.health.factors()["errors"] < 1.0
+
+
+def test_client_disconnect_is_not_a_server_failure():
+    """Review finding: one impatient client took a replica out of rotation (/healthz 503)."""
+    cap, signals, reader = signals_captured({"LLM_OTEL_TIERS": "free * ttft=1"})
+    for _ in range(3):
+        rec = start(cap, signals, None)
+        rec.error_type = "aborted"
+        cap.telemetry.finish(rec)
+    assert metric_points(reader, M.LLM_SERVER_SLO_CHECKS) == []
+    assert signals.health.factors()["errors"] == 1.0
 
 
 def test_collapsed_class_values_are_counted_in_a_metric():

@@ -253,7 +253,9 @@ class Signals:
         """At finish: KV estimate of prompt + output, SLO checks of the tier, health windows."""
         tier, kv = getattr(rec, "signal_state", None) or (None, None)
         ttft = rec.time_to_first_token_s()
-        error = rec.error_type is not None
+        # a client that went away is not the server failing (as in the availability SLO rules)
+        client_gone = rec.error_type == "aborted"
+        error = rec.error_type is not None and not client_gone
         self.health.observe(ttft, error)
         if kv is not None:
             tokens = rec.input_tokens + max(0, rec.num_output_tokens - 1)
@@ -275,6 +277,8 @@ class Signals:
             self.slo_checks.add(1, {**base, A.LLM_SLO_OBJECTIVE: objective,
                                     A.LLM_SLO_OUTCOME: "met" if met else "breached"})
 
+        if client_gone:
+            return  # neither met nor breached: the client left before the server was done
         check("availability", not error)
         if error:
             return  # latency objectives count successful requests only
