@@ -42,3 +42,20 @@ def test_metrics_summary_lists_histograms_by_operation_and_token_type():
     text = reader.summary()
     assert "gen_ai.server.time_to_first_token{op=chat}" in text
     assert "llm.server.token.usage{op=chat,type=output}" in text
+
+
+def test_metrics_summary_tells_apart_points_that_differ_in_any_attribute():
+    """Review finding: points differing only in an attribute outside op/type/error printed as
+    identical lines (e.g. the KV-cache size at admission and at finish)."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from llm_otel.export.console import format_metrics
+
+    reader = InMemoryMetricReader()
+    hist = MeterProvider(metric_readers=[reader]).get_meter("t").create_histogram("llm.server.request.kv_cache.size")
+    hist.record(10, {"gen_ai.operation.name": "chat", "llm.kv_cache.phase": "admission", "gen_ai.request.model": "m"})
+    hist.record(30, {"gen_ai.operation.name": "chat", "llm.kv_cache.phase": "finish", "gen_ai.request.model": "m"})
+    lines = [line.split()[0] for line in format_metrics(reader.get_metrics_data()).splitlines()[1:]]
+    assert sorted(lines) == ["llm.server.request.kv_cache.size{op=chat,phase=admission}",
+                             "llm.server.request.kv_cache.size{op=chat,phase=finish}"]

@@ -60,6 +60,10 @@ def run_demo(prompts: int = 4, max_tokens: int = 24, model_dir: str | None = Non
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("LLM_OTEL_LOGIT_DIST_RATIO", "1")  # show llm.logit_dist on every request
+    if not (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
+        # the console sees this process's spans only: build llm.logit_dist here, from the log-probs
+        # vLLM returns, not in the worker process (whose spans need an OTLP endpoint to travel)
+        os.environ.setdefault("LLM_OTEL_VLLM_WORKER_LOGITS", "false")
 
     from opentelemetry import metrics, trace
     from opentelemetry.sdk.metrics import MeterProvider

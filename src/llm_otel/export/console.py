@@ -135,9 +135,14 @@ def format_metrics(metrics_data) -> str:
     for rm in metrics_data.resource_metrics:
         for sm in rm.scope_metrics:
             for metric in sm.metrics:
-                for point in metric.data.data_points:
+                points = list(metric.data.data_points)
+                # the usual labels, plus any attribute that tells this metric's points apart
+                varying = {k for p in points for k in (p.attributes or {})
+                           if len({(q.attributes or {}).get(k) for q in points}) > 1}
+                for point in points:
                     attrs = dict(point.attributes or {})
-                    label = ",".join(f"{_LABELS[k]}={v}" for k, v in sorted(attrs.items()) if k in _LABELS)
+                    label = ",".join(f"{_LABELS.get(k, k.rsplit('.', 1)[-1])}={v}" for k, v in sorted(attrs.items())
+                                     if k in _LABELS or k in varying)
                     name = metric.name + (f"{{{label}}}" if label else "")
                     if isinstance(point, HistogramDataPoint):
                         mean = point.sum / point.count if point.count else 0.0
