@@ -38,6 +38,21 @@ def build(config: str, model: str, sink: str):
     return LLM(**kwargs)
 
 
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) used so far by this process ("frontend") and by its child
+    processes ("engine": vLLM's engine core and anything it started), all threads included."""
+    import psutil
+
+    me = psutil.Process()
+    out = {"frontend": sum(me.cpu_times()[:2]), "engine": 0.0}
+    for child in me.children(recursive=True):
+        try:
+            out["engine"] += sum(child.cpu_times()[:2])
+        except psutil.Error:  # a helper process that just exited
+            pass
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", required=True)
@@ -52,11 +67,13 @@ def main() -> None:
     for line in sys.stdin:
         if line.strip() != "run":
             break
+        cpu0 = cpu_seconds()
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         dt = time.perf_counter() - t
-        print(json.dumps({"output_tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": dt}),
-              flush=True)
+        cpu = {k: v - cpu0.get(k, 0.0) for k, v in cpu_seconds().items()}
+        print(json.dumps({"output_tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": dt,
+                          "cpu_s": cpu}), flush=True)
     from opentelemetry import metrics, trace
 
     for provider in (trace.get_tracer_provider(), metrics.get_meter_provider()):

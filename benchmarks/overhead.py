@@ -130,7 +130,7 @@ class OfflineRunner:
     def run(self) -> float:
         self.proc.stdin.write("run\n")
         self.proc.stdin.flush()
-        r = self._line()
+        r = self.last = self._line()
         return r["output_tokens"] / r["seconds"]
 
     def close(self) -> None:

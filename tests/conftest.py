@@ -96,7 +96,7 @@ def make_captured(settings: Settings | None = None, sampler=None) -> Captured:
     tp.add_span_processor(SimpleSpanProcessor(exporter))
     reader = InMemoryMetricReader()
     mp = MeterProvider(metric_readers=[reader])
-    telemetry = Telemetry(tp, mp, settings or Settings.from_env({}))
+    telemetry = Telemetry(tp, mp, settings or Settings.from_env(EXACT))
     return Captured(telemetry, tp, mp, exporter, reader)
 
 
@@ -121,7 +121,13 @@ VLLM_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "VLLM_LOGGING_LEVEL": "WARNING",
+    # tests look at particular steps and tokens: a span for every step (not 10 a second) and an
+    # inter-token-latency observation for every token gap (not one in 16)
+    "LLM_OTEL_STEP_SPANS_PER_S": "inf",
+    "LLM_OTEL_ITL_SAMPLE_EVERY": "1",
 }
+# The same for the in-process telemetry of unit tests (make_captured without settings).
+EXACT = {k: VLLM_ENV[k] for k in ("LLM_OTEL_STEP_SPANS_PER_S", "LLM_OTEL_ITL_SAMPLE_EVERY")}
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ from llm_otel.config import ConfigError, Settings
 
 def test_defaults():
     s = Settings.from_env({})
-    assert s.capture_content is False and s.token_events == 16 and s.logprobs_top_k == 5
+    assert s.capture_content is False and s.token_events == 4 and s.logprobs_top_k == 5
     assert s.vllm_engine_events is True and s.console == "auto"
 
 

@@ -232,3 +232,33 @@ def test_a_step_whose_sample_tokens_never_came_is_ended_by_the_next_execute_mode
     (dev,) = cap.finished()
     assert dev.name == "llm.engine.step.device" and dev.parent.span_id == 2
     cap.telemetry.steps.close()
+
+
+def test_step_spans_are_limited_to_the_configured_rate_per_second():
+    """LLM_OTEL_STEP_SPANS_PER_S (default 10): a token bucket with a burst of one second; steps
+    beyond it carry no span and no step ids to the worker; 0 turns step spans off."""
+    from llm_otel.config import Settings
+    from llm_otel.instrumentation.vllm.engine_core import StepSpanBudget
+
+    cap = make_captured(Settings.from_env({}))  # the default rate
+    core, worker = EngineCoreAdapter(cap.telemetry), WorkerAdapter(cap.telemetry)
+    now = [100.0]
+    core.budget = StepSpanBudget(cap.telemetry.settings.step_spans_per_s, clock=lambda: now[0])
+    assert core.budget.rate == 10.0
+    scheduler, runner = Scheduler({"a": "00f067aa0ba902b7"}), Runner()
+    for _ in range(25):  # all within the same instant: the burst only
+        engine_step(core, worker, scheduler, runner)
+    assert sum(hasattr(so, STEP_CARRIER_ATTR) for so in runner.seen) == 10
+    now[0] += 0.5  # half a second refills five
+    for _ in range(10):
+        engine_step(core, worker, scheduler, runner)
+    cap.telemetry.steps.close()
+    assert sum(hasattr(so, STEP_CARRIER_ATTR) for so in runner.seen) == 15
+    assert len([s for s in cap.finished() if s.name == "llm.engine.step"]) == 15
+
+    off = StepSpanBudget(0.0, clock=lambda: now[0])
+    assert not off.ready()
+    every = StepSpanBudget(float("inf"))
+    for _ in range(1000):
+        assert every.ready()
+        every.take()

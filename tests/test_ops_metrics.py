@@ -13,7 +13,7 @@ import types
 import urllib.request
 
 import pytest
-from conftest import HAS_VLLM, make_captured
+from conftest import EXACT, HAS_VLLM, make_captured
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
@@ -54,6 +54,29 @@ def test_inter_token_latency_is_one_observation_per_token_step_after_the_first(c
     assert point.count == 3
     assert point.sum == pytest.approx(0.1 + 0.2 / 2 + 0.05)
     assert point.max == pytest.approx(0.1)
+
+
+def test_inter_token_latency_by_default_keeps_one_gap_in_16_from_a_random_offset():
+    """LLM_OTEL_ITL_SAMPLE_EVERY (16): systematic sampling - a request with 32 gaps records exactly
+    2, one with 3 gaps 0 or 1 (3/16 on average); every kept value is one of the request's gaps and
+    each gap position is kept equally often, so the mean (and any quantile) is unbiased."""
+    cap = make_captured(Settings.from_env({}))
+    assert cap.telemetry.instruments.itl_every == 16
+    # 33 steps, gap i (1-based) is i ms: all gaps distinct
+    steps = [(sum(range(i + 1)) / 1000, 1) for i in range(33)]
+    n = 320
+    for _ in range(n):
+        _finished(cap, steps=steps)
+    (point,) = _points(cap, M.LLM_SERVER_INTER_TOKEN_LATENCY)
+    assert point.count == 2 * n
+    # the mean gap is 16.5 ms over all positions; 640 draws of offsets uniform over 16
+    assert point.sum / point.count == pytest.approx(0.0165, abs=0.0015)
+    assert 0.001 - 1e-9 <= point.min and point.max <= 0.032 + 1e-9
+    short = make_captured(Settings.from_env({}))
+    for _ in range(1600):
+        _finished(short, steps=((0.0, 1), (0.01, 1), (0.02, 1), (0.03, 1)))
+    (point,) = _points(short, M.LLM_SERVER_INTER_TOKEN_LATENCY)
+    assert 300 - 75 <= point.count <= 300 + 75  # 1600 x 3/16, binomial sd ~16
 
 
 def test_output_token_rate_is_output_tokens_over_request_duration(captured):
@@ -368,7 +391,7 @@ def prom_telemetry():
     reader = ExemplarPrometheusMetricReader(registry=registry)
     mp = MeterProvider(metric_readers=[reader])
     tp = TracerProvider()
-    telemetry = Telemetry(tp, mp, Settings.from_env({}))
+    telemetry = Telemetry(tp, mp, Settings.from_env(EXACT))
     cap = types.SimpleNamespace(telemetry=telemetry)
     yield registry, cap
     mp.shutdown()

@@ -332,6 +332,22 @@ def test_id_generator_ignores_the_seeded_global_random():
     assert isinstance(trace.INVALID_SPAN_ID, int)
 
 
+def test_id_generator_does_not_repeat_its_parents_ids_in_a_forked_child():
+    import os
+
+    gen = SystemRandomIdGenerator()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: the same generator state, re-seeded at fork
+        os.write(w, str(gen.generate_trace_id()).encode())
+        os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    child = int(os.read(r, 64).decode())
+    os.close(r)
+    assert child != gen.generate_trace_id()
+
+
 def test_completion_text_needs_content_capture():
     import json
 

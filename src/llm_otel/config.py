@@ -27,7 +27,17 @@ class Settings:
         capture_content: ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT`` (false). Prompt and
             completion text go on spans only when true (or ``SPAN_ONLY``/``SPAN_AND_EVENT``).
         content_max_chars: ``LLM_OTEL_CONTENT_MAX_CHARS`` (4096). Captured text is truncated to this.
-        token_events: ``LLM_OTEL_TOKEN_EVENTS`` (16). ``llm.token`` events for the first N tokens.
+        token_events: ``LLM_OTEL_TOKEN_EVENTS`` (4). ``llm.token`` events for the first N tokens
+            (each costs about 20 us to build and export; stalls get their own events anyway).
+        itl_sample_every: ``LLM_OTEL_ITL_SAMPLE_EVERY`` (16). ``llm.server.inter_token_latency``
+            records one token gap in every N of each request (systematic sampling from a random
+            offset, so each gap is kept with probability 1/N and quantiles stay unbiased; the
+            histogram's count is 1/N of the gaps). 1 records every gap: one SDK ``Histogram.record``
+            per token step (about 10 us each), which is most of what metrics cost per request.
+        step_spans_per_s: ``LLM_OTEL_STEP_SPANS_PER_S`` (10). At most this many ``llm.engine.step``
+            spans per second and engine core (a token bucket, burst of one second), for steps that
+            serve a sampled request; 0 turns step spans off. Engine steps come every few
+            milliseconds: a span for each costs more than the requests' own trees.
         max_stall_events: ``LLM_OTEL_MAX_STALL_EVENTS`` (16). Cap on ``llm.token.stall`` events per span.
         stall_factor: ``LLM_OTEL_STALL_FACTOR`` (4.0). A token is a stall when its inter-token
             latency exceeds this many times the request's median ITL.
@@ -44,7 +54,8 @@ class Settings:
             by vLLM's worker from the full-vocabulary logits of the chosen requests' rows only
             (needs llm-otel in the worker process: ``instrument()`` arranges it through the
             ``vllm.general_plugins`` entry point). Off: from log-probs vLLM returns, as above.
-        logit_events: ``LLM_OTEL_LOGIT_EVENTS`` (32). ``llm.logit.step`` events for the first N steps.
+        logit_events: ``LLM_OTEL_LOGIT_EVENTS`` (8). ``llm.logit.step`` events for the first N steps
+            (the span's aggregates cover every step).
         vllm_engine_events: ``LLM_OTEL_VLLM_ENGINE_EVENTS`` (true). Ask vLLM's engine core to record
             per-request QUEUED/SCHEDULED/PREEMPTED timestamps even when the frontend runs with
             ``disable_log_stats=True`` (the offline default), so queue and prefill are separable.
@@ -68,12 +79,14 @@ class Settings:
 
     capture_content: bool = False
     content_max_chars: int = 4096
-    token_events: int = 16
+    token_events: int = 4
+    itl_sample_every: int = 16
+    step_spans_per_s: float = 10.0
     max_stall_events: int = 16
     stall_factor: float = 4.0
     logprobs_top_k: int = 5
     logit_dist_ratio: float = 0.0
-    logit_events: int = 32
+    logit_events: int = 8
     vllm_worker_logits: bool = True
     outlier_ttft_s: float | None = None
     outlier_e2e_s: float | None = None
@@ -91,12 +104,14 @@ class Settings:
         return cls(
             capture_content=_capture(env),
             content_max_chars=_int(env, "LLM_OTEL_CONTENT_MAX_CHARS", 4096, lo=1),
-            token_events=_int(env, "LLM_OTEL_TOKEN_EVENTS", 16, lo=0, hi=10_000),
+            token_events=_int(env, "LLM_OTEL_TOKEN_EVENTS", 4, lo=0, hi=10_000),
+            itl_sample_every=_int(env, "LLM_OTEL_ITL_SAMPLE_EVERY", 16, lo=1, hi=1 << 20),
+            step_spans_per_s=_float(env, "LLM_OTEL_STEP_SPANS_PER_S", 10.0, lo=0.0),
             max_stall_events=_int(env, "LLM_OTEL_MAX_STALL_EVENTS", 16, lo=0, hi=10_000),
             stall_factor=_float(env, "LLM_OTEL_STALL_FACTOR", 4.0, lo=1.0),
             logprobs_top_k=_int(env, "LLM_OTEL_LOGPROBS_TOP_K", 5, lo=0, hi=20),
             logit_dist_ratio=_float(env, "LLM_OTEL_LOGIT_DIST_RATIO", 0.0, lo=0.0, hi=1.0),
-            logit_events=_int(env, "LLM_OTEL_LOGIT_EVENTS", 32, lo=0, hi=10_000),
+            logit_events=_int(env, "LLM_OTEL_LOGIT_EVENTS", 8, lo=0, hi=10_000),
             vllm_engine_events=_bool(env, "LLM_OTEL_VLLM_ENGINE_EVENTS", True),
             vllm_worker_logits=_bool(env, "LLM_OTEL_VLLM_WORKER_LOGITS", True),
             outlier_ttft_s=_optional_float(env, "LLM_OTEL_OUTLIER_TTFT_S"),

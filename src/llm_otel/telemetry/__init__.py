@@ -61,7 +61,7 @@ class Telemetry:
         self.tracer = trace.get_tracer(scope, __version__, tracer_provider, schema_url=SCHEMA_URL)
         meter = get_meter(scope, __version__, meter_provider, schema_url=SCHEMA_URL)
         self.meter = meter
-        self.instruments = Instruments(meter)
+        self.instruments = Instruments(meter, self.settings.itl_sample_every)
         self.errors = HookErrors(meter)
         self.spans = SpanBuilder(self.tracer, self.settings)
         provider = tracer_provider if tracer_provider is not None else trace.get_tracer_provider()

@@ -15,6 +15,7 @@ values per process; later new values are recorded as ``_OTHER`` (logged once).
 from __future__ import annotations
 
 import logging
+import random
 import threading
 
 from opentelemetry import trace
@@ -44,13 +45,21 @@ class Instruments:
     * ``llm.server.token.usage`` ({token}): input and output tokens (``gen_ai.token.type``).
     * ``llm.server.request.queue_time`` (s): scheduler queue wait, when the engine reports it.
     * ``llm.server.inter_token_latency`` (s): per engine step after the first that produced tokens
-      for the request: gap to the previous such step / tokens produced (engine step timestamps).
+      for the request: gap to the previous such step / tokens produced (engine step timestamps);
+      one gap in every ``itl_every`` of each request (systematic sample from a random offset:
+      every gap is kept with probability ``1/itl_every``, so quantiles are unbiased and the count
+      is ``1/itl_every`` of the gaps).
     * ``llm.server.output_token_rate`` ({token}/s): output tokens / request duration.
     * ``llm.server.requests`` ({request}): every finished or rejected request, with
       ``llm.response.finish_reason`` and ``error.type``.
     """
 
-    def __init__(self, meter: Meter) -> None:
+    def __init__(self, meter: Meter, itl_every: int = 1) -> None:
+        if itl_every < 1:
+            raise ValueError(f"itl_every must be >= 1, got {itl_every}")
+        self.itl_every = int(itl_every)
+        self._rng = random.Random()  # own generator: engines seed the global one identically everywhere
+
         def hist(name: str, unit: str, buckets: tuple[float, ...], description: str):
             return meter.create_histogram(name, unit=unit, description=description,
                                           explicit_bucket_boundaries_advisory=list(buckets))
@@ -131,15 +140,18 @@ class Instruments:
         self.tokens.record(rec.num_output_tokens, {**token_attrs, A.GEN_AI_TOKEN_TYPE: "output"}, _NO_TRACE)
 
     def _record_itl(self, rec: RequestRecord, attrs: dict, ctx) -> None:
-        """One ITL observation per token-producing step after the first. Only the request's
-        largest gap carries its trace context: the bucket's exemplar then leads to a request that
-        stalled there, and the other observations skip the exemplar path (one SDK ``record`` per
-        step is the cost of this metric; docs/operations.md)."""
+        """ITL observations for the token-producing steps after the first: every ``itl_every``-th
+        gap from a random offset in ``[0, itl_every)``. Only the largest recorded gap carries the
+        request's trace context: the bucket's exemplar then leads to a request that stalled
+        there, and the other observations skip the exemplar path (one SDK ``record`` per kept gap
+        is the cost of this metric; docs/operations.md)."""
         times, counts = rec.step_times, rec.step_token_counts
         n = len(times)
-        if n < 2:
+        every = self.itl_every
+        start = 1 + (self._rng.randrange(every) if every > 1 else 0)
+        if n <= start:
             return
-        gaps = [max(0.0, times[i] - times[i - 1]) / max(1, counts[i]) for i in range(1, n)]
+        gaps = [max(0.0, times[i] - times[i - 1]) / max(1, counts[i]) for i in range(start, n, every)]
         worst = max(range(len(gaps)), key=gaps.__getitem__)
         record = self.itl.record
         for i, gap in enumerate(gaps):

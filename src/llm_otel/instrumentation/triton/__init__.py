@@ -31,7 +31,7 @@ Triton's spans) and one CLIENT span per request with client-side response timing
 Configuration
 -------------
 ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT`` (false: error messages from the server
-are not put on spans), ``LLM_OTEL_TOKEN_EVENTS`` (16: ``llm.stream.response`` events per
+are not put on spans), ``LLM_OTEL_TOKEN_EVENTS`` (4: ``llm.stream.response`` events per
 request) - see :class:`llm_otel.config.Settings`.
 """
 

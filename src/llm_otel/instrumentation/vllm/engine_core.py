@@ -12,7 +12,9 @@ each step's interval and whether it scheduled prompt tokens feed the GPU metrics
 
 The step span is the root of its own trace (batching is fan-in) and **links** to the request
 spans it served; it is emitted only when at least one of them is sampled, so unsampled traffic
-costs a dict lookup per request per step. It starts at the step's start (explicit time) once
+costs a dict lookup per request per step, and at most ``LLM_OTEL_STEP_SPANS_PER_S`` times a
+second (:class:`StepSpanBudget`): an engine steps every few milliseconds, and a span for every
+step would cost more than the requests' own trees. It starts at the step's start (explicit time) once
 ``schedule()`` has chosen the batch, and its ids ride on the ``SchedulerOutput`` to the worker,
 which records the step on the device timeline (docs/gpu.md).
 """
@@ -35,6 +37,36 @@ CARRIER_STATE_KEY = "llm_otel.tracestate"  # the request span's tracestate (ot=t
 CARRIER_TOPK_KEY = "llm_otel.logit_top_k"  # present: the worker computes llm.logit_dist (k)
 STEP_CARRIER_ATTR = "llm_otel_step"  # on vLLM's SchedulerOutput: (trace_id, span_id, sampled) of the step span
 MAX_CACHED_LINKS = 100_000
+
+
+class StepSpanBudget:
+    """Token bucket for step spans: ``rate`` per second, burst of ``max(1, rate)`` (one second's
+    worth). ``rate`` 0 allows none, ``inf`` every step. Called on the engine loop only (one
+    thread); :meth:`ready` is a float comparison when spans are allowed."""
+
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = float(rate)
+        self.capacity = max(1.0, self.rate) if self.rate > 0.0 else 0.0
+        self.tokens = self.capacity
+        self.clock = clock
+        self._last = clock()
+
+    def ready(self) -> bool:
+        """Whether a step span may start now (does not take it)."""
+        if self.tokens >= 1.0:
+            return True
+        if self.rate <= 0.0:
+            return False
+        now = self.clock()
+        self.tokens = min(self.capacity, self.tokens + (now - self._last) * self.rate)
+        self._last = now
+        return self.tokens >= 1.0
+
+    def take(self) -> None:
+        if self.rate != float("inf"):
+            self.tokens -= 1.0
+            if self.tokens < 1.0:
+                self._last = self.clock()
 
 
 class EngineCoreAdapter:
@@ -61,6 +93,7 @@ class EngineCoreAdapter:
         self.state_metrics: EngineStateMetrics | None = None
         self.gpu_metrics = None
         self._model: str | None = None
+        self.budget = StepSpanBudget(telemetry.settings.step_spans_per_s)
 
     def engine_metrics(self) -> EngineStateMetrics:
         """Engine-state and GPU instruments, created on first use: only in the process that runs
@@ -148,15 +181,18 @@ class EngineCoreAdapter:
         sampled) and attach its ids to the SchedulerOutput for the worker."""
         requests = scheduler.requests
         scheduled: dict[str, int] = output.num_scheduled_tokens
+        for req_id in output.finished_req_ids or ():
+            self._links.pop(req_id, None)
+        if not self.budget.ready():
+            return
         links = []
         for req_id in scheduled:
             link = self._link(requests, req_id)
             if link is not None:
                 links.append(link)
-        for req_id in output.finished_req_ids or ():
-            self._links.pop(req_id, None)
         if not links:
             return
+        self.budget.take()
         prefill = sum(scheduled.get(r.req_id, 0) for r in output.scheduled_new_reqs)
         cached = output.scheduled_cached_reqs
         for req_id, n_out in zip(cached.req_ids, cached.num_output_tokens):
