@@ -125,12 +125,16 @@ class TorchLogitStats:
                 x = x.unsqueeze(0)
             x = x.float() if x.dtype not in (torch.float32, torch.float64) else x
             self.k = k = min(k, x.shape[1])
-            bad = torch.isnan(x) | torch.isposinf(x)
-            self.nonfinite = bad.any(dim=1) | torch.isneginf(x).all(dim=1)
-            self.logp = torch.log_softmax(x.masked_fill(bad, float("-inf")), dim=1)  # log-sum-exp inside
-            p = self.logp.exp()
-            zero = torch.zeros((), dtype=p.dtype, device=p.device)
-            self.entropy = -torch.where(p > 0, p * self.logp, zero).sum(dim=1)
+            # a NaN or +inf anywhere in a row, or a row of -inf only, makes its maximum non-finite
+            # (amax propagates NaN); such rows are reported as non-finite and their statistics
+            # discarded (_unpack), so nothing needs masking: five passes over the logits in all
+            self.nonfinite = ~torch.isfinite(x.amax(dim=1))
+            self.logp = torch.log_softmax(x, dim=1)  # log-sum-exp inside
+            # -inf logits (masked tokens) have p = 0 and log p = -inf: clamping log p to the
+            # dtype's lowest finite value makes their term 0 * finite = 0 (the limit), with no
+            # data-dependent branch (a branch would synchronise the engine's CUDA stream)
+            floor = torch.finfo(self.logp.dtype).min
+            self.entropy = -(self.logp.exp() * self.logp.clamp(min=floor)).sum(dim=1)
             self.top_lp, self.top_ids = torch.topk(self.logp, k, dim=1)
 
     def to_host(self, sampled_ids: Any = None) -> tuple[LogitStats, np.ndarray | None]:

@@ -44,18 +44,16 @@ MAX_STEPS_PER_REQUEST = 1 << 16
 
 
 class _Stream:
-    __slots__ = ("parent", "times_ns", "top_ids", "top_lp", "entropy", "margin", "nonfinite", "sampled_lp",
-                 "last_mono")
+    """One request's logit statistics so far: ``(step, row)`` pairs into the per-step arrays
+    (one tuple per step and request on the engine's thread; stacked once, when the span is built)."""
 
-    def __init__(self, parent) -> None:
+    __slots__ = ("parent", "k", "max_tokens", "rows", "last_mono")
+
+    def __init__(self, parent, k: int, max_tokens: int | None) -> None:
         self.parent = parent
-        self.times_ns: list[int] = []
-        self.top_ids: list[np.ndarray] = []
-        self.top_lp: list[np.ndarray] = []
-        self.entropy: list[float] = []
-        self.margin: list[float] = []
-        self.nonfinite: list[bool] = []
-        self.sampled_lp: list[float] = []
+        self.k = k
+        self.max_tokens = max_tokens
+        self.rows: list[tuple[tuple, int]] = []  # (step, row); step = (time_ns, stats, sampled_lp)
         self.last_mono = time.monotonic()
 
 
@@ -220,48 +218,50 @@ class WorkerAdapter:
         sampled = getattr(output, "sampled_token_ids", None)
         sampled_rows = sampled.index_select(0, index.to(sampled.device))[:, 0] if sampled is not None else None
         stats, sampled_lp = device_stats.to_host(sampled_rows)
-        now_ns, now_mono = time.time_ns(), time.monotonic()
+        step = (time.time_ns(), stats, sampled_lp)
+        now_mono = time.monotonic()
         done = []
         with self._lock:
+            streams = self._streams
             for j, (req_id, extra, state) in enumerate(members):
-                stream = self._streams.get(req_id)
+                stream = streams.get(req_id)
                 if stream is None:
                     parent = context_from_carrier({"traceparent": extra.get(CARRIER_KEY),
                                                    "tracestate": extra.get(CARRIER_STATE_KEY)})
                     if parent is None:
                         continue
-                    stream = self._streams[req_id] = _Stream(parent)
-                if len(stream.times_ns) >= MAX_STEPS_PER_REQUEST:
+                    stream = streams[req_id] = _Stream(parent, int(extra[CARRIER_TOPK_KEY]),
+                                                       getattr(state.sampling_params, "max_tokens", None))
+                if len(stream.rows) >= MAX_STEPS_PER_REQUEST:
                     continue
-                k = int(extra[CARRIER_TOPK_KEY])
-                stream.times_ns.append(now_ns)
-                stream.top_ids.append(stats.top_ids[j, :k])
-                stream.top_lp.append(stats.top_logprobs[j, :k])
-                stream.entropy.append(float(stats.entropy[j]))
-                stream.margin.append(float(stats.margin[j]))
-                stream.nonfinite.append(bool(stats.nonfinite[j]))
-                stream.sampled_lp.append(float(sampled_lp[j]) if sampled_lp is not None else np.nan)
+                stream.rows.append((step, j))
                 stream.last_mono = now_mono
-                max_tokens = getattr(state.sampling_params, "max_tokens", None)
-                if max_tokens is not None and len(getattr(state, "output_token_ids", ())) + 1 >= max_tokens:
+                if stream.max_tokens is not None and len(getattr(state, "output_token_ids", ())) + 1 >= stream.max_tokens:
                     done.append(req_id)
             # requests vLLM no longer holds have finished (EOS, stop, abort)
             live = runner.requests
-            done.extend(r for r in self._streams if r not in live and r not in done)
-            finished = [(r, self._streams.pop(r)) for r in done if r in self._streams]
+            done.extend(r for r in streams if r not in live and r not in done)
+            finished = [(r, streams.pop(r)) for r in done if r in streams]
         for req_id, stream in finished:
             self._emit(stream)
         self._ensure_flusher()
 
     def _emit(self, stream: _Stream) -> None:
-        if not stream.times_ns:
+        if not stream.rows:
             return
+        k = stream.k
+        steps = stream.rows
+        times_ns = [st[0] for st, _ in steps]
+        top_ids = np.stack([st[1].top_ids[j, :k] for st, j in steps])
+        top_lp = np.stack([st[1].top_logprobs[j, :k] for st, j in steps])
+        entropy = np.array([st[1].entropy[j] for st, j in steps], dtype=np.float64)
+        margin = np.array([st[1].margin[j] for st, j in steps], dtype=np.float64)
+        nonfinite = np.array([st[1].nonfinite[j] for st, j in steps], dtype=bool)
+        sampled_lp = np.array([st[2][j] if st[2] is not None else np.nan for st, j in steps], dtype=np.float64)
         emit_logit_dist(
             self.telemetry.tracer, self.telemetry.settings, stream.parent, source="full_vocab_logits",
-            start_ns=stream.times_ns[0], end_ns=stream.times_ns[-1], times_ns=stream.times_ns,
-            top_ids=np.stack(stream.top_ids), top_logprobs=np.stack(stream.top_lp),
-            sampled_logprobs=np.asarray(stream.sampled_lp), entropy=np.asarray(stream.entropy),
-            margin=np.asarray(stream.margin), nonfinite=np.asarray(stream.nonfinite))
+            start_ns=times_ns[0], end_ns=times_ns[-1], times_ns=times_ns, top_ids=top_ids, top_logprobs=top_lp,
+            sampled_logprobs=sampled_lp, entropy=entropy, margin=margin, nonfinite=nonfinite)
 
     def flush(self, idle_s: float = 0.0) -> int:
         """Emit streams that saw no step for ``idle_s`` seconds (all with 0); returns how many."""
