@@ -233,11 +233,15 @@ def measure(workload: str, configs: list[str], model: str, sink: Sink, args) -> 
             r.run()  # warm-up, discarded
         spans_before = sink.counts()["spans"]
         results: dict[str, list[float]] = {c: [] for c in runners}
+        cpu: dict[str, list[dict]] = {c: [] for c in runners}  # offline: CPU s per process group
         order = list(runners)
         for rep in range(args.reps):
             rot = order[rep % len(order):] + order[:rep % len(order)]
             for c in rot:
                 results[c].append(runners[c].run())
+                last = getattr(runners[c], "last", None)
+                if last and "cpu_s" in last:
+                    cpu[c].append({k: 1e6 * v / last["output_tokens"] for k, v in last["cpu_s"].items()})
             print(f"[{workload}] round {rep + 1}/{args.reps}: "
                   + ", ".join(f"{c}={results[c][-1]:.0f}" for c in order), file=sys.stderr, flush=True)
     finally:
@@ -249,6 +253,8 @@ def measure(workload: str, configs: list[str], model: str, sink: Sink, args) -> 
     for c, vals in results.items():
         entry = {"name": CONFIGS[c], "tokens_per_s": vals, "median": statistics.median(vals),
                  "min": min(vals), "max": max(vals)}
+        if cpu.get(c):  # CPU ms per 1,000 output tokens (frontend process; engine core + workers)
+            entry["cpu_ms_per_1k_tokens"] = {k: statistics.median(x[k] for x in cpu[c]) for k in cpu[c][0]}
         if base:
             entry["ratio_of_medians"] = entry["median"] / statistics.median(base)
             entry["median_paired_ratio"] = statistics.median(v / b for v, b in zip(vals, base))
@@ -259,15 +265,18 @@ def measure(workload: str, configs: list[str], model: str, sink: Sink, args) -> 
 def markdown(reports: dict, args) -> str:
     lines = [f"Workload: {args.prompts} prompts (mixed lengths) x {args.tokens} output tokens, "
              f"{args.reps} rounds; server: {args.clients} concurrent streaming clients.", "",
-             "| workload | config | tok/s median | min | max | ratio of medians | median paired ratio |",
-             "|---|---|---|---|---|---|---|"]
+             "| workload | config | tok/s median | min | max | ratio of medians | median paired ratio "
+             "| CPU ms / 1k tokens: frontend, engine |",
+             "|---|---|---|---|---|---|---|---|"]
     for wl, rep in reports.items():
         for c, e in rep["configs"].items():
             lines.append(f"| {wl} | {c}: {e['name']} | {e['median']:.0f} | {e['min']:.0f} | {e['max']:.0f} | "
                          f"{e.get('ratio_of_medians', float('nan')):.3f} | "
-                         f"{e.get('median_paired_ratio', float('nan')):.3f} |")
+                         f"{e.get('median_paired_ratio', float('nan')):.3f} | "
+                         + (f"{e['cpu_ms_per_1k_tokens']['frontend']:.0f}, {e['cpu_ms_per_1k_tokens']['engine']:.0f} |"
+                            if "cpu_ms_per_1k_tokens" in e else "n/a |"))
         for c, why in rep["skipped"].items():
-            lines.append(f"| {wl} | {c}: {CONFIGS[c]} | skipped: {why} | | | | |")
+            lines.append(f"| {wl} | {c}: {CONFIGS[c]} | skipped: {why} | | | | | |")
     return "\n".join(lines)
 
 
