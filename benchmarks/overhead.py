@@ -91,6 +91,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def process_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system, all threads) of process ``pid`` ("frontend": the API server) and
+    of its descendants ("engine": engine core, workers)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        out = {"frontend": sum(root.cpu_times()[:2]), "engine": 0.0}
+        children = root.children(recursive=True)
+    except psutil.Error:
+        return {"frontend": 0.0, "engine": 0.0}
+    for child in children:
+        try:
+            out["engine"] += sum(child.cpu_times()[:2])
+        except psutil.Error:
+            pass
+    return out
+
+
 class Sink:
     def __init__(self) -> None:
         self.proc = subprocess.Popen([sys.executable, str(HERE / "_sink.py")], stdin=subprocess.PIPE,
@@ -156,7 +175,7 @@ class ServerRunner:
         elif config == "d":
             cmd += ["--otlp-traces-endpoint", sink]
         elif config == "e":
-            cmd = [str(bindir / "openlit-instrument"), "--otlp-endpoint", sink] + cmd
+            cmd = [str(bindir / "openlit-instrument"), "--otlp_endpoint", sink] + cmd
         self.log = open(Path(args.log_dir) / f"server-{config}.log", "w")
         self.proc = subprocess.Popen(cmd, env=config_env(config, sink), stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
@@ -178,7 +197,11 @@ class ServerRunner:
         raise RuntimeError(f"server not ready in 600 s; see {self.log.name}")
 
     def run(self) -> float:
-        return asyncio.run(self._run())
+        cpu0 = process_cpu(self.proc.pid)
+        total, seconds = asyncio.run(self._run())
+        cpu = {k: v - cpu0.get(k, 0.0) for k, v in process_cpu(self.proc.pid).items()}
+        self.last = {"output_tokens": total, "seconds": seconds, "cpu_s": cpu}
+        return total / seconds
 
     async def _run(self) -> float:
         import httpx
@@ -204,7 +227,7 @@ class ServerRunner:
             t = time.perf_counter()
             await asyncio.gather(*(one(client, p) for p in self.prompts))
             dt = time.perf_counter() - t
-        return total / dt
+        return total, dt
 
     def close(self) -> None:
         import signal
@@ -220,15 +243,23 @@ class ServerRunner:
 def measure(workload: str, configs: list[str], model: str, sink: Sink, args) -> dict:
     runner_cls = OfflineRunner if workload == "offline" else ServerRunner
     runners, skipped = {}, {}
-    for c in configs:
-        py = interpreter(c)
-        if py is None:
-            skipped[c] = "openlit not installed (bash benchmarks/setup.sh)"
-            continue
-        # one at a time: engines starting together on 2 cores take longer than in turn
-        runners[c] = runner_cls(c, py, model, sink.endpoints["grpc"], args)
-        runners[c].wait_ready()
     try:
+        for c in configs:
+            py = interpreter(c)
+            if py is None:
+                skipped[c] = "openlit not installed (bash benchmarks/setup.sh)"
+                continue
+            # one at a time: engines starting together on 2 cores take longer than in turn
+            runners[c] = runner_cls(c, py, model, sink.endpoints["grpc"], args)
+            try:
+                runners[c].wait_ready()
+            except Exception as exc:  # noqa: BLE001 - one configuration that cannot start is reported
+                print(f"[{workload}] {c} did not start: {exc}", file=sys.stderr, flush=True)
+                skipped[c] = f"did not start ({exc})"
+                try:
+                    runners.pop(c).close()
+                except Exception:  # noqa: BLE001 - it is already gone
+                    pass
         for r in runners.values():
             r.run()  # warm-up, discarded
         spans_before = sink.counts()["spans"]
@@ -306,13 +337,14 @@ def main() -> None:
     try:
         for wl in (["offline", "server"] if args.workload == "all" else [args.workload]):
             reports[wl] = measure(wl, [c for c in args.configs if c in CONFIGS], model, sink, args)
+            # each workload's table as soon as it is done (the next one takes as long again)
+            print(markdown({wl: reports[wl]}, args), flush=True)
+            if args.json:
+                out = {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPUs",
+                       "args": vars(args), "reports": reports}
+                Path(args.json).write_text(json.dumps(out, indent=2))
     finally:
         sink.close()
-    out = {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPUs", "args": vars(args),
-           "reports": reports}
-    print(markdown(reports, args))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":
