@@ -8,6 +8,7 @@ warm-up tenth; the report gives the least-squares slope in KiB per 1,000 request
 readings. A flat run has a slope near 0 (allocator noise is a few KiB).
 
     .venv/bin/python benchmarks/soak.py --mode core|engine|all [--json out.json]
+    .venv/bin/python benchmarks/soak.py --mode engine --uninstrumented   # vLLM's own slope, the baseline
 """
 
 from __future__ import annotations
@@ -94,14 +95,17 @@ def soak_core(n: int) -> dict:
             "slope_kib_per_1k_requests": slope(points)}
 
 
-def soak_engine(n: int, batch: int) -> dict:
+def soak_engine(n: int, batch: int, instrumented: bool = True) -> dict:
+    """``instrumented=False``: the same engine and workload without llm-otel, the baseline for the
+    slope (vLLM's own caches grow too)."""
     from vllm import LLM, SamplingParams
 
     import llm_otel
     from llm_otel.demo.tiny_model import ensure_tiny_model
 
     tp, mp, reader, drop = providers()
-    llm_otel.instrument(tp, mp, engines=["vllm"])
+    if instrumented:
+        llm_otel.instrument(tp, mp, engines=["vllm"])
     llm = LLM(model=str(ensure_tiny_model()), dtype="float32", max_model_len=512, seed=0, block_size=32)
     params = SamplingParams(max_tokens=8, temperature=0.8, ignore_eos=True)
     words = open(os.__file__).read().split()
@@ -117,8 +121,9 @@ def soak_engine(n: int, batch: int) -> dict:
             gc.collect()
             points.append((done, rss_kib()))
     tp.force_flush()
-    llm_otel.uninstrument()
-    return {"requests": done, "seconds": time.perf_counter() - t0, "spans_exported": drop.exported,
+    if instrumented:
+        llm_otel.uninstrument()
+    return {"instrumented": instrumented, "requests": done, "seconds": time.perf_counter() - t0, "spans_exported": drop.exported,
             "rss_first_kib": points[0][1], "rss_last_kib": points[-1][1],
             "slope_kib_per_1k_requests": slope(points)}
 
@@ -129,6 +134,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=100_000)
     parser.add_argument("--engine-requests", type=int, default=10_000)
     parser.add_argument("--batch", type=int, default=500)
+    parser.add_argument("--uninstrumented", action="store_true",
+                        help="engine mode without llm-otel: the baseline slope of vLLM itself")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     out = {}
@@ -136,7 +143,7 @@ def main() -> None:
         out["core"] = soak_core(args.requests)
         print("core  ", json.dumps(out["core"]), flush=True)
     if args.mode in ("engine", "all"):
-        out["engine"] = soak_engine(args.engine_requests, args.batch)
+        out["engine"] = soak_engine(args.engine_requests, args.batch, instrumented=not args.uninstrumented)
         print("engine", json.dumps(out["engine"]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
