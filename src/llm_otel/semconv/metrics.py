@@ -53,7 +53,7 @@ LLM_SERVER_HEALTH_SCORE = 'llm.server.health.score'
 LLM_SERVER_HEALTH_SCORE_UNIT = '1'
 
 LLM_SERVER_INTER_TOKEN_LATENCY = 'llm.server.inter_token_latency'
-"""Seconds between consecutive engine steps that produced tokens for a request, divided by the tokens that step produced (one observation per such step after the first); successful requests. Instrument: histogram, unit: s."""
+"""Seconds between consecutive engine steps that produced tokens for a request, divided by the tokens that step produced; successful requests. One observation per such step after the first, sampled systematically (one step in LLM_OTEL_ITL_SAMPLE_EVERY, default 16, per request from a random offset), so quantiles are unbiased and the count is 1/16 of the steps (1 records every step). Instrument: histogram, unit: s."""
 LLM_SERVER_INTER_TOKEN_LATENCY_UNIT = 's'
 LLM_SERVER_INTER_TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 
