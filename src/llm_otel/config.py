@@ -179,7 +179,7 @@ def _optional_float(env: Mapping[str, str], name: str) -> float | None:
     return _float(env, name, 0.0, lo=0.0)
 
 
-def _choice(env: Mapping[str, str], name: str, default: str, choices: set[str]) -> str:
+def _choice(env: Mapping[str, str], name: str, default: str | None, choices: set[str]) -> str | None:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -221,19 +221,9 @@ def otlp_protocol(env: Mapping[str, str], signal: str) -> str:
 
     Raises ConfigError for a value other than ``grpc`` / ``http/protobuf`` in either variable,
     whether or not an endpoint is set."""
-    general = _protocol_var(env, "OTEL_EXPORTER_OTLP_PROTOCOL")
-    specific = _protocol_var(env, f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL")
+    general = _choice(env, "OTEL_EXPORTER_OTLP_PROTOCOL", None, set(OTLP_PROTOCOLS))
+    specific = _choice(env, f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL", None, set(OTLP_PROTOCOLS))
     return specific or general or "grpc"
-
-
-def _protocol_var(env: Mapping[str, str], name: str) -> str | None:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    value = raw.strip().lower()
-    if value not in OTLP_PROTOCOLS:
-        raise ConfigError(f"{name}={raw!r}: llm-otel supports {' and '.join(OTLP_PROTOCOLS)}")
-    return value
 
 
 def validate_exporter_env(env: Mapping[str, str]) -> None:

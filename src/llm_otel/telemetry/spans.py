@@ -133,23 +133,16 @@ class SpanBuilder:
                                       start_time=first_ns, attributes=attrs)
         # token events: the first N tokens, each stamped with its step's time; tokens that came
         # in the same step (speculative decoding) have latency 0
-        n_ev = min(st.token_events, rec.num_output_tokens)
-        if n_ev:
-            prev = (rec.arrival_ns - rec.mono_offset_ns) / 1e9  # arrival on the engine's clock
-            i = 0
-            for t, c in zip(times, counts):
-                for _ in range(c):
-                    if i >= n_ev:
-                        break
-                    ev = {A.LLM_TOKEN_INDEX: i, A.LLM_TOKEN_LATENCY: max(0.0, t - prev)}
-                    if st.capture_content and i < len(rec.head_token_ids):
-                        # token ids decode back to the completion with the model's tokenizer: content
-                        ev[A.LLM_TOKEN_ID] = int(rec.head_token_ids[i])
-                    span.add_event(S.EVENT_LLM_TOKEN, ev, timestamp=min(max(rec.epoch_ns(t), first_ns), last_ns))
-                    prev = t
-                    i += 1
-                if i >= n_ev:
-                    break
+        token_times = itertools.islice(itertools.chain.from_iterable(map(itertools.repeat, times, counts)),
+                                       st.token_events)  # each token's step time, first N tokens
+        prev = (rec.arrival_ns - rec.mono_offset_ns) / 1e9  # arrival on the engine's clock
+        for i, t in enumerate(token_times):
+            ev = {A.LLM_TOKEN_INDEX: i, A.LLM_TOKEN_LATENCY: max(0.0, t - prev)}
+            if st.capture_content and i < len(rec.head_token_ids):
+                # token ids decode back to the completion with the model's tokenizer: content
+                ev[A.LLM_TOKEN_ID] = int(rec.head_token_ids[i])
+            span.add_event(S.EVENT_LLM_TOKEN, ev, timestamp=min(max(rec.epoch_ns(t), first_ns), last_ns))
+            prev = t
         dropped = 0
         # stall events: steps whose inter-token latency exceeds k x median
         if threshold is not None:
