@@ -22,10 +22,12 @@ from llm_otel.gpu.nvml import UtilizationPoller
 from llm_otel.sampling import (
     AdaptiveRootSampler,
     DriftDetector,
+    EngineOccupancy,
     UtilizationPolicy,
     adaptive_sampler,
     quantize_threshold,
     traces_sampler_factory,
+    utilization_is_gpu,
 )
 from llm_otel.telemetry import Telemetry
 
@@ -383,3 +385,56 @@ def test_an_unusable_utilization_is_the_base_rate_and_never_raises_from_should_s
             assert probability_of(result) == pytest.approx(0.5)
     warnings = [r for r in caplog.records if "sampler utilisation unusable" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].exc_info is None
+
+
+def test_engine_occupancy_is_the_fullest_engines_batch_capped_and_drops_gone_or_broken_engines(caplog):
+    occ = EngineOccupancy()
+    assert occ.read() == 0.0  # nothing attached: nothing served, the sampler stays at its base rate
+    live = {"a": (3, 8)}
+    occ.attach(lambda: live.get("a"))
+    occ.attach(lambda: (300, 256))  # a queue behind a full batch
+    assert occ.read() == 1.0
+    occ._sources.pop()
+    assert occ.read() == 3 / 8
+    del live["a"]  # the engine was collected: its source answers None and is dropped
+    assert occ.read() == 0.0 and occ.engines == 0
+
+    def broken():
+        raise RuntimeError("engine state changed shape")
+
+    occ.attach(broken)
+    occ.attach(lambda: (1, 0))  # no capacity known: ignored, not a division by zero
+    with caplog.at_level("WARNING", logger="llm_otel"):
+        assert occ.read() == 0.0
+    assert occ.engines == 1 and "engine occupancy source failed" in caplog.text
+
+
+def test_without_nvml_the_default_sampler_follows_engine_occupancy_and_telemetry_attaches_engines():
+    from llm_otel.export.providers import build_providers
+
+    tp, mp = build_providers(Settings(console="off"), env={})  # auto, on a machine without a GPU
+    poller = tp.sampler.root.poller
+    if not isinstance(poller.source, EngineOccupancy):
+        pytest.skip("NVML sees a GPU here: the sampler follows GPU utilisation")
+    try:
+        assert not utilization_is_gpu(poller)
+        telemetry = Telemetry(tp, mp, Settings(console="off"))
+        assert telemetry.signals.poller is None  # occupancy is not GPU utilisation for the health score
+        assert telemetry.attach_engine_load(lambda: (512, 256)) and poller.source.engines == 1
+        root = tp.sampler.root
+        root.policy.interval_s = 0.0  # the default halves at most once a second: not in a unit test
+        for step in range(12):  # a saturated engine: the probability halves per interval
+            poller.sample()
+            root._next_update = 0.0
+            p = root.current_probability()
+        assert poller.utilization > 0.95 and p < 0.05
+        ids = [random.getrandbits(128) | 1 for _ in range(2000)]
+        kept = sum(decide(tp.sampler, t).decision == Decision.RECORD_AND_SAMPLE for t in ids)
+        assert kept < 200
+        off, _ = build_providers(Settings(adaptive_sampling="off", console="off"), env={})
+        assert not hasattr(off.sampler, "root")
+        plain = Telemetry(off, mp, Settings(console="off"))
+        assert not plain.attach_engine_load(lambda: (1, 1))
+    finally:
+        poller.stop()
+        tp.shutdown()

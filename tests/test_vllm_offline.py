@@ -348,6 +348,36 @@ def test_no_per_request_state_survives_the_request(eng):
     assert eng.instrumentor.adapter.live_requests() == 0
 
 
+def test_engine_occupancy_follows_the_live_requests_of_the_real_engine(eng, monkeypatch):
+    """Without NVML the adaptive sampler follows engine occupancy: live requests over vLLM's
+    max_num_seqs, attached when the engine registers."""
+    import threading
+
+    from llm_otel.sampling import EngineOccupancy
+
+    adapter = eng.instrumentor.adapter
+    occ = EngineOccupancy()
+    monkeypatch.setattr(adapter.telemetry, "_occupancy", occ)
+    engine = eng.llm.llm_engine
+    state = adapter._state_for(engine.output_processor)
+    monkeypatch.setattr(state, "load_attached", False)
+    adapter._register_engine(engine)
+    capacity = engine.vllm_config.scheduler_config.max_num_seqs
+    assert occ.engines == 1 and occ.read() == 0.0
+    prompts = [f"{p} {i}" for i in range(6) for p in PROMPTS]  # 18 requests
+    seen = []
+    worker = threading.Thread(target=generate, args=(eng, prompts), kwargs={"max_tokens": 24})
+    worker.start()
+    while worker.is_alive():
+        seen.append(occ.read())
+        time.sleep(0.005)
+    worker.join()
+    top = max(seen)
+    assert 0 < top <= min(1.0, len(prompts) / capacity) + 1e-9
+    assert round(top * capacity, 6) == round(top * capacity)  # a whole number of requests
+    assert occ.read() == 0.0  # all finished
+
+
 def test_c04_spans_reach_a_real_otlp_receiver_over_grpc_and_http(eng):
     outputs = generate(eng, max_tokens=4)
     eng.captured.tracer_provider.force_flush()

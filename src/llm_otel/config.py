@@ -64,8 +64,9 @@ class Settings:
             link to its trace and ``llm.sampling.reason=outlier``, when it ended in error or its
             TTFT / end-to-end seconds exceed these (with llm-otel's adaptive sampler).
         adaptive_sampling: ``LLM_OTEL_ADAPTIVE_SAMPLING`` (auto). Providers llm-otel creates use the
-            adaptive sampler when NVML sees a GPU (``auto``), always (``on``) or never (``off``);
-            ``OTEL_TRACES_SAMPLER``, when set, wins.
+            adaptive sampler (``auto`` and ``on``; never with ``off``), following NVML GPU
+            utilisation, or engine occupancy (:class:`llm_otel.sampling.EngineOccupancy`) where NVML
+            sees no GPU; ``OTEL_TRACES_SAMPLER``, when set, wins.
         gpu_steps: ``LLM_OTEL_GPU_STEPS`` (auto). Device timing of engine steps (docs/gpu.md): a ring
             buffer written on the engine's CUDA stream (``cupy``), the host clock (``numpy``), the
             first that works (``auto``: CuPy with a GPU, else NumPy) or ``off``.

@@ -189,14 +189,17 @@ def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
     elif exporter_choice(env, "METRICS") != "none" and settings.console in ("auto", "tree"):
         readers.append(ConsoleMetricsSummary(stream))
     meter_provider = MeterProvider(resource=resource, metric_readers=readers)
-    if poller is not None:
+    from llm_otel.sampling import utilization_is_gpu
+
+    if utilization_is_gpu(poller):
         register_utilization_gauge(meter_provider, poller)
     return tracer_provider, meter_provider
 
 
 def _adaptive_sampler(settings: Settings, env: Mapping[str, str]):
-    """llm-otel's adaptive sampler when configured (``LLM_OTEL_ADAPTIVE_SAMPLING``: ``on``, or
-    ``auto`` with a GPU NVML can see) and ``OTEL_TRACES_SAMPLER`` is unset; else (None, None)."""
+    """llm-otel's adaptive sampler and its poller when configured (``LLM_OTEL_ADAPTIVE_SAMPLING``
+    ``auto``/``on``, and ``OTEL_TRACES_SAMPLER`` unset or ``llm_otel_adaptive``); else (None, None).
+    The poller follows NVML GPU utilisation, or engine occupancy where NVML sees no GPU."""
     if (env.get("OTEL_TRACES_SAMPLER") or "").strip().lower() == "llm_otel_adaptive":
         from llm_otel.sampling import traces_sampler_factory
 
@@ -204,13 +207,10 @@ def _adaptive_sampler(settings: Settings, env: Mapping[str, str]):
         return sampler, sampler.root.poller
     if env.get("OTEL_TRACES_SAMPLER") or settings.adaptive_sampling == "off":
         return None, None
-    from llm_otel.gpu.nvml import UtilizationPoller
     from llm_otel.sampling import adaptive_sampler
 
-    poller = UtilizationPoller.from_nvml()
-    if poller.source is None and settings.adaptive_sampling != "on":
-        return None, None
-    return adaptive_sampler(poller=poller.start()), poller
+    sampler = adaptive_sampler()
+    return sampler, sampler.root.poller
 
 
 def register_utilization_gauge(meter_provider, poller) -> None:

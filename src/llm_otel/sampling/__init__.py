@@ -21,7 +21,7 @@ import math
 import threading
 import time
 from collections import deque
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 from opentelemetry.sdk.trace._sampling_experimental import (
@@ -36,8 +36,8 @@ from opentelemetry.sdk.trace.sampling import Sampler, SamplingResult
 
 from llm_otel.semconv import attributes as A
 
-__all__ = ["UtilizationPolicy", "DriftDetector", "AdaptiveRootSampler", "adaptive_sampler", "traces_sampler_factory",
-           "quantize_threshold"]
+__all__ = ["UtilizationPolicy", "DriftDetector", "AdaptiveRootSampler", "EngineOccupancy", "adaptive_sampler",
+           "traces_sampler_factory", "quantize_threshold"]
 
 logger = logging.getLogger("llm_otel")
 
@@ -160,6 +160,74 @@ class DriftDetector:
         return (time.monotonic() if now is None else now) < self.boost_until
 
 
+class EngineOccupancy:
+    """A ``SignalSource`` for hosts without NVML: how full the serving engines' batches are.
+
+    Each engine adapter attaches a callable returning ``(requests, capacity)``: requests the engine
+    holds now (running and waiting; for vLLM the frontend's live request records) and the most it
+    runs at once (vLLM ``scheduler_config.max_num_seqs``), or None once that engine is gone (the
+    callable is then dropped). :meth:`read` returns the highest ``requests / capacity`` over the
+    attached engines, capped at 1 (a queue behind a full batch reads 1.0), and 0.0 with none
+    attached (nothing is being served). A full batch is when tracing competes with the model for
+    the host, so the sampler lowers the probability, exactly as for a busy GPU.
+    """
+
+    period_s = 0.25  # reading it is a few len() calls: poll it more often than NVML
+
+    def __init__(self) -> None:
+        self._sources: list[Callable[[], tuple[int, int] | None]] = []
+        self._lock = threading.Lock()
+
+    def attach(self, source: Callable[[], "tuple[int, int] | None"]) -> None:
+        """Add one engine's ``source() -> (requests, capacity) | None``."""
+        with self._lock:
+            self._sources.append(source)
+
+    @property
+    def engines(self) -> int:
+        """Sources attached and not yet dropped."""
+        return len(self._sources)
+
+    def read(self) -> float:
+        """Occupancy in [0, 1] (see the class). A source that raises is dropped (logged once)."""
+        best = 0.0
+        dead = []
+        for source in list(self._sources):
+            try:
+                got = source()
+                if got is None:
+                    dead.append(source)
+                    continue
+                requests, capacity = got
+                if capacity > 0:
+                    best = max(best, min(1.0, requests / capacity))
+            except Exception as exc:  # noqa: BLE001 - one broken engine must not stop the signal
+                logger.warning("llm-otel: engine occupancy source failed (%s: %s); dropped", type(exc).__name__, exc)
+                dead.append(source)
+        if dead:
+            with self._lock:
+                self._sources = [s for s in self._sources if s not in dead]
+        return best
+
+
+def utilization_is_gpu(poller) -> bool:
+    """True unless ``poller`` reads :class:`EngineOccupancy` (which is not a GPU's utilisation and
+    must not feed ``hw.gpu.utilization`` or the health score)."""
+    return poller is not None and not isinstance(getattr(poller, "source", None), EngineOccupancy)
+
+
+def default_poller():
+    """A started poller for the adaptive sampler: GPU utilisation from NVML when NVML sees a GPU,
+    otherwise :class:`EngineOccupancy` (which engine adapters attach to)."""
+    from llm_otel.gpu.nvml import UtilizationPoller
+
+    poller = UtilizationPoller.from_nvml()
+    if poller.source is None:
+        poller = UtilizationPoller(EngineOccupancy(), period_s=EngineOccupancy.period_s)
+        logger.info("llm-otel: the adaptive sampler follows engine occupancy (no GPU utilisation)")
+    return poller.start()
+
+
 def _as_poller(poller):
     """What the sampler reads utilisation from. Returns ``poller`` itself when it has a
     ``utilization`` attribute (a :class:`~llm_otel.gpu.nvml.UtilizationPoller` or alike), a started
@@ -248,15 +316,14 @@ def adaptive_sampler(policy: UtilizationPolicy | None = None, poller=None,
                      drift: DriftDetector | None = None) -> Sampler:
     """A complete SDK sampler: parent threshold for children, :class:`AdaptiveRootSampler` for roots.
 
-    ``poller`` defaults to an NVML poller (started), unavailable without a GPU. A ``UtilizationPoller``
+    ``poller`` defaults to :func:`default_poller` (started): NVML GPU utilisation, or without NVML
+    :class:`EngineOccupancy` (the vLLM adapter attaches its engines). A ``UtilizationPoller``
     is used as given (start it yourself); a bare ``SignalSource`` (``read() -> [0, 1]``) is wrapped in
     a started ``UtilizationPoller`` (``sampler.root.poller``; stop it when done). Raises TypeError
     for any other ``poller``.
     """
-    from llm_otel.gpu.nvml import UtilizationPoller
-
     if poller is None:
-        poller = UtilizationPoller.from_nvml().start()
+        poller = default_poller()
     return _AdaptiveSampler(AdaptiveRootSampler(policy, poller, drift))
 
 

@@ -68,9 +68,25 @@ class Telemetry:
         # llm-otel's adaptive sampler (if the provider uses it) learns latency drift from every request
         self.sampling_root = getattr(getattr(provider, "sampler", None), "root", None)
         # request classes, tiers, KV footprint, VRAM pressure, health (ConfigError on a bad tier table)
-        self.signals = Signals(meter, signals_config, poller=getattr(self.sampling_root, "poller", None))
+        poller = getattr(self.sampling_root, "poller", None)
+        from llm_otel.sampling import EngineOccupancy, utilization_is_gpu
+
+        # the signals (health score, token efficiency) want GPU utilisation, not engine occupancy
+        self.signals = Signals(meter, signals_config, poller=poller if utilization_is_gpu(poller) else None)
+        source = getattr(poller, "source", None)
+        self._occupancy = source if isinstance(source, EngineOccupancy) else None
         self._steps: StepTracker | None = None
         self._steps_lock = threading.Lock()
+
+    def attach_engine_load(self, source) -> bool:
+        """Let the adaptive sampler follow one engine's occupancy where it has no GPU utilisation:
+        ``source() -> (requests held, max concurrent requests)``, or None once the engine is gone
+        (see :class:`llm_otel.sampling.EngineOccupancy`). Returns False (and keeps nothing) when
+        this process's sampler does not use engine occupancy."""
+        if self._occupancy is None:
+            return False
+        self._occupancy.attach(source)
+        return True
 
     @property
     def steps(self) -> StepTracker:

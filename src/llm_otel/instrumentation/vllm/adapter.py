@@ -76,7 +76,7 @@ def engine_version() -> str:
 class _EngineState:
     """What we keep per vLLM OutputProcessor: engine facts and the live request records."""
 
-    __slots__ = ("model", "max_logprobs", "vocab_size", "records", "kv", "__weakref__")
+    __slots__ = ("model", "max_logprobs", "vocab_size", "records", "kv", "load_attached", "__weakref__")
 
     def __init__(self, model: str = "unknown", max_logprobs: int = 20) -> None:
         self.model = model
@@ -84,6 +84,7 @@ class _EngineState:
         self.vocab_size: int | None = None
         self.records: dict[str, RequestRecord] = {}
         self.kv: KVSpec | None = None  # KV geometry from vllm_config (llm_otel.signals)
+        self.load_attached = False  # occupancy source handed to the adaptive sampler
 
 
 class VLLMAdapter:
@@ -124,6 +125,12 @@ class VLLMAdapter:
             if isinstance(max_lp, int):
                 state.max_logprobs = max_lp if max_lp >= 0 else 1 << 30
         first = state.kv is None
+        if not state.load_attached:
+            state.load_attached = True
+            capacity = getattr(getattr(getattr(engine, "vllm_config", None), "scheduler_config", None),
+                               "max_num_seqs", None)
+            if isinstance(capacity, int) and capacity > 0:
+                self.telemetry.attach_engine_load(_occupancy_source(state, capacity))
         # cache_config.num_gpu_blocks is known once the engine core reported its KV pool
         state.kv = KVSpec.from_vllm(getattr(engine, "vllm_config", None))
         if first and state.kv is not None:
@@ -518,6 +525,18 @@ class _DropSampleLogprobs:
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._inner, name, value)
+
+
+def _occupancy_source(state: _EngineState, capacity: int):
+    """``() -> (live request records, max_num_seqs)`` of one engine, None once it is gone: the
+    adaptive sampler's load signal without NVML (:class:`llm_otel.sampling.EngineOccupancy`)."""
+    ref = weakref.ref(state)
+
+    def source() -> tuple[int, int] | None:
+        live = ref()
+        return None if live is None else (len(live.records), capacity)
+
+    return source
 
 
 async def _in_context(stream, inbound: "_Inbound", operation: str):
