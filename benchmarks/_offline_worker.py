@@ -18,12 +18,12 @@ import _workload
 
 
 def build(config: str, model: str, sink: str):
-    """The engine for ``config`` (a..e), instrumented the way a user of that tool would do it."""
+    """The engine for ``config`` (a..g), instrumented the way a user of that tool would do it."""
     from vllm import LLM
 
     kwargs = dict(model=model, dtype="float32", max_model_len=_workload.MAX_MODEL_LEN, seed=0,
                   block_size=32)
-    if config in ("b", "c", "f"):
+    if config in ("b", "c", "f", "g"):
         import llm_otel  # providers from OTEL_* (OTLP gRPC to the sink), set by overhead.py
 
         llm_otel.instrument()
@@ -53,6 +53,17 @@ def cpu_seconds() -> dict[str, float]:
     return out
 
 
+def head_probability() -> float | None:
+    """The probability that this process's tracer provider keeps a new root trace now (llm-otel's
+    adaptive sampler follows engine occupancy on CPU hosts); None for a provider we cannot read."""
+    from opentelemetry import trace
+
+    from llm_otel.telemetry.metrics import sampling_probability_reader
+
+    read = sampling_probability_reader(getattr(trace.get_tracer_provider(), "sampler", None))
+    return None if read is None else read()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", required=True)
@@ -67,13 +78,14 @@ def main() -> None:
     for line in sys.stdin:
         if line.strip() != "run":
             break
+        p_start = head_probability()  # what this pass's requests are decided at (all added at once)
         cpu0 = cpu_seconds()
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         dt = time.perf_counter() - t
         cpu = {k: v - cpu0.get(k, 0.0) for k, v in cpu_seconds().items()}
         print(json.dumps({"output_tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": dt,
-                          "cpu_s": cpu}), flush=True)
+                          "cpu_s": cpu, "head_p": [p_start, head_probability()]}), flush=True)
     from opentelemetry import metrics, trace
 
     for provider in (trace.get_tracer_provider(), metrics.get_meter_provider()):

@@ -9,11 +9,15 @@ drifts during the run). All traced configurations export to the same local OTLP 
 
 Configurations:
   a  uninstrumented
-  b  llm-otel defaults (``llm_otel.instrument()`` / ``opentelemetry-instrument``)
+  b  llm-otel defaults (``llm_otel.instrument()`` / ``opentelemetry-instrument``): the adaptive
+     sampler, which follows GPU utilisation, or engine occupancy on a host without NVML
   c  llm-otel, 100 % sampling and ``llm.logit_dist`` for every request (logit statistics every step)
   d  vLLM's native tracing (``otlp_traces_endpoint`` / ``--otlp-traces-endpoint``, log stats on)
   e  OpenLIT's vLLM instrumentation (needs ``openlit``: ``bash benchmarks/setup.sh`` makes
      ``.venv-bench`` with it; skipped, and said so, without it)
+  f  b with ``--set f:KEY=VALUE`` (an experiment)
+  g  llm-otel defaults at 100 % head sampling (``OTEL_TRACES_SAMPLER=always_on``): b on a host
+     whose engine never fills its batch
 
 Workloads (``_workload.py``): ``offline`` = ``LLM.generate`` of 256 mixed-length prompts x 64 output
 tokens; ``server`` = the OpenAI server, the same requests streamed by 16 concurrent clients.
@@ -46,6 +50,7 @@ CONFIGS = {
     "d": "vLLM native tracing (100%)",
     "e": "OpenLIT vLLM instrumentation",
     "f": "llm-otel defaults + --set f:... (an experiment, e.g. one feature off)",
+    "g": "llm-otel defaults at 100% sampling",
 }
 BENCH_VENV = ROOT / ".venv-bench"
 SERVED = "tiny"
@@ -65,8 +70,10 @@ EXTRA_ENV: dict[str, dict[str, str]] = {}  # --set CONFIG:KEY=VALUE
 def config_env(config: str, sink: str) -> dict[str, str]:
     env = base_env()
     env["OTEL_SERVICE_NAME"] = f"bench-{config}"
-    if config in ("b", "c", "f"):
+    if config in ("b", "c", "f", "g"):
         env.update(OTEL_EXPORTER_OTLP_ENDPOINT=sink, OTEL_EXPORTER_OTLP_PROTOCOL="grpc")
+    if config == "g":
+        env.update(OTEL_TRACES_SAMPLER="always_on")
     if config == "c":
         env.update(OTEL_TRACES_SAMPLER="always_on", LLM_OTEL_LOGIT_DIST_RATIO="1")
     if config == "e":
@@ -170,7 +177,7 @@ class ServerRunner:
                "--dtype", "float32", "--max-model-len", str(_workload.MAX_MODEL_LEN), "--block-size", "32",
                "--seed", "0"]
         bindir = Path(python).parent
-        if config in ("b", "c", "f"):
+        if config in ("b", "c", "f", "g"):
             cmd = [str(bindir / "opentelemetry-instrument")] + cmd
         elif config == "d":
             cmd += ["--otlp-traces-endpoint", sink]
@@ -265,6 +272,7 @@ def measure(workload: str, configs: list[str], model: str, sink: Sink, args) -> 
         spans_before = sink.counts()["spans"]
         results: dict[str, list[float]] = {c: [] for c in runners}
         cpu: dict[str, list[dict]] = {c: [] for c in runners}  # offline: CPU s per process group
+        head_p: dict[str, list[list]] = {c: [] for c in runners}  # offline: sampling p at start, end of each pass
         order = list(runners)
         for rep in range(args.reps):
             rot = order[rep % len(order):] + order[:rep % len(order)]
@@ -273,6 +281,8 @@ def measure(workload: str, configs: list[str], model: str, sink: Sink, args) -> 
                 last = getattr(runners[c], "last", None)
                 if last and "cpu_s" in last:
                     cpu[c].append({k: 1e6 * v / last["output_tokens"] for k, v in last["cpu_s"].items()})
+                if last and last.get("head_p") and None not in last["head_p"]:
+                    head_p[c].append(last["head_p"])
             print(f"[{workload}] round {rep + 1}/{args.reps}: "
                   + ", ".join(f"{c}={results[c][-1]:.0f}" for c in order), file=sys.stderr, flush=True)
     finally:
@@ -286,6 +296,8 @@ def measure(workload: str, configs: list[str], model: str, sink: Sink, args) -> 
                  "min": min(vals), "max": max(vals)}
         if cpu.get(c):  # CPU ms per 1,000 output tokens (frontend process; engine core + workers)
             entry["cpu_ms_per_1k_tokens"] = {k: statistics.median(x[k] for x in cpu[c]) for k in cpu[c][0]}
+        if head_p.get(c):
+            entry["head_sampling_p"] = {"start": [p for p, _ in head_p[c]], "end": [p for _, p in head_p[c]]}
         if base:
             entry["ratio_of_medians"] = entry["median"] / statistics.median(base)
             entry["median_paired_ratio"] = statistics.median(v / b for v, b in zip(vals, base))
@@ -297,17 +309,20 @@ def markdown(reports: dict, args) -> str:
     lines = [f"Workload: {args.prompts} prompts (mixed lengths) x {args.tokens} output tokens, "
              f"{args.reps} rounds; server: {args.clients} concurrent streaming clients.", "",
              "| workload | config | tok/s median | min | max | ratio of medians | median paired ratio "
-             "| CPU ms / 1k tokens: frontend, engine |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| CPU ms / 1k tokens: frontend, engine | head-sampling p per round: start→end of the pass |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for wl, rep in reports.items():
         for c, e in rep["configs"].items():
             lines.append(f"| {wl} | {c}: {e['name']} | {e['median']:.0f} | {e['min']:.0f} | {e['max']:.0f} | "
                          f"{e.get('ratio_of_medians', float('nan')):.3f} | "
                          f"{e.get('median_paired_ratio', float('nan')):.3f} | "
                          + (f"{e['cpu_ms_per_1k_tokens']['frontend']:.0f}, {e['cpu_ms_per_1k_tokens']['engine']:.0f} |"
-                            if "cpu_ms_per_1k_tokens" in e else "n/a |"))
+                            if "cpu_ms_per_1k_tokens" in e else "n/a |")
+                         + (" " + ", ".join(f"{p0:.2g}→{p1:.2g}" for p0, p1 in zip(e["head_sampling_p"]["start"],
+                                                                                 e["head_sampling_p"]["end"])) + " |"
+                            if "head_sampling_p" in e else " |"))
         for c, why in rep["skipped"].items():
-            lines.append(f"| {wl} | {c}: {CONFIGS[c]} | skipped: {why} | | | | | |")
+            lines.append(f"| {wl} | {c}: {CONFIGS[c]} | skipped: {why} | | | | | | |")
     return "\n".join(lines)
 
 
