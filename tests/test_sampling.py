@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 
 import pytest
 from conftest import make_captured
@@ -79,6 +80,11 @@ def test_policy_lowers_probability_with_utilisation_within_bounds_and_steps():
     for t in range(2, 20):
         policy.update(1.0, now=float(t))
     assert policy.probability == pytest.approx(0.01)
+    # no decision for 10 s while the load went away: one factor per elapsed interval, at once
+    assert policy.update(0.0, now=29.0) == 1.0
+    assert policy.update(1.0, now=29.5) == 1.0 and policy.update(1.0, now=30.0) == 0.5
+    assert policy.update(1.0, now=31.5) == 0.25  # 1.5 intervals: still one factor
+    assert policy.update(1.0, now=33.5) == 0.0625  # 2 intervals: two
     assert UtilizationPolicy(hysteresis=0.2).update(None) == 1.0  # no signal: base rate
 
 
@@ -420,7 +426,12 @@ def test_without_nvml_the_default_sampler_follows_engine_occupancy_and_telemetry
         assert not utilization_is_gpu(poller)
         telemetry = Telemetry(tp, mp, Settings(console="off"))
         assert telemetry.signals.poller is None  # occupancy is not GPU utilisation for the health score
+        assert poller._thread is None  # no engine yet: no polling thread
         assert telemetry.attach_engine_load(lambda: (512, 256)) and poller.source.engines == 1
+        assert poller._thread.is_alive() and poller._thread.name == "llm-otel-occupancy-poller"
+        telemetry.attach_engine_load(lambda: (0, 256))
+        thread = poller._thread
+        assert [t for t in threading.enumerate() if t.name == thread.name].count(thread) == 1
         root = tp.sampler.root
         root.policy.interval_s = 0.0  # the default halves at most once a second: not in a unit test
         for step in range(12):  # a saturated engine: the probability halves per interval
@@ -438,3 +449,21 @@ def test_without_nvml_the_default_sampler_follows_engine_occupancy_and_telemetry
     finally:
         poller.stop()
         tp.shutdown()
+
+
+def test_the_occupancy_poller_stops_with_its_tracer_provider():
+    import gc
+
+    from llm_otel.export.providers import build_providers
+
+    tp, mp = build_providers(Settings(console="off"), env={})
+    poller = tp.sampler.root.poller
+    if not isinstance(poller.source, EngineOccupancy):
+        pytest.skip("NVML sees a GPU here")
+    poller.source.attach(lambda: (1, 2))
+    assert poller._thread.is_alive()
+    tp.shutdown()
+    del tp
+    gc.collect()
+    poller._thread.join(timeout=5)
+    assert not poller._thread.is_alive()

@@ -168,6 +168,12 @@ def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
     resource = Resource.create()  # OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES
     sampler, poller = _adaptive_sampler(settings, env)
     tracer_provider = TracerProvider(resource=resource, id_generator=SystemRandomIdGenerator(), sampler=sampler)
+    if poller is not None:
+        # the poller's thread ends with the provider that reads it. A weakref callback, not
+        # weakref.finalize: the first finalize() registers weakref's atexit hook, and one registered
+        # before multiprocessing's would run after it - multiprocessing would then join vLLM's
+        # engine-core process before vLLM's own finalizers shut it down, and the process would hang
+        poller.owner = weakref.ref(tracer_provider, lambda _ref, stop=poller.stop: stop())
     span_exporter = span_exporter_from_env(env)
     readers: list[MetricReader] = []
     stream = stream or sys.stderr

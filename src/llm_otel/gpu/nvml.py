@@ -97,6 +97,7 @@ class UtilizationPoller:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._reported = False
+        self.owner = None  # weakref to the tracer provider whose collection stops it (build_providers)
 
     @classmethod
     def from_nvml(cls, period_s: float = 1.0, alpha: float = 0.3) -> "UtilizationPoller":
@@ -137,7 +138,8 @@ class UtilizationPoller:
                 ok = self.sample() is not None
                 delay = self.period_s if ok else min(60.0, delay * 2)
 
-        self._thread = threading.Thread(target=loop, name="llm-otel-gpu-poller", daemon=True)
+        name = getattr(self.source, "thread_name", "llm-otel-gpu-poller")
+        self._thread = threading.Thread(target=loop, name=name, daemon=True)
         self._thread.start()
         return self
 

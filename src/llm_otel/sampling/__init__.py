@@ -60,8 +60,10 @@ class UtilizationPolicy:
     """Maps smoothed utilisation in [0, 1] to a sampling probability.
 
     Linear from ``ceiling`` at ``low`` utilisation down to ``floor`` at ``high``; the probability
-    moves at most ``max_step`` (factor) per ``interval_s`` and only when the target differs by more
-    than ``hysteresis`` (relative), so it does not flap with noisy utilisation.
+    moves at most a factor ``max_step`` per ``interval_s`` seconds elapsed since its last change
+    (one factor for the first change; evaluated when a decision asks, so after a quiet spell it
+    catches up at once), and only when the target differs by more than ``hysteresis``
+    (relative), so it does not flap with noisy utilisation.
     """
 
     def __init__(self, floor: float = 0.01, ceiling: float = 1.0, low: float = 0.5, high: float = 0.95,
@@ -76,7 +78,7 @@ class UtilizationPolicy:
         self.max_step, self.hysteresis, self.interval_s = max_step, hysteresis, interval_s
         self.base = base
         self.probability = self.base
-        self._last_change = -math.inf
+        self._last_change: float | None = None
 
     def target(self, utilization: float | None) -> float:
         if utilization is None:
@@ -91,9 +93,14 @@ class UtilizationPolicy:
         target = self.target(utilization)
         if abs(target - self.probability) <= self.hysteresis * self.probability:
             return self.probability
-        if now - self._last_change < self.interval_s:
+        elapsed = math.inf if self._last_change is None else now - self._last_change
+        if elapsed < self.interval_s:
             return self.probability
-        lo, hi = self.probability / self.max_step, self.probability * self.max_step
+        # a factor max_step per interval of elapsed time: after a quiet spell (no decision asked
+        # for the probability) it may catch up at once instead of one step per request
+        steps = 1 if self._last_change is None or self.interval_s <= 0 else min(64, int(elapsed / self.interval_s))
+        factor = self.max_step ** steps
+        lo, hi = self.probability / factor, self.probability * factor
         self.probability = min(self.ceiling, max(self.floor, min(hi, max(lo, target))))
         self._last_change = now
         return self.probability
@@ -173,15 +180,25 @@ class EngineOccupancy:
     """
 
     period_s = 0.25  # reading it is a few len() calls: poll it more often than NVML
+    thread_name = "llm-otel-occupancy-poller"
 
-    def __init__(self) -> None:
+    def __init__(self, on_first_attach: Callable[[], object] | None = None) -> None:
         self._sources: list[Callable[[], tuple[int, int] | None]] = []
         self._lock = threading.Lock()
+        self.on_first_attach = on_first_attach  # e.g. start the poller: no thread without an engine
+        self._attached_once = False
 
     def attach(self, source: Callable[[], "tuple[int, int] | None"]) -> None:
-        """Add one engine's ``source() -> (requests, capacity) | None``."""
+        """Add one engine's ``source() -> (requests, capacity) | None``; the first call runs
+        ``on_first_attach`` (errors logged, never raised)."""
         with self._lock:
             self._sources.append(source)
+            first, self._attached_once = not self._attached_once, True
+        if first and self.on_first_attach is not None:
+            try:
+                self.on_first_attach()
+            except Exception as exc:  # noqa: BLE001 - called from an engine's constructor hook
+                logger.warning("llm-otel: engine occupancy poller did not start (%s)", exc)
 
     @property
     def engines(self) -> int:
@@ -217,15 +234,19 @@ def utilization_is_gpu(poller) -> bool:
 
 
 def default_poller():
-    """A started poller for the adaptive sampler: GPU utilisation from NVML when NVML sees a GPU,
-    otherwise :class:`EngineOccupancy` (which engine adapters attach to)."""
+    """The adaptive sampler's poller: GPU utilisation from NVML when NVML sees a GPU (started), or
+    else :class:`EngineOccupancy`, whose thread starts when the first engine attaches (a process
+    that serves no engine, e.g. a Triton client, runs no poller). Stop it with ``poller.stop()``."""
     from llm_otel.gpu.nvml import UtilizationPoller
 
     poller = UtilizationPoller.from_nvml()
-    if poller.source is None:
-        poller = UtilizationPoller(EngineOccupancy(), period_s=EngineOccupancy.period_s)
-        logger.info("llm-otel: the adaptive sampler follows engine occupancy (no GPU utilisation)")
-    return poller.start()
+    if poller.source is not None:
+        return poller.start()
+    occupancy = EngineOccupancy()
+    poller = UtilizationPoller(occupancy, period_s=EngineOccupancy.period_s)
+    occupancy.on_first_attach = poller.start
+    logger.info("llm-otel: the adaptive sampler follows engine occupancy (no GPU utilisation)")
+    return poller
 
 
 def _as_poller(poller):
@@ -316,8 +337,8 @@ def adaptive_sampler(policy: UtilizationPolicy | None = None, poller=None,
                      drift: DriftDetector | None = None) -> Sampler:
     """A complete SDK sampler: parent threshold for children, :class:`AdaptiveRootSampler` for roots.
 
-    ``poller`` defaults to :func:`default_poller` (started): NVML GPU utilisation, or without NVML
-    :class:`EngineOccupancy` (the vLLM adapter attaches its engines). A ``UtilizationPoller``
+    ``poller`` defaults to :func:`default_poller`: NVML GPU utilisation, or without NVML
+    :class:`EngineOccupancy` (the vLLM adapter attaches its engines; polled from the first). A ``UtilizationPoller``
     is used as given (start it yourself); a bare ``SignalSource`` (``read() -> [0, 1]``) is wrapped in
     a started ``UtilizationPoller`` (``sampler.root.poller``; stop it when done). Raises TypeError
     for any other ``poller``.
