@@ -339,6 +339,9 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="CONFIG:KEY=VALUE",
                         help="extra environment for one configuration, e.g. f:LLM_OTEL_GPU_STEPS=off")
     args = parser.parse_args()
+    unknown = sorted(set(args.configs) - set(CONFIGS))
+    if unknown:
+        parser.error(f"--configs: unknown configuration(s) {''.join(unknown)!r}; known: {''.join(CONFIGS)}")
     for item in args.set:
         config, _, kv = item.partition(":")
         key, _, value = kv.partition("=")
