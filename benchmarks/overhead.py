@@ -217,23 +217,36 @@ class ServerRunner:
         url = f"http://127.0.0.1:{self.port}/v1/completions"
         total = 0
 
-        async def one(client, prompt):
-            nonlocal total
-            async with sem:
-                async with client.stream("POST", url, json=_workload.completion_body(
-                        prompt, self.args.tokens, SERVED)) as r:
-                    r.raise_for_status()
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: {") and '"usage":{' in line.replace(" ", ""):
-                            usage = json.loads(line[6:]).get("usage")
-                            if usage:
-                                total += usage["completion_tokens"]
+        retried = 0
 
-        limits = httpx.Limits(max_connections=self.args.clients)
+        async def one(client, prompt):
+            nonlocal total, retried
+            async with sem:
+                for attempt in range(3):
+                    try:
+                        async with client.stream("POST", url, json=_workload.completion_body(
+                                prompt, self.args.tokens, SERVED)) as r:
+                            r.raise_for_status()
+                            async for line in r.aiter_lines():
+                                if line.startswith("data: {") and '"usage":{' in line.replace(" ", ""):
+                                    usage = json.loads(line[6:]).get("usage")
+                                    if usage:
+                                        total += usage["completion_tokens"]
+                        return
+                    except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ConnectError):
+                        # a pooled connection the server closed under us (2 loaded cores): once more
+                        retried += 1
+                        if attempt == 2:
+                            raise
+
+        # keep-alive shorter than uvicorn's 5 s, so a pooled connection is not reused as it closes
+        limits = httpx.Limits(max_connections=self.args.clients, keepalive_expiry=2.0)
         async with httpx.AsyncClient(timeout=600, limits=limits) as client:
             t = time.perf_counter()
             await asyncio.gather(*(one(client, p) for p in self.prompts))
             dt = time.perf_counter() - t
+        if retried:
+            print(f"[server] {retried} request(s) retried after a dropped connection", file=sys.stderr, flush=True)
         return total, dt
 
     def close(self) -> None:
