@@ -182,21 +182,19 @@ class EngineOccupancy:
     period_s = 0.25  # reading it is a few len() calls: poll it more often than NVML
     thread_name = "llm-otel-occupancy-poller"
 
-    def __init__(self, on_first_attach: Callable[[], object] | None = None) -> None:
+    def __init__(self, on_attach: Callable[[], object] | None = None) -> None:
         self._sources: list[Callable[[], tuple[int, int] | None]] = []
         self._lock = threading.Lock()
-        self.on_first_attach = on_first_attach  # e.g. start the poller: no thread without an engine
-        self._attached_once = False
+        self.on_attach = on_attach  # an idempotent poller.start: no thread until an engine attaches
 
     def attach(self, source: Callable[[], "tuple[int, int] | None"]) -> None:
-        """Add one engine's ``source() -> (requests, capacity) | None``; the first call runs
-        ``on_first_attach`` (errors logged, never raised)."""
+        """Add one engine's ``source() -> (requests, capacity) | None``, then run ``on_attach``
+        (errors logged, never raised)."""
         with self._lock:
             self._sources.append(source)
-            first, self._attached_once = not self._attached_once, True
-        if first and self.on_first_attach is not None:
+        if self.on_attach is not None:
             try:
-                self.on_first_attach()
+                self.on_attach()
             except Exception as exc:  # noqa: BLE001 - called from an engine's constructor hook
                 logger.warning("llm-otel: engine occupancy poller did not start (%s)", exc)
 
@@ -244,7 +242,7 @@ def default_poller():
         return poller.start()
     occupancy = EngineOccupancy()
     poller = UtilizationPoller(occupancy, period_s=EngineOccupancy.period_s)
-    occupancy.on_first_attach = poller.start
+    occupancy.on_attach = poller.start  # starts once; later calls return at once
     logger.info("llm-otel: the adaptive sampler follows engine occupancy (no GPU utilisation)")
     return poller
 

@@ -68,13 +68,13 @@ class Telemetry:
         # llm-otel's adaptive sampler (if the provider uses it) learns latency drift from every request
         self.sampling_root = getattr(getattr(provider, "sampler", None), "root", None)
         # request classes, tiers, KV footprint, VRAM pressure, health (ConfigError on a bad tier table)
-        poller = getattr(self.sampling_root, "poller", None)
-        from llm_otel.sampling import EngineOccupancy, utilization_is_gpu
+        from llm_otel.sampling import EngineOccupancy
 
-        # the signals (health score, token efficiency) want GPU utilisation, not engine occupancy
-        self.signals = Signals(meter, signals_config, poller=poller if utilization_is_gpu(poller) else None)
+        poller = getattr(self.sampling_root, "poller", None)
         source = getattr(poller, "source", None)
         self._occupancy = source if isinstance(source, EngineOccupancy) else None
+        # the signals (health score, token efficiency) want GPU utilisation, not engine occupancy
+        self.signals = Signals(meter, signals_config, poller=poller if self._occupancy is None else None)
         self._steps: StepTracker | None = None
         self._steps_lock = threading.Lock()
 
