@@ -69,7 +69,11 @@ def run_layout(layout: str, tmp_path) -> dict:
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens",
         "vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample_tokens",
-    }, 10),
+        "vllm.v1.engine.utils:shutdown",
+        "vllm.v1.utils:shutdown",
+        "vllm.v1.engine.core:EngineCore.shutdown",
+        "vllm.v1.executor.multiproc_executor:WorkerProc.shutdown",
+    }, 14),
     ("v0_33", "0.33.0", {
         "vllm.v1.engine.core:EngineCore.step_with_batch_queue",
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",

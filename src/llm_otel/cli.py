@@ -166,9 +166,9 @@ def doctor(env=None, out=None) -> int:
             result = exc
         finally:
             exporter.shutdown()
-        endpoint = getattr(exporter, "_endpoint", "?")
+        endpoint = getattr(exporter, "endpoint", None) or getattr(exporter, "_endpoint", "?")
         if result is SpanExportResult.SUCCESS:
-            say("ok", f"OTLP exporter {type(exporter).__module__.split('.')[-2]} -> {endpoint} accepted a probe span "
+            say("ok", f"OTLP exporter {type(getattr(exporter, 'inner', lambda: exporter)()).__module__.split('.')[-2]} -> {endpoint} accepted a probe span "
                       f"({(time.monotonic() - started) * 1e3:.0f} ms)")
         else:
             ok = False
@@ -186,7 +186,7 @@ def doctor(env=None, out=None) -> int:
         reader = InMemoryMetricReader()
         MeterProvider(metric_readers=[reader]).get_meter("llm_otel.doctor").create_counter(
             "llm_otel.doctor.probe").add(1)
-        endpoint = getattr(metric_exporter, "_endpoint", "?")
+        endpoint = getattr(metric_exporter, "endpoint", None) or getattr(metric_exporter, "_endpoint", "?")
         try:
             result = metric_exporter.export(reader.get_metrics_data(), timeout_millis=5_000)
         except Exception as exc:  # noqa: BLE001

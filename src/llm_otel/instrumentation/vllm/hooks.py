@@ -51,6 +51,20 @@ HOOKS: list[Hook] = [
     Hook("vllm.entrypoints.openai.serving_chat", "OpenAIServingChat.create_chat_completion",
          "http_handler", SERVE_OLD, "older module layout of the same handler", group="openai.chat"),
     # --- engine-core process: one llm.engine.step span per scheduler step ----------------------
+    # process lifecycle (docs/vllm.md "Process lifecycle")
+    Hook("vllm.v1.engine.output_processor", "OutputProcessor.propagate_error", "engine_failed", V1,
+         "the engine core died (EngineDeadError) or the output loop failed: every request in flight "
+         "ends with the error's class name (AsyncLLM / OpenAI server)"),
+    Hook("vllm.v1.engine.utils", "shutdown", "process_shutdown", V1,
+         "frontend stops its engine-core processes (SIGTERM, then SIGKILL after `timeout`, 0 under the "
+         "OpenAI server): its flush starts, and they get LLM_OTEL_FLUSH_DEADLINE_S to flush and exit"),
+    Hook("vllm.v1.utils", "shutdown", "process_shutdown", V1,
+         "the same for the API-server processes started by `vllm serve --api-server-count N`"),
+    Hook("vllm.v1.engine.core", "EngineCore.shutdown", "process_exiting", V1,
+         "engine core begins to shut down: its flush starts now, alongside its workers'"),
+    Hook("vllm.v1.executor.multiproc_executor", "WorkerProc.shutdown", "process_exiting", V1,
+         "worker leaves its busy loop (death pipe / SIGTERM): pending logit statistics and device "
+         "timings complete and its flush starts before vLLM's own teardown"),
     Hook("vllm.v1.core.sched.scheduler", "Scheduler.schedule", "core.schedule", V1,
          "batch composition: SchedulerOutput.num_scheduled_tokens, new vs running requests, preemptions"),
     Hook("vllm.v1.core.sched.scheduler", "Scheduler.make_stats", "core.make_stats", V1,
