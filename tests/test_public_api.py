@@ -97,9 +97,12 @@ def test_instrument_with_otlp_endpoint_uses_a_batch_otlp_exporter():
         from opentelemetry import trace
         llm_otel.instrument()
         (proc,) = trace.get_tracer_provider()._active_span_processor._span_processors
-        print(type(proc).__name__, type(proc._batch_processor._exporter).__module__)
+        # the OTLP exporter, inside the wrapper that counts and logs what it drops
+        wrapper = proc._batch_processor._exporter
+        print(type(proc).__name__, type(wrapper).__name__, type(wrapper.exporter).__module__)
     """, env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
-    assert out.split() == ["BatchSpanProcessor", "opentelemetry.exporter.otlp.proto.http.trace_exporter"]
+    assert out.split() == ["BatchSpanProcessor", "DropCountingSpanExporter",
+                           "opentelemetry.exporter.otlp.proto.http.trace_exporter"]
 
 
 def test_instrument_rejects_unknown_engines_and_bad_config(monkeypatch):

@@ -36,6 +36,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 
 from llm_otel.config import Settings
+from llm_otel.export.drops import DropCountingSpanExporter
 
 logger = logging.getLogger("llm_otel")
 
@@ -177,8 +178,11 @@ def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
     span_exporter = span_exporter_from_env(env)
     readers: list[MetricReader] = []
     stream = stream or sys.stderr
+    drops = None
     if span_exporter is not None:
-        tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
+        # a collector that is down or slow: spans counted and logged once, never the engine's problem
+        drops = DropCountingSpanExporter(span_exporter, _signal_endpoint(env, "TRACES", _protocol(env, "TRACES")))
+        tracer_provider.add_span_processor(BatchSpanProcessor(drops))
     elif exporter_choice(env, "TRACES") == "none":
         pass
     elif settings.console in ("auto", "tree"):
@@ -195,6 +199,8 @@ def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
     elif exporter_choice(env, "METRICS") != "none" and settings.console in ("auto", "tree"):
         readers.append(ConsoleMetricsSummary(stream))
     meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+    if drops is not None:
+        drops.bind(meter_provider)
     from llm_otel.sampling import utilization_is_gpu
 
     if utilization_is_gpu(poller):
