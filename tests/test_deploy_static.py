@@ -19,7 +19,6 @@ machine kind; tests/test_fleet_pipeline.py runs the parts that do):
 
 from __future__ import annotations
 
-import os
 import pathlib
 import re
 import shutil
@@ -28,6 +27,8 @@ import sys
 
 import pytest
 import yaml
+
+from test_ops_live import _require  # promtool: skip here, fail in CI when missing
 
 from llm_otel._semconv_registry import load_registry
 from llm_otel.signals.tiers import TierTable
@@ -63,15 +64,6 @@ def _find(docs, kind: str, name: str) -> dict:
 
 def _env(container: dict) -> dict[str, str]:
     return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
-
-
-def _require(tool: str) -> str:
-    path = shutil.which(tool)
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{tool} is not installed; .ci/install.sh installs Debian's prometheus package")
-        pytest.skip(f"{tool} is not installed (apt-get install prometheus)")
-    return path
 
 
 # --- YAML and schemas ---------------------------------------------------------------------------

@@ -141,6 +141,17 @@ def span_exporter_from_env(env: Mapping[str, str] | None = None):
     return OTLPSpanExporter(endpoint=_signal_endpoint(env, "TRACES", proto))
 
 
+def counted_span_exporter_from_env(env: Mapping[str, str] | None = None) -> DropCountingSpanExporter | None:
+    """:func:`span_exporter_from_env` inside a :class:`DropCountingSpanExporter`: the spans it fails
+    to export (collector down or slow) are counted in ``llm_otel.spans.dropped`` once the caller
+    calls ``bind(meter_provider)``, and logged once. None without an endpoint."""
+    env = os.environ if env is None else env
+    exporter = span_exporter_from_env(env)
+    if exporter is None:
+        return None
+    return DropCountingSpanExporter(exporter, _signal_endpoint(env, "TRACES", _protocol(env, "TRACES")))
+
+
 def metric_exporter_from_env(env: Mapping[str, str] | None = None):
     """The OTLP metric exporter ``env`` asks for, or None without an endpoint (as above)."""
     env = os.environ if env is None else env
@@ -175,14 +186,11 @@ def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
         # before multiprocessing's would run after it - multiprocessing would then join vLLM's
         # engine-core process before vLLM's own finalizers shut it down, and the process would hang
         poller.owner = weakref.ref(tracer_provider, lambda _ref, stop=poller.stop: stop())
-    span_exporter = span_exporter_from_env(env)
+    span_exporter = counted_span_exporter_from_env(env)
     readers: list[MetricReader] = []
     stream = stream or sys.stderr
-    drops = None
     if span_exporter is not None:
-        # a collector that is down or slow: spans counted and logged once, never the engine's problem
-        drops = DropCountingSpanExporter(span_exporter, _signal_endpoint(env, "TRACES", _protocol(env, "TRACES")))
-        tracer_provider.add_span_processor(BatchSpanProcessor(drops))
+        tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
     elif exporter_choice(env, "TRACES") == "none":
         pass
     elif settings.console in ("auto", "tree"):
@@ -199,8 +207,8 @@ def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
     elif exporter_choice(env, "METRICS") != "none" and settings.console in ("auto", "tree"):
         readers.append(ConsoleMetricsSummary(stream))
     meter_provider = MeterProvider(resource=resource, metric_readers=readers)
-    if drops is not None:
-        drops.bind(meter_provider)
+    if span_exporter is not None:
+        span_exporter.bind(meter_provider)
     from llm_otel.sampling import utilization_is_gpu
 
     if utilization_is_gpu(poller):

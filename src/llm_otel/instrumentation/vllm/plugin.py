@@ -81,15 +81,15 @@ def engine_process_providers(role: str):
 
     from llm_otel.export.providers import (
         SystemRandomIdGenerator,
+        counted_span_exporter_from_env,
         metric_exporter_from_env,
         prometheus_reader_from_env,
-        span_exporter_from_env,
     )
     from llm_otel.semconv import attributes as A
 
     resource = Resource.create({A.LLM_PROCESS_ROLE: role})
     tracer_provider = TracerProvider(resource=resource, id_generator=SystemRandomIdGenerator(), shutdown_on_exit=False)
-    exporter = span_exporter_from_env()
+    exporter = counted_span_exporter_from_env()  # drops counted (bound below) and logged once
     if exporter is not None:
         tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
     metric_exporter = metric_exporter_from_env()
@@ -103,6 +103,8 @@ def engine_process_providers(role: str):
         if prometheus is not None:
             readers.append(prometheus)
     meter_provider = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False)
+    if exporter is not None:
+        exporter.bind(meter_provider)
 
     def _flush() -> None:
         from llm_otel.instrumentation.vllm import VLLMInstrumentor
