@@ -98,3 +98,44 @@ def test_providers_llm_otel_builds_count_their_drops():
     assert processor.span_exporter._counter is not None  # bound to the process's meter provider
     tracer_provider.shutdown()
     meter_provider.shutdown()
+
+
+def test_a_collector_slower_than_the_timeout_costs_the_batch_counted_and_logged_once(caplog):
+    """A real gRPC OTLP trace service that holds every export past the exporter's timeout: the
+    exporter gives up (DEADLINE_EXCEEDED) and the batch is counted like one to a closed port."""
+    import threading
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    release = threading.Event()
+
+    class Stalled(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # noqa: N802 (grpc naming)
+            release.wait(30)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Stalled(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        endpoint = f"127.0.0.1:{port}"
+        drops = DropCountingSpanExporter(OTLPSpanExporter(endpoint=endpoint, insecure=True, timeout=1), endpoint)
+        reader = InMemoryMetricReader()
+        drops.bind(MeterProvider(metric_readers=[reader]))
+        provider = TracerProvider()
+        processor = BatchSpanProcessor(drops, schedule_delay_millis=50)
+        provider.add_span_processor(processor)
+        caplog.set_level(logging.INFO)
+        tracer = provider.get_tracer("test")
+        for i in range(3):
+            tracer.start_span(f"s{i}").end()
+        provider.force_flush()
+        assert drops.dropped == 3 and _dropped(reader) == [({"error.type": "export_failed"}, 3)]
+        assert len([r for r in caplog.records if r.name == "llm_otel"]) == 1
+    finally:
+        release.set()
+        server.stop(0)
+    provider.shutdown()
