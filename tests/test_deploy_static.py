@@ -84,7 +84,9 @@ def test_yamllint_is_live(tmp_path):
 def test_kubernetes_manifests_match_the_kubernetes_schemas(version):
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     docs = _k8s_documents()
-    assert {d["kind"] for _, d in docs} >= {"Deployment", "DaemonSet", "Service", "ConfigMap"}
+    assert {d["kind"] for _, d in docs} >= {"Deployment", "DaemonSet", "Service", "ConfigMap", "Namespace"}
+    namespaces = {d["metadata"]["name"] for _, d in docs if d["kind"] == "Namespace"}
+    assert {d["metadata"]["namespace"] for _, d in docs if d["kind"] != "Namespace"} <= namespaces
     for where, doc in docs:
         try:
             kubernetes_validate.validate(doc, version, strict=True)

@@ -66,8 +66,19 @@ class Replica:
     log: pathlib.Path
 
 
+_TAKEN: set[int] = set()  # ports handed out in this module: the servers bind them only later
+
+
+def _distinct(pick, width: int = 1) -> int:
+    while True:
+        port = pick()
+        if not _TAKEN & set(range(port, port + width)):
+            _TAKEN.update(range(port, port + width))
+            return port
+
+
 def _start_server(name: str, tiny_model, rotel_grpc: str, work: pathlib.Path, extra: dict) -> Replica:
-    port, metrics_port = _free_port(), _free_pair()
+    port, metrics_port = _distinct(_free_port), _distinct(_free_pair, 2)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
     env.update(VLLM_ENV)
     env.update(LLM_OTEL_ENABLED="1", OTEL_SERVICE_NAME=f"vllm-replica-{name}",
@@ -106,7 +117,7 @@ def _wait_healthy(replicas: list[Replica]) -> None:
 def _start_rotel(receiver: OTLPReceiver, work: pathlib.Path) -> tuple[subprocess.Popen, str]:
     rotel = pytest.importorskip("rotel")
     agent = pathlib.Path(rotel.__file__).parent / "rotel-agent"
-    grpc_port, http_port = _free_port(), _free_port()
+    grpc_port, http_port = _distinct(_free_port), _distinct(_free_port)
     cmd = [str(agent), "start", "--otlp-grpc-endpoint", f"127.0.0.1:{grpc_port}",
            "--otlp-http-endpoint", f"127.0.0.1:{http_port}", "--exporter", "otlp",
            "--otlp-exporter-endpoint", receiver.grpc_endpoint, "--otlp-exporter-protocol", "grpc",
@@ -132,7 +143,7 @@ def _start_rotel(receiver: OTLPReceiver, work: pathlib.Path) -> tuple[subprocess
 
 def _start_prometheus(replicas: list[Replica], work: pathlib.Path):
     binary = _require("prometheus")
-    port = _free_port()
+    port = _distinct(_free_port)
     config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
               "scrape_configs": [{"job_name": "llm", "static_configs": [
                   {"targets": [f"127.0.0.1:{r.metrics_port + offset}"], "labels": {"replica": r.name, "process": process}}
@@ -358,6 +369,12 @@ def test_a_collector_that_stops_costs_spans_not_requests(fleet):
             time.sleep(1)
         history.append(value)
     assert 0 < history[0] < history[1], history
+    # the engine core (its step spans of the head-kept requests) counts on its own endpoint
+    engine = 'sum by (replica) (llm_otel_spans_dropped_total{process="engine_core"})'
+    deadline = time.time() + 40
+    while not _prom_value(fleet, engine).get("a") and time.time() < deadline:
+        time.sleep(1)
+    assert _prom_value(fleet, engine).get("a", 0.0) > 0
     log = fleet.a.log.read_text()
     ours = [line for line in log.splitlines() if "llm-otel: span export to" in line and "failed" in line]
     assert 1 <= len(ours) <= 3, ours  # at most once per process (frontend, engine core, worker)
