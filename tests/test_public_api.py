@@ -97,7 +97,8 @@ def test_instrument_with_otlp_endpoint_uses_a_batch_otlp_exporter():
         from opentelemetry import trace
         llm_otel.instrument()
         (proc,) = trace.get_tracer_provider()._active_span_processor._span_processors
-        exporter = proc._batch_processor._exporter  # per-process, size-capped wrapper of the OTLP exporter
+        # the OTLP exporter inside llm-otel's wrapper: per process, size-capped, drops counted and logged once
+        exporter = proc._batch_processor._exporter
         print(type(proc).__name__, type(exporter).__name__, type(exporter.inner()).__module__)
     """, env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
     assert out.split() == ["BatchSpanProcessor", "ProcessSpanExporter", "opentelemetry.exporter.otlp.proto.http.trace_exporter"]

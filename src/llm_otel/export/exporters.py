@@ -20,7 +20,8 @@ from the ``OTEL_*`` environment (``export/providers.py``):
   batch of 512 spans rejected (CASES.md C17).
 * **Accounting.** Spans and metric exports that failed, and those still in flight when a final
   flush gave up, are counted (:attr:`ProcessSpanExporter.failed`, ``.in_flight``) for the one log
-  line the lifecycle writes at exit (:mod:`llm_otel.export.lifecycle`).
+  line the lifecycle writes at exit (:mod:`llm_otel.export.lifecycle`); lost spans also go to the
+  counter ``llm_otel.spans.dropped`` and one log line per outage (:mod:`llm_otel.export.drops`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from llm_otel.export.drops import DropCounter
 from llm_otel.semconv import attributes as A
 
 logger = logging.getLogger("llm_otel")
@@ -96,6 +98,9 @@ class _PerProcess:
                     self._inner = self._factory()
                     self._pid = pid
                     self.failed = self.in_flight = 0
+                    drops = getattr(self, "drops", None)
+                    if drops is not None:
+                        drops.reset()
         return self._inner
 
 
@@ -115,13 +120,28 @@ class ProcessSpanExporter(_PerProcess, SpanExporter):
         super().__init__(factory, endpoint)
         self.max_request_bytes = max(4096, int(max_request_bytes))
         self.truncated_spans = 0
+        self.drops = DropCounter(endpoint)
+
+    def bind(self, meter_provider) -> None:
+        """Count this process's lost spans in ``llm_otel.spans.dropped`` of ``meter_provider``."""
+        self.drops.bind(meter_provider)
+
+    @property
+    def dropped(self) -> int:
+        """Spans this process's exporter failed to export so far."""
+        return self.drops.dropped
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if self.disowned:
             return SpanExportResult.SUCCESS
         inner = self.inner()
         result = SpanExportResult.SUCCESS
-        for chunk in self._chunks(spans):
+        try:
+            chunks = self._chunks(spans)
+        except Exception:  # noqa: BLE001 - an odd span: send the batch as it is
+            logger.debug("llm-otel: could not size a span batch", exc_info=True)
+            chunks = [spans]
+        for chunk in chunks:
             self.in_flight += len(chunk)
             try:
                 outcome = inner.export(chunk)
@@ -130,8 +150,11 @@ class ProcessSpanExporter(_PerProcess, SpanExporter):
                 self.last_error = f"{type(exc).__name__}: {exc}"
             finally:
                 self.in_flight -= len(chunk)
-            if outcome is not SpanExportResult.SUCCESS:
+            if outcome is SpanExportResult.SUCCESS:
+                self.drops.succeeded()
+            else:
                 self.failed += len(chunk)
+                self.drops.failed(len(chunk))
                 result = SpanExportResult.FAILURE
         return result
 

@@ -130,7 +130,8 @@ def span_exporter_from_env(env: Mapping[str, str] | None = None):
     The endpoint is taken from ``env``; headers, timeout, compression and TLS settings from the
     process environment, as the exporters read them. The exporter is wrapped in
     :class:`~llm_otel.export.exporters.ProcessSpanExporter`: rebuilt in a forked child, requests
-    under ``LLM_OTEL_OTLP_MAX_REQUEST_BYTES``."""
+    under ``LLM_OTEL_OTLP_MAX_REQUEST_BYTES``, lost spans counted in ``llm_otel.spans.dropped`` once
+    ``bind(meter_provider)`` was called, and logged once per outage."""
     env = os.environ if env is None else env
     if exporter_choice(env, "TRACES") != "otlp" or not _endpoint(env, "TRACES"):
         return None
@@ -209,6 +210,8 @@ def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
     elif exporter_choice(env, "METRICS") != "none" and settings.console in ("auto", "tree"):
         readers.append(ConsoleMetricsSummary(stream))
     meter_provider = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=shutdown_on_exit)
+    if span_exporter is not None:
+        span_exporter.bind(meter_provider)  # its lost spans count in llm_otel.spans.dropped
     from llm_otel.sampling import utilization_is_gpu
 
     if utilization_is_gpu(poller):

@@ -2,6 +2,9 @@
 
 # fmt: off
 
+DEPLOYMENT_ENVIRONMENT_NAME = 'deployment.environment.name'
+"""Name of the deployment environment (aka deployment tier). Type: string. Origin: official."""
+
 ERROR_TYPE = 'error.type'
 """Describes a class of error the operation ended with. Type: string. Origin: official."""
 
@@ -70,6 +73,9 @@ GEN_AI_USAGE_OUTPUT_TOKENS = 'gen_ai.usage.output_tokens'
 
 HW_ID = 'hw.id'
 """An identifier for the hardware component, unique within the monitored host; for GPUs llm-otel uses the NVML device index. Type: string. Origin: official."""
+
+K8S_NODE_NAME = 'k8s.node.name'
+"""The name of the Node. Type: string. Origin: official."""
 
 LLM_ENGINE_PHASE = 'llm.engine.phase'
 """What the engine spent most of the last GPU sampling period (1 s) on - `prefill` (steps that scheduled prompt tokens, mixed batches included), `decode` (steps that only generated) or `idle` (no step). Type: string. Origin: llm-otel."""
@@ -326,6 +332,9 @@ SERVER_ADDRESS = 'server.address'
 SERVER_PORT = 'server.port'
 """Server port number. Type: int. Origin: official."""
 
+SERVICE_NAME = 'service.name'
+"""Logical name of the service (OTEL_SERVICE_NAME). Type: string. Origin: official."""
+
 
 class LlmEngineStepDeviceClockValues:
     """Values of llm.engine.step.device.clock."""
@@ -433,6 +442,7 @@ class LlmVramSourceValues:
 
 
 ATTRIBUTE_TYPES: dict[str, str] = {
+    'deployment.environment.name': 'string',
     'error.type': 'string',
     'gen_ai.input.messages': 'string',
     'gen_ai.operation.name': 'string',
@@ -456,6 +466,7 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'gen_ai.usage.input_tokens': 'int',
     'gen_ai.usage.output_tokens': 'int',
     'hw.id': 'string',
+    'k8s.node.name': 'string',
     'llm.engine.phase': 'string',
     'llm.engine.step.batch_size': 'int',
     'llm.engine.step.cpu_time': 'double',
@@ -541,4 +552,5 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.vram.usage': 'double',
     'server.address': 'string',
     'server.port': 'int',
+    'service.name': 'string',
 }

@@ -106,6 +106,8 @@ def engine_process_providers(role: str):
         if prometheus is not None:
             readers.append(prometheus)
     meter_provider = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False)
+    if exporter is not None:
+        exporter.bind(meter_provider)  # its lost spans count in llm_otel.spans.dropped
     life = lifecycle(role)
     life.add(tracer_provider, meter_provider, exporters=(exporter, metric_exporter))
     life.before_flush(_complete_pending, early=True)  # the model steps are over once shutdown began
