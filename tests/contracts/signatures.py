@@ -141,6 +141,31 @@ def _definitions(body: Iterable[ast.stmt]) -> dict[str, ast.AST]:
     return found
 
 
+_PROPERTIES = {"property", "cached_property"}
+
+
+def _class_fields(node: ast.ClassDef) -> list[str]:
+    """Data attributes a class declares: class-level annotated or assigned names (dataclass
+    fields), properties, and ``self.<name> = ...`` targets in ``__init__``; sorted; other
+    methods excluded."""
+    names = {name for name, value in _definitions(node.body).items()
+             if isinstance(value, (ast.Assign, ast.AnnAssign))
+             or (isinstance(value, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and {_decorator_name(d).split(".")[-1] for d in value.decorator_list} & _PROPERTIES)}
+    init = _definitions(node.body).get("__init__")
+    if isinstance(init, (ast.FunctionDef, ast.AsyncFunctionDef)) and init.args.args:
+        self_name = init.args.args[0].arg
+        for sub in ast.walk(init):
+            targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target] \
+                if isinstance(sub, (ast.AnnAssign, ast.AugAssign)) else []
+            for target in targets:
+                for leaf in ast.walk(target):
+                    if isinstance(leaf, ast.Attribute) and isinstance(leaf.value, ast.Name) \
+                            and leaf.value.id == self_name:
+                        names.add(leaf.attr)
+    return sorted(names)
+
+
 def signature(source: Source, module: str, qualname: str) -> dict[str, Any]:
     """Signature data of one target.
 
@@ -148,8 +173,9 @@ def signature(source: Source, module: str, qualname: str) -> dict[str, Any]:
     (path relative to the source root), ``classes`` (the enclosing class path, ``[]`` for a
     module-level function), ``name``, ``kind`` (``function``, ``async_function``, ``class``,
     ``assignment``), ``decorators`` (dotted names) and ``params`` (list of ``{"name", "kind",
-    "has_default"}`` for functions; ``None`` otherwise). When not found, ``missing`` says which
-    part was absent (``module`` or the first missing name of the qualname).
+    "has_default"}`` for functions; ``None`` otherwise); a class also has ``fields`` (see
+    :func:`_class_fields`). When not found, ``missing`` says which part was absent (``module`` or
+    the first missing name of the qualname).
     """
     entry: dict[str, Any] = {"module": module, "qualname": qualname, "found": False}
     located = source.module_file(module)
@@ -180,6 +206,7 @@ def signature(source: Source, module: str, qualname: str) -> dict[str, Any]:
         entry["kind"] = "class"
         entry["decorators"] = [_decorator_name(d) for d in node.decorator_list]
         entry["params"] = None
+        entry["fields"] = _class_fields(node)
     else:
         entry["kind"] = "assignment"
         entry["decorators"] = []
@@ -211,6 +238,9 @@ def compare(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
     diffs = []
     if expected.get("kind") != actual.get("kind"):
         diffs.append(f"{label}: kind {expected.get('kind')} -> {actual.get('kind')}")
+    gone = sorted(set(expected.get("fields") or ()) - set(actual.get("fields") or ()))
+    if gone:
+        diffs.append(f"{label}: fields removed: {', '.join(gone)}")
     old, new = expected.get("params") or [], actual.get("params") or []
     for index in range(max(len(old), len(new))):
         a = old[index] if index < len(old) else None

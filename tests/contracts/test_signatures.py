@@ -28,6 +28,19 @@ SOURCE = textwrap.dedent('''
         pass
 
     class Runner:
+        batch_size: int
+        kind = "gpu"
+
+        def __init__(self, device):
+            self.device = device
+            self.req_ids, self.count = [], 0
+            self.count += 1
+            local = 1
+
+        @property
+        def size(self):
+            return 1
+
         @staticmethod
         def static(x):
             pass
@@ -87,6 +100,7 @@ def test_methods_nested_classes_async_decorators_and_package_init(tree):
     assert found["pkg.sub.mod:switched"]["params"] == [P("z", "POSITIONAL_OR_KEYWORD")]
     assert found["pkg.sub:init_level"]["file"] == "pkg/sub/__init__.py"
     assert found["pkg.sub.mod:Runner"]["kind"] == "class"
+    assert found["pkg.sub.mod:Runner"]["fields"] == ["alias", "batch_size", "count", "device", "kind", "req_ids", "size"]
 
 
 def test_missing_module_class_and_method_say_which_part(tree):
@@ -138,6 +152,12 @@ def test_compare_reports_each_drift_that_breaks_a_wrapper(tree, tmp_path):
         "pkg.sub.mod:switched: now missing (switched)",
         "pkg.sub.mod:top: parameter 2: has_default True -> False",
     ]
+    assert signatures.compare_all(signatures.extract(str(tree), [("pkg.sub.mod", "Runner")]),
+                                  signatures.extract(str(tree), [("pkg.sub.mod", "Runner")])) == []
+    runner_before = signatures.extract(str(tree), [("pkg.sub.mod", "Runner")])
+    mod.write_text(SOURCE.replace("self.device = device", "self.dev = device"))
+    assert signatures.compare_all(runner_before, signatures.extract(str(tree), [("pkg.sub.mod", "Runner")])) == [
+        "pkg.sub.mod:Runner: fields removed: device"]
     mod.write_text(SOURCE.replace("(self, batch, *", "(self, scheduler_output, *").replace("**kw", "extra, **kw"))
     after = signatures.extract(str(tree), targets)
     assert signatures.compare_all(before, after) == [
