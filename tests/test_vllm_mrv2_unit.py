@@ -214,6 +214,16 @@ def test_a_failing_reduction_is_counted_and_sampling_still_runs(monkeypatch):
     assert out.sampled_token_ids.shape == (1, 1) and cap.telemetry.errors.counts == {"call": 1}
 
 
+def test_a_finished_requests_slot_is_forgotten_so_later_steps_cost_one_lookup(monkeypatch):
+    cap = make_captured()
+    worker = WorkerAdapter(cap.telemetry)
+    sampler = make_sampler()
+    add(worker, sampler, "a", 4, chosen_params("a", max_tokens=1))
+    worker.sampler_call("call")(greedy, sampler, (torch.randn(1, 8), batch(["a"], [4])), {})
+    assert set(spans_by_parent(cap)) == {SIDS["a"]}
+    assert worker._chosen[sampler] == {}
+
+
 def test_samplers_without_chosen_requests_cost_one_lookup(monkeypatch):
     cap = make_captured()
     worker = WorkerAdapter(cap.telemetry)

@@ -299,8 +299,12 @@ class WorkerAdapter:
                     sampled = getattr(output, "sampled_token_ids", None)
                     # Sampler: one sampled row per logit row; RejectionSampler: (num_reqs, drafts + 1)
                     by_row = sampled is not None and int(sampled.shape[0]) == n_logit_rows
-                    self._collect(plan, sampled, rows if by_row else requests,
-                                  sampler.req_states.req_id_to_index)
+                    finished = self._collect(plan, sampled, rows if by_row else requests,
+                                             sampler.req_states.req_id_to_index)
+                    if finished:  # forget their slots: a step without chosen requests costs one lookup
+                        slots = self._chosen.get(sampler) or {}
+                        for slot in [k for k, c in slots.items() if c.req_id in finished]:
+                            del slots[slot]
                 except Exception as exc:  # noqa: BLE001
                     self.telemetry.errors.report(hook, exc)
             return output
@@ -313,16 +317,16 @@ class WorkerAdapter:
         slots = self._chosen.get(sampler)
         req_ids = batch.req_ids
         num_reqs = min(int(batch.num_reqs), len(req_ids))
-        idx_mapping = batch.idx_mapping_np
+        idx_mapping = np.asarray(batch.idx_mapping_np[:num_reqs])
         cu = batch.cu_num_logits_np
-        partial = (batch.num_computed_tokens_np[:num_reqs] + batch.num_scheduled_tokens[:num_reqs]
-                   < batch.prefill_len_np[:num_reqs])
+        # vectorised over the batch; the Python loop runs over the chosen requests only
+        wanted = np.isin(idx_mapping, np.fromiter(slots, dtype=np.int64, count=len(slots)))
+        wanted &= ~(batch.num_computed_tokens_np[:num_reqs] + batch.num_scheduled_tokens[:num_reqs]
+                    < batch.prefill_len_np[:num_reqs])
         n_rows = int(logits.shape[0])
         rows, members, requests = [], [], []
-        for i in range(num_reqs):
-            chosen = slots.get(int(idx_mapping[i]))
-            if chosen is None or partial[i]:
-                continue
+        for i in np.flatnonzero(wanted).tolist():
+            chosen = slots[int(idx_mapping[i])]
             req_id = req_ids[i]
             if chosen.req_id is not None and chosen.req_id != req_id:
                 continue  # the slot was reused by a request added without our hook seeing it
@@ -354,10 +358,11 @@ class WorkerAdapter:
         index = torch.tensor(rows, device=logits.device)
         return rows, members, TorchLogitStats(logits.index_select(0, index), k)
 
-    def _collect(self, plan, sampled: Any, sampled_rows: list[int], live: Any) -> None:
+    def _collect(self, plan, sampled: Any, sampled_rows: list[int], live: Any) -> set[str]:
         """After the sampler: one ``(rows, 2k+3)`` transfer (statistics plus the log-probs of the
         tokens in column 0 of ``sampled[sampled_rows]``), then each member's stream is extended;
-        streams of requests absent from ``live`` (vLLM's own request map) are emitted."""
+        streams of requests absent from ``live`` (vLLM's own request map) are emitted. Returns
+        the request ids whose streams were emitted."""
         _, members, device_stats = plan[:3]
         picked = None
         if sampled is not None:
@@ -392,6 +397,7 @@ class WorkerAdapter:
         for req_id, stream in finished:
             self._emit(stream)
         self._ensure_flusher()
+        return {req_id for req_id, _ in finished}
 
     def _emit(self, stream: _Stream) -> None:
         if not stream.rows:
