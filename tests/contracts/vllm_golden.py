@@ -37,6 +37,8 @@ CLASS_FIELDS: dict[tuple[str, str], list[str]] = {
     ("vllm.v1.core.sched.output", "SchedulerOutput"): [
         "finished_req_ids", "num_scheduled_tokens", "scheduled_cached_reqs", "scheduled_new_reqs",
         "total_num_scheduled_tokens"],
+    ("vllm.v1.core.sched.output", "NewRequestData"): ["req_id", "sampling_params"],
+    ("vllm.v1.core.sched.output", "CachedRequestData"): ["num_output_tokens", "req_ids"],
     # Model Runner V2 (worker.py: sampler_add_request, sampler_call, _prepare_mrv2)
     ("vllm.v1.worker.gpu.input_batch", "InputBatch"): [
         "cu_num_logits_np", "idx_mapping_np", "num_computed_tokens_np", "num_reqs", "num_scheduled_tokens",
