@@ -128,6 +128,16 @@ def test_a_prefill_chunk_that_does_not_finish_the_prompt_is_not_a_sampled_token(
     assert spans_by_parent(cap)[SIDS["a"]].attributes["llm.logit.steps"] == 1
 
 
+def test_slots_beyond_the_initial_mask_and_unknown_slots_in_the_batch_are_handled():
+    cap = make_captured()
+    worker = WorkerAdapter(cap.telemetry)
+    sampler = make_sampler()
+    add(worker, sampler, "a", 300, chosen_params("a", max_tokens=1))
+    # row 0 sits in a slot no add_request was seen for (beyond every mask so far)
+    worker.sampler_call("call")(greedy, sampler, (torch.randn(2, 8), batch(["z", "a"], [900, 300])), {})
+    assert set(spans_by_parent(cap)) == {SIDS["a"]} and cap.telemetry.errors.counts == {}
+
+
 def test_a_reused_slot_forgets_the_previous_request():
     cap = make_captured()
     worker = WorkerAdapter(cap.telemetry)
@@ -200,6 +210,7 @@ def test_nothing_is_allocated_or_launched_while_a_graph_is_captured(monkeypatch)
     monkeypatch.setattr(capture_gate, "active", 1)
     touched = []
     monkeypatch.setattr(torch, "tensor", lambda *a, **k: touched.append(a))
+    monkeypatch.setattr(torch.Tensor, "index_select", lambda *a, **k: touched.append(a))
     out = worker.sampler_call("call")(greedy, sampler, (torch.randn(1, 8), batch(["a"], [0])), {})
     assert out.sampled_token_ids.shape == (1, 1) and touched == [] and worker._streams == {}
 
@@ -221,7 +232,7 @@ def test_a_finished_requests_slot_is_forgotten_so_later_steps_cost_one_lookup(mo
     add(worker, sampler, "a", 4, chosen_params("a", max_tokens=1))
     worker.sampler_call("call")(greedy, sampler, (torch.randn(1, 8), batch(["a"], [4])), {})
     assert set(spans_by_parent(cap)) == {SIDS["a"]}
-    assert worker._chosen[sampler] == {}
+    assert worker._chosen[sampler] == {} and not worker._chosen[sampler].mask.any()
 
 
 def test_samplers_without_chosen_requests_cost_one_lookup(monkeypatch):

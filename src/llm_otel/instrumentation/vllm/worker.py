@@ -88,6 +88,31 @@ class _Chosen:
         self.max_tokens = max_tokens
 
 
+class _Slots(dict):
+    """MRv2 request-state slot -> :class:`_Chosen` of one Sampler, with ``mask[slot]`` True for the
+    chosen slots so a step's batch is matched with one NumPy gather (``mask[idx_mapping_np]``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mask = np.zeros(64, dtype=bool)
+
+    def choose(self, slot: int, chosen: _Chosen) -> None:
+        if slot >= len(self.mask):
+            self.mask = np.concatenate([self.mask, np.zeros(max(slot + 1, 2 * len(self.mask)) - len(self.mask), bool)])
+        self.mask[slot] = True
+        self[slot] = chosen
+
+    def forget(self, slot: int) -> None:
+        if self.pop(slot, None) is not None:
+            self.mask[slot] = False
+
+    def matches(self, idx_mapping: np.ndarray) -> np.ndarray:
+        """Bool per batch row: its slot holds a chosen request."""
+        if len(idx_mapping) and int(idx_mapping.max()) >= len(self.mask):
+            self.mask = np.concatenate([self.mask, np.zeros(int(idx_mapping.max()) + 1 - len(self.mask), bool)])
+        return self.mask[idx_mapping]
+
+
 class WorkerAdapter:
     """Wrapper factories for ``GPUModelRunner.execute_model`` / ``sample_tokens`` (device timing
     of steps, V1 and Model Runner V2), ``GPUModelRunner._sample`` (V1 logit statistics; vLLM's CPU
@@ -102,7 +127,7 @@ class WorkerAdapter:
         self._open_steps: dict[int, Any] = {}  # id(model runner) -> StepContext awaiting sample_tokens
         self._torch_cuda: Any = False  # torch.cuda once known to be usable, None when not
         # MRv2: Sampler -> {request-state slot: _Chosen}; weak, so a discarded runner takes its map
-        self._chosen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._chosen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sampler -> _Slots
 
     # --- device timing of steps ---------------------------------------------------------------
     def execute_model(self, hook: str):
@@ -265,12 +290,12 @@ class WorkerAdapter:
                 slots = self._chosen.get(instance)
                 if extra and CARRIER_TOPK_KEY in extra:
                     if slots is None:
-                        slots = self._chosen[instance] = {}
+                        slots = self._chosen[instance] = _Slots()
                     index_to_req_id = getattr(getattr(instance, "req_states", None), "index_to_req_id", None)
                     req_id = index_to_req_id.get(req_idx) if index_to_req_id is not None else None
-                    slots[int(req_idx)] = _Chosen(req_id, extra, getattr(sp, "max_tokens", None))
+                    slots.choose(int(req_idx), _Chosen(req_id, extra, getattr(sp, "max_tokens", None)))
                 elif slots:
-                    slots.pop(int(req_idx), None)
+                    slots.forget(int(req_idx))
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
             return output
@@ -302,9 +327,9 @@ class WorkerAdapter:
                     finished = self._collect(plan, sampled, rows if by_row else requests,
                                              sampler.req_states.req_id_to_index)
                     if finished:  # forget their slots: a step without chosen requests costs one lookup
-                        slots = self._chosen.get(sampler) or {}
+                        slots = self._chosen.get(sampler) or _Slots()
                         for slot in [k for k, c in slots.items() if c.req_id in finished]:
-                            del slots[slot]
+                            slots.forget(slot)
                 except Exception as exc:  # noqa: BLE001
                     self.telemetry.errors.report(hook, exc)
             return output
@@ -320,7 +345,7 @@ class WorkerAdapter:
         idx_mapping = np.asarray(batch.idx_mapping_np[:num_reqs])
         cu = batch.cu_num_logits_np
         # vectorised over the batch; the Python loop runs over the chosen requests only
-        wanted = np.isin(idx_mapping, np.fromiter(slots, dtype=np.int64, count=len(slots)))
+        wanted = slots.matches(idx_mapping)
         wanted &= ~(batch.num_computed_tokens_np[:num_reqs] + batch.num_scheduled_tokens[:num_reqs]
                     < batch.prefill_len_np[:num_reqs])
         n_rows = int(logits.shape[0])
@@ -355,7 +380,9 @@ class WorkerAdapter:
         from llm_otel.telemetry.logits import TorchLogitStats
 
         k = max(int(extra[CARRIER_TOPK_KEY]) for _, extra, _, _ in members)
-        index = torch.tensor(rows, device=logits.device)
+        # staged host->device copy: no wait for the engine's stream (a blocking copy would wait
+        # for the forward pass here)
+        index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
         return rows, members, TorchLogitStats(logits.index_select(0, index), k)
 
     def _collect(self, plan, sampled: Any, sampled_rows: list[int], live: Any) -> set[str]:
@@ -368,7 +395,7 @@ class WorkerAdapter:
         if sampled is not None:
             import torch
 
-            index = torch.tensor(sampled_rows, device=sampled.device)
+            index = torch.tensor(sampled_rows, dtype=torch.long).to(sampled.device, non_blocking=True)
             picked = sampled.index_select(0, index)[:, 0]
         stats, sampled_lp = device_stats.to_host(picked)
         step = (time.time_ns(), stats, sampled_lp)
