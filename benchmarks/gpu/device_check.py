@@ -539,6 +539,7 @@ def check_graph_capture(env: Env, results: dict, failures: list, captures: int, 
     try:
         with torch.cuda.stream(side):
             for i in range(captures):
+                z = None
                 ctx = tracker.begin([f"g{i}"], stream=side.cuda_stream)
                 y = x @ x
                 tracker.end(ctx, stream=side.cuda_stream)
@@ -548,16 +549,28 @@ def check_graph_capture(env: Env, results: dict, failures: list, captures: int, 
                         z = (y * 0.5 + 1.0).sum(dim=0)
                     graph.replay()
                     replays_ok += 1
-                except Exception:  # noqa: BLE001 - capture invalidated by another thread's CUDA call
+                except Exception as exc:  # noqa: BLE001 - capture invalidated by another thread's CUDA call
                     failed += 1
-                    torch.cuda.synchronize()
+                    results.setdefault(key + "_first_error", f"{type(exc).__name__}: {exc}"[:300])
+                    try:
+                        torch.cuda.synchronize()
+                    except Exception:  # noqa: BLE001 - a broken context: stop here, report what we saw
+                        break
                 del z
             torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001
+        if not control:
+            raise
+        results[key + "_aborted"] = f"{type(exc).__name__}: {exc}"[:300]
     finally:
         capture.capture_gate.device_work = saved
         ring.poll = real_poll
         polls_during = polled[0]
-        tracker.close()
+        try:
+            tracker.close()
+        except Exception:  # noqa: BLE001 - after a broken control capture
+            if not control:
+                raise
     results[key] = {"captures": captures, "failed": failed, "replayed": replays_ok,
                     "polls_during_capture": polls_during, "drain_alive": threading.active_count()}
     if not control and (failed or polls_during):
