@@ -337,3 +337,24 @@ def test_doctor_names_a_cupy_torch_cuda_mismatch_and_the_extra(monkeypatch, caps
     monkeypatch.setattr(S, "cuda_stack", lambda import_torch=False: S.CudaStack(None, None, None))
     doctor({"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"})
     assert "host clock" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_a_cupy_wheel_that_does_not_import_beside_a_cuda_torch_is_a_warning(monkeypatch, caplog):
+    import builtins
+    import sys
+
+    monkeypatch.setattr(S, "cuda_stack", lambda import_torch=False: S.CudaStack("13.0", "cupy-cuda13x", 13))
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    real_import = builtins.__import__
+
+    def no_cupy(name, *args, **kwargs):
+        if name == "cupy":
+            raise ImportError("CuPy failed to load libnvrtc.so.13")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_cupy)
+    with caplog.at_level(logging.DEBUG, logger="llm_otel"):
+        ring = R.make_ring("auto", capacity=8)
+    assert isinstance(ring, R.NumpyRing)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "libnvrtc.so.13" in warning

@@ -280,17 +280,19 @@ class CupyRing:
             raise RingError(stack.advice())
         try:
             import cupy as cp
-        except ImportError as exc:
-            raise RingError(f"CuPy is not importable ({type(exc).__name__}: {exc})", expected=True) from exc
+        except ImportError as exc:  # quiet only where CuPy is simply not installed
+            raise RingError(f"CuPy is not importable ({type(exc).__name__}: {exc})",
+                            expected=stack.cupy_dist is None) from exc
         except Exception as exc:  # noqa: BLE001 - a CUDA library load error
             raise RingError(f"CuPy is not importable ({type(exc).__name__}: {exc})") from exc
         try:
             try:
                 devices = cp.cuda.runtime.getDeviceCount()
             except Exception as exc:  # noqa: BLE001 - no driver: a CPU machine with CuPy installed
-                raise RingError(f"no CUDA driver ({type(exc).__name__}: {exc})", expected=True) from exc
+                raise RingError(f"no CUDA driver ({type(exc).__name__}: {exc})",
+                                expected=stack.torch_cuda is None) from exc
             if devices < 1:
-                raise RingError("no CUDA device", expected=True)
+                raise RingError("no CUDA device", expected=stack.torch_cuda is None)
             self._cp = cp
             self._device = cp.cuda.Device(device if device is not None else cp.cuda.runtime.getDevice())
             with self._device:

@@ -35,6 +35,7 @@ the CuPy ring waits for captures in progress.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import logging
@@ -444,7 +445,9 @@ class StepTracker:
     def _poll(self, ring: RingBackend) -> tuple[Any, int]:
         """Calibrate when due and read new records; a device ring only outside CUDA-graph
         captures (records stay in the ring until the next pass)."""
-        with capture_gate.device_work() if getattr(ring, "on_device", False) else _no_gate() as allowed:
+        # a host ring touches no device: no gate, no lock
+        gate = capture_gate.device_work() if getattr(ring, "on_device", False) else contextlib.nullcontext(True)
+        with gate as allowed:
             if not allowed:
                 return (), 0
             if time.monotonic() - self._last_calibration >= self.calibrate_every_s:
@@ -511,16 +514,6 @@ class StepTracker:
         ring, self.ring = self.ring, None
         if ring is not None:
             ring.close()
-
-
-class _no_gate:  # noqa: N801 - a context manager used like capture_gate.device_work()
-    """``with`` block for a host ring: always allowed, no lock."""
-
-    def __enter__(self) -> bool:
-        return True
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def _outside_capture(build: Any, wait_s: float = 600.0) -> Any:
