@@ -4,6 +4,7 @@ host timers, small vocabulary) and the report is one table whose rows the docs e
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -35,6 +36,8 @@ def test_the_device_check_dry_run_passes_and_prints_one_table(tmp_path):
 
 
 def test_the_shell_wrapper_says_it_cannot_run_without_cuda(tmp_path):
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("CuPy is installed here: the wrapper would run the real check")
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
     done = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu", "device_check.sh")], env=env,
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
