@@ -37,8 +37,10 @@ step, not per token. The V1 runner (``_sample``) skips steps with speculative de
 
 Per step: the chosen rows are gathered and reduced on the logits' device *before* the sampler
 runs (it may modify logits in place), and after it one ``(rows, 2k+3)`` transfer brings top-k,
-entropy, non-finite flags and the sampled tokens' log-probs to host. Unchosen requests cost a
-dict lookup. A request's span is emitted when its last token is sampled (``max_tokens`` reached),
+entropy, non-finite flags and the sampled tokens' log-probs to host. That transfer is
+synchronous: on a step with chosen rows the engine's thread waits for the sampler to finish on
+the device. Unchosen requests cost a dict lookup (MRv2: one NumPy gather over the batch while
+any chosen request is live). While a CUDA graph is captured nothing is reduced. A request's span is emitted when its last token is sampled (``max_tokens`` reached),
 when vLLM drops it from ``requests``, or after ``IDLE_FLUSH_S`` without a step for it.
 """
 
@@ -51,12 +53,12 @@ from typing import Any
 
 import numpy as np
 
+from llm_otel.gpu.capture import capture_gate
 from llm_otel.instrumentation.vllm.engine_core import (CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY,
                                                        STEP_CARRIER_ATTR)
 from llm_otel.propagation import context_from_carrier, parse_traceparent
 from llm_otel.telemetry import Telemetry
 from llm_otel.telemetry.spans import emit_logit_dist
-from llm_otel.gpu.capture import capture_gate
 from llm_otel.telemetry.steps import step_parent
 
 IDLE_FLUSH_S = 2.0
