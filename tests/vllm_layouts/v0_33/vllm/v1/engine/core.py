@@ -1,7 +1,10 @@
-# mirrors vllm/v1/engine/core.py (step_with_batch_queue removed; shutdown as in 0.32)
+# mirrors vllm/v1/engine/core.py of vLLM 0.33.0 (parameters checked against tests/contracts/vllm-0.33.0.json)
 class EngineCore:
     def step(self):
         return {}, False
+
+    def step_with_batch_queue(self):
+        return None, False
 
     def shutdown(self):
         pass
