@@ -74,15 +74,17 @@ class Server:
 
 
 def start_server(model: str, log_path: Path, env_extra: dict[str, str], *, fork: bool = False,
-                 served: str = "tiny", args: tuple[str, ...] = (), ready_timeout: float = 300) -> Server:
-    """The OpenAI server under ``opentelemetry-instrument``, in its own process group, ready."""
+                 served: str = "tiny", args: tuple[str, ...] = (), ready_timeout: float = 300,
+                 instrument: bool = True) -> Server:
+    """The OpenAI server under ``opentelemetry-instrument`` (``instrument=False``: plain), in its own
+    process group, ready."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
     env.update(VLLM_ENV)
     env.update(env_extra)
-    instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
+    prefix = [os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")] if instrument else []
     entry = [str(HERE / "vllm_fork_launcher.py")] if fork else ["-m", "vllm.entrypoints.openai.api_server"]
-    cmd = [instrument, sys.executable, *entry, "--model", str(model), "--served-model-name", served,
+    cmd = [*prefix, sys.executable, *entry, "--model", str(model), "--served-model-name", served,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
            "--enforce-eager", *args]
     log = open(log_path, "w")
