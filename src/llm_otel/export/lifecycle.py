@@ -20,9 +20,9 @@ and ``fork`` - a forked child leaves through ``os._exit``, which skips ``atexit`
 takes is lost; nothing else.
 
 :func:`begin_shutdown` starts the deadline and a background flush early, when a process first
-learns that it is going away (vLLM's engine core when its shutdown starts, the frontend when it
-stops its engine processes), so the processes of one server flush concurrently rather than one
-after the other.
+learns that it is going away (vLLM's engine core and workers when their shutdown starts), so the
+processes of one server flush concurrently rather than one after the other, and each marks when it
+is done (:func:`wait_flushed`: the vLLM frontend waits for that, not for the slower teardown).
 
 Fork: components that own threads register :func:`on_fork_child` callbacks (pollers, the signals
 thread), so that an application that forks after ``instrument()`` (gunicorn ``--preload``, Celery

@@ -524,18 +524,18 @@ class VLLMAdapter:
 
     def process_shutdown(self, hook: str):
         """vLLM's process-manager ``shutdown(procs, timeout)``: SIGTERM, then SIGKILL once
-        ``timeout`` seconds have passed (0 under the OpenAI server). This process starts its own
-        flush; when vLLM's timeout is shorter than the flush deadline, the processes it stops are
+        ``timeout`` seconds have passed (0 under the OpenAI server). When vLLM's timeout is shorter
+        than the flush deadline, the processes it stops are
         sent SIGTERM first and vLLM proceeds once each of them (and their workers) has flushed
         its telemetry or exited, at the latest after the deadline. A longer vLLM timeout (``None``
-        means its 5 s) is left alone."""
+        means its 5 s) is left alone. This process's own flush waits for its exit (an offline
+        ``LLM`` collected mid-program stops its engine without ending the program)."""
         window = self.settings.flush_deadline_s
 
         def wrapper(wrapped, instance, args, kwargs):
             try:
-                from llm_otel.export.lifecycle import begin_shutdown, wait_flushed
+                from llm_otel.export.lifecycle import wait_flushed
 
-                begin_shutdown()
                 procs = kwargs.pop("procs", args[0] if args else None)
                 timeout = kwargs.pop("timeout", args[1] if len(args) > 1 else None)
                 if timeout is not None and timeout < window:

@@ -57,7 +57,7 @@ HOOKS: list[Hook] = [
          "ends with the error's class name (AsyncLLM / OpenAI server)"),
     Hook("vllm.v1.engine.utils", "shutdown", "process_shutdown", V1,
          "frontend stops its engine-core processes (SIGTERM, then SIGKILL after `timeout`, 0 under the "
-         "OpenAI server): its flush starts, and they get LLM_OTEL_FLUSH_DEADLINE_S to flush and exit"),
+         "OpenAI server): they get up to LLM_OTEL_FLUSH_DEADLINE_S to flush before vLLM kills them"),
     Hook("vllm.v1.utils", "shutdown", "process_shutdown", V1,
          "the same for the API-server processes started by `vllm serve --api-server-count N`"),
     Hook("vllm.v1.engine.core", "EngineCore.shutdown", "process_exiting", V1,
