@@ -252,3 +252,37 @@ def test_c20_forked_application_child_exports_through_its_own_channel(receiver):
     assert child["attributes"]["child.pid"] != os.getpid()
     peers = {r["peer"] for r in receiver.requests() if r["signal"] == "traces"}
     assert len(peers) >= 2, f"the child must export over its own connection, saw {peers}"
+
+
+def test_a_process_that_may_be_killed_at_its_deadline_reports_before_it(tmp_path, monkeypatch, caplog):
+    """vLLM kills its engine processes soon after SIGTERM: once shutdown began, a process whose
+    collector does not answer says what it could not deliver at its deadline (not only at its
+    final flush, which it may never reach), and marks itself done for the process waiting on it."""
+    import logging
+
+    from llm_otel.export.lifecycle import FLUSH_DIR_ENV, ProcessLifecycle
+
+    hole = _BlackHole()
+    monkeypatch.setenv(FLUSH_DIR_ENV, str(tmp_path))
+    try:
+        settings = Settings(console="off", adaptive_sampling="off")
+        tp, mp = build_providers(settings, env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{hole.port}",
+                                                "OTEL_METRICS_EXPORTER": "none"}, shutdown_on_exit=False)
+        life = ProcessLifecycle("engine_core", deadline_s=0.5)
+        from llm_otel._setup import exporters_of
+
+        life.add(tp, mp, exporters_of(tp))
+        tp.get_tracer("t").start_span("last-step").end()
+        caplog.set_level(logging.WARNING, logger="llm_otel")
+        life.begin()
+        marker = tmp_path / f"{os.getpid()}.flushed"
+        deadline = time.monotonic() + 5
+        while not marker.exists():
+            assert time.monotonic() < deadline, "never marked itself done"
+            time.sleep(0.05)
+        ours = [r.getMessage() for r in caplog.records if "final flush" in r.getMessage()]
+        assert len(ours) == 1 and "engine_core process" in ours[0] and "1 span(s)" in ours[0], ours
+        life.flush()  # the exit path afterwards says nothing more
+        assert len([r for r in caplog.records if "final flush" in r.getMessage()]) == 1
+    finally:
+        hole.close()

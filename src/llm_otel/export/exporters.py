@@ -26,6 +26,7 @@ from the ``OTEL_*`` environment (``export/providers.py``):
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -192,10 +193,15 @@ class ProcessSpanExporter(_PerProcess, SpanExporter):
             logger.debug("llm-otel: could not shorten span %r: %s", span.name, exc)
             return span
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_millis: float | None = None) -> None:
+        """Shut the wrapped exporter down (bounded by ``timeout_millis`` where it takes one: the
+        batch processor passes what is left of its own shutdown time)."""
         if self.disowned or self._pid != os.getpid():
             return
-        self._inner.shutdown()
+        if timeout_millis is not None and "timeout_millis" in inspect.signature(self._inner.shutdown).parameters:
+            self._inner.shutdown(timeout_millis=timeout_millis)
+        else:
+            self._inner.shutdown()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         if self.disowned or self._pid != os.getpid():

@@ -78,6 +78,7 @@ class ProcessLifecycle:
         self._deadline_at: float | None = None
         self._early: threading.Thread | None = None
         self._early_done = False
+        self._reported = False
         self._done = False
         self.flush_seconds: float | None = None
         self.complete: bool | None = None
@@ -145,13 +146,31 @@ class ProcessLifecycle:
     def _early_flush(self) -> None:
         self._run_callbacks(early=True)
         self._early_done = True
+        pusher = _start_thread(self._force_flush, "llm-otel-early-export")
+        if pusher is not None:
+            pusher.join(max(0.0, self._deadline_at - time.monotonic()))
+            if pusher.is_alive():  # the process may be killed any moment now: say it while we can
+                self._report(done=False)
+        _mark("flushed")  # delivered or given up: the parent need not wait any longer
+
+    def _force_flush(self) -> None:
         ms = max(1, int(self.deadline_s * 1000))
         for provider in self.tracer_providers + self.meter_providers:
             try:
                 provider.force_flush(ms)
             except Exception:  # noqa: BLE001
                 logger.debug("llm-otel: early flush failed", exc_info=True)
-        _mark("flushed")
+
+    def _report(self, done: bool) -> None:
+        """One warning per process when telemetry was not delivered."""
+        with _lock:
+            if self._reported:
+                return
+            self._reported = True
+        logger.warning("llm-otel: final flush of the %s process (pid %d) %s; not delivered: %s",
+                       self.role, os.getpid(),
+                       f"gave up after {self.deadline_s:g} s (LLM_OTEL_FLUSH_DEADLINE_S)" if not done
+                       else "finished with export errors", self._undelivered())
 
     def flush(self) -> bool:
         """Run the callbacks, then shut the providers down within what is left of the deadline.
@@ -183,13 +202,10 @@ class ProcessLifecycle:
             worker.join(max(0.0, self._deadline_at - time.monotonic()))
             done = not worker.is_alive()
         self.flush_seconds = time.monotonic() - start
-        self.complete = done and not self._failures()
+        self.complete = done and not self._failures() and not self._reported
         _mark("flushed")
         if not self.complete:
-            logger.warning("llm-otel: final flush of the %s process (pid %d) %s; not delivered: %s",
-                           self.role, os.getpid(),
-                           f"gave up after {self.deadline_s:g} s (LLM_OTEL_FLUSH_DEADLINE_S)" if not done
-                           else "finished with export errors", self._undelivered())
+            self._report(done)
         return self.complete
 
     def _remaining_ms(self) -> int:

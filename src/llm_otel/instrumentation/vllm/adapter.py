@@ -530,7 +530,9 @@ class VLLMAdapter:
         its telemetry or exited, at the latest after the deadline. A longer vLLM timeout (``None``
         means its 5 s) is left alone. This process's own flush waits for its exit (an offline
         ``LLM`` collected mid-program stops its engine without ending the program)."""
-        window = self.settings.flush_deadline_s
+        # their deadlines start a little after our SIGTERM (when their shutdown begins): the margin
+        # lets a process that gives up say so before vLLM kills it
+        window = self.settings.flush_deadline_s + 0.5
 
         def wrapper(wrapped, instance, args, kwargs):
             try:
