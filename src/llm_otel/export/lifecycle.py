@@ -79,6 +79,7 @@ class ProcessLifecycle:
         self._early: threading.Thread | None = None
         self._early_done = False
         self._reported = False
+        self._failed_before: dict[int, int] = {}
         self._done = False
         self.flush_seconds: float | None = None
         self.complete: bool | None = None
@@ -131,6 +132,7 @@ class ProcessLifecycle:
             if self._deadline_at is not None or self._done:
                 return
             self._deadline_at = time.monotonic() + self.deadline_s
+            self._snapshot_failures()
             self._early = _start_thread(self._early_flush, "llm-otel-early-flush")
 
     def _run_callbacks(self, early: bool) -> None:
@@ -182,10 +184,15 @@ class ProcessLifecycle:
             self._done = True
             if self._deadline_at is None:
                 self._deadline_at = time.monotonic() + self.deadline_s
+                self._snapshot_failures()
         start = time.monotonic()
         early = self._early
         if early is not None:  # its callbacks must not run twice nor concurrently with ours
             early.join(max(0.0, self._deadline_at - time.monotonic()))
+            if not early.is_alive() and not self._reported:
+                # the early flush delivered in time; what ended since (vLLM's teardown can outlast
+                # the deadline) gets a deadline of its own: the exit waits for it, not for teardown
+                self._deadline_at = time.monotonic() + self.deadline_s
         for callback, is_early in self._before:
             if is_early and self._early_done:
                 continue
@@ -234,9 +241,17 @@ class ProcessLifecycle:
             except Exception:  # noqa: BLE001
                 logger.debug("llm-otel: meter provider shutdown failed", exc_info=True)
 
+    def _snapshot_failures(self) -> None:
+        # only what fails from now on is this flush's loss; earlier outages were counted and
+        # logged when they happened (llm_otel.spans.dropped)
+        self._failed_before = {id(e): getattr(e, "failed", 0) for e in self.exporters}
+
     def _failures(self) -> int:
-        return sum(getattr(e, "failed", 0) + getattr(e, "in_flight", 0) for e in self.exporters
+        return sum(self._failed(e) + getattr(e, "in_flight", 0) for e in self.exporters
                    if not getattr(e, "disowned", False))
+
+    def _failed(self, exporter) -> int:
+        return max(0, getattr(exporter, "failed", 0) - self._failed_before.get(id(exporter), 0))
 
     def _undelivered(self) -> str:
         queued = 0
@@ -246,10 +261,11 @@ class ProcessLifecycle:
         parts = []
         spans = [e for e in self.exporters if hasattr(e, "max_request_bytes")]
         metrics = [e for e in self.exporters if not hasattr(e, "max_request_bytes")]
-        lost_spans = queued + sum(e.failed + e.in_flight for e in spans)
-        lost_metric_exports = sum(e.failed + e.in_flight for e in metrics)
+        lost_spans = queued + sum(self._failed(e) + e.in_flight for e in spans)
+        lost_metric_exports = sum(self._failed(e) + e.in_flight for e in metrics)
         parts.append(f"{lost_spans} span(s)")
-        parts.append(f"{lost_metric_exports} metric export(s)")
+        if lost_metric_exports or (self.meter_providers and not self.complete):
+            parts.append("the metric points since the last export")
         errors = {e.last_error for e in self.exporters if getattr(e, "last_error", None)}
         endpoints = {e.endpoint for e in self.exporters if getattr(e, "endpoint", "")}
         where = f" to {', '.join(sorted(endpoints))}" if endpoints else ""
