@@ -57,6 +57,7 @@ logger = logging.getLogger("llm_otel")
 
 # the instance id of this process, made once per pid (a forked child gets its own)
 _INSTANCE_IDS: dict[int, str] = {}
+_IDENTITIES: dict[int, dict[str, Any]] = {}  # the last vLLM identity made in this pid
 _API_SERVER_RE = re.compile(r"^ApiServer_(\d+)$")
 _ENGINE_CORE_RE = re.compile(r"^(?:EngineCore|DPEngineCoreActor)(?:_DP(\d+))?$")
 _WORKER_RE = re.compile(r"^VllmWorker-(\d+)$")
@@ -160,6 +161,14 @@ def _vllm_object_on_stack() -> tuple[str, Any, dict] | None:
     return None
 
 
+def vllm_api_server_index(process_name: str | None = None) -> int | None:
+    """*i* of a vLLM API server process ``ApiServer_<i>`` (this process when ``process_name`` is
+    None); None for any other process."""
+    name = multiprocessing.current_process().name if process_name is None else process_name
+    match = _API_SERVER_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
 def _int(value: Any) -> int | None:
     try:
         return None if value is None or isinstance(value, bool) else int(value)
@@ -184,6 +193,15 @@ def _worker_ranks(rank: int | None, vllm_config: Any, why: list[str]) -> tuple[i
     return dp, rank % tp_size, rank // (tp_size * pcp_size)
 
 
+def vllm_dp_rank() -> int | None:
+    """This process's data-parallel rank as its resource gives it (the identity made for its
+    providers, else read now); None when unknown. vLLM labels its own metrics ``engine=<rank>``."""
+    made = _IDENTITIES.get(os.getpid())
+    if made is None:
+        made = vllm_process_identity()
+    return made.get(A.LLM_PROCESS_DATA_PARALLEL_RANK)
+
+
 def vllm_process_identity(role: str | None = None, env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Resource attributes of this vLLM process (see the module table).
 
@@ -191,7 +209,10 @@ def vllm_process_identity(role: str | None = None, env: Mapping[str, str] | None
     recognised as a vLLM engine core or worker, that wins (a Ray actor's multiprocessing name says
     nothing). Unreadable indices are left out with one ``info`` log line. Never raises."""
     try:
-        return _vllm_process_identity(role, env)
+        made = _vllm_process_identity(role, env)
+        _IDENTITIES.clear()
+        _IDENTITIES[os.getpid()] = made
+        return made
     except Exception as exc:  # noqa: BLE001 - identity must never stop the engine process
         logger.warning("llm-otel: process identity incomplete (%s); only role and pid are set", exc)
         return process_identity(role or "frontend", env=env)

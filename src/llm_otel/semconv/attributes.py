@@ -221,8 +221,11 @@ LLM_REQUEST_DEVICE_STEPS = 'llm.request.device_steps'
 LLM_REQUEST_DEVICE_TIME = 'llm.request.device_time'
 """Sum in seconds of the device durations of the engine steps whose batch contained the request (a shared step counts in full for each of its requests). Type: double. Origin: llm-otel."""
 
+LLM_REQUEST_ENGINE_INPUT_WAIT_DURATION = 'llm.request.engine_input_wait.duration'
+"""Seconds from the frontend handing the request to the engine core until the engine core's scheduler queued it (vLLM's QUEUED event) - IPC and the engine core finishing the step it was running before reading its input. The hand-over is stamped on the frontend's clock and QUEUED on the engine's; with llm.request.timing.source = engine_clock_mapped the two clocks differed and this is an estimate. Type: double. Origin: llm-otel."""
+
 LLM_REQUEST_FRONTEND_DURATION = 'llm.request.frontend.duration'
-"""Seconds from arrival at the frontend to entering the scheduler's queue - tokenization, IPC, and waiting for the engine core to finish the step it was running (under load this is where requests wait). Type: double. Origin: llm-otel."""
+"""Seconds of frontend processing - from arrival at the frontend to handing the request to the engine core (tokenization, rendering, API work), both stamped by the frontend on its own clock (vLLM - `EngineCoreRequest.arrival_time` to the end of `OutputProcessor.add_request`). Adapters that cannot stamp the hand-over (LightLLM) report arrival to entering the scheduler's queue. The wait after the hand-over is llm.request.engine_input_wait.duration. Type: double. Origin: llm-otel."""
 
 LLM_REQUEST_ID = 'llm.request.id'
 """The engine's internal request id (vLLM `EngineCoreRequest.request_id`). Type: string. Origin: llm-otel."""
@@ -409,6 +412,7 @@ class LlmRequestTimingSourceValues:
     """Values of llm.request.timing.source."""
     ENGINE_EVENTS = 'engine_events'
     ENGINE_STEPS = 'engine_steps'
+    ENGINE_CLOCK_MAPPED = 'engine_clock_mapped'
 
 
 class LlmSamplingReasonValues:
@@ -536,6 +540,7 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.request.decode.duration': 'double',
     'llm.request.device_steps': 'int',
     'llm.request.device_time': 'double',
+    'llm.request.engine_input_wait.duration': 'double',
     'llm.request.frontend.duration': 'double',
     'llm.request.id': 'string',
     'llm.request.kv_cache.blocks': 'int',

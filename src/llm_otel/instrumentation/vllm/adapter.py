@@ -26,12 +26,14 @@ from typing import Any
 
 from opentelemetry.trace import SpanKind
 
+from llm_otel.export.ports import serving_started
 from llm_otel.instrumentation.vllm.engine_core import CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY, EngineCoreAdapter
 from llm_otel.propagation import carrier_from_span, context_from_carrier, extract_carrier
 from llm_otel.semconv import attributes as A
 from llm_otel.signals import kv_source_for
 from llm_otel.signals.kv import KVSpec
 from llm_otel.telemetry import RequestRecord, Telemetry
+from llm_otel.telemetry.clock import EngineClock
 
 logger = logging.getLogger("llm_otel")
 
@@ -76,7 +78,7 @@ def engine_version() -> str:
 class _EngineState:
     """What we keep per vLLM OutputProcessor: engine facts and the live request records."""
 
-    __slots__ = ("model", "max_logprobs", "vocab_size", "records", "kv", "load_attached", "__weakref__")
+    __slots__ = ("model", "max_logprobs", "vocab_size", "records", "kv", "load_attached", "clock", "__weakref__")
 
     def __init__(self, model: str = "unknown", max_logprobs: int = 20) -> None:
         self.model = model
@@ -85,6 +87,7 @@ class _EngineState:
         self.records: dict[str, RequestRecord] = {}
         self.kv: KVSpec | None = None  # KV geometry from vllm_config (llm_otel.signals)
         self.load_attached = False  # occupancy source handed to the adaptive sampler
+        self.clock = EngineClock()  # the engine core's clock domain vs ours (telemetry/clock.py)
 
 
 class VLLMAdapter:
@@ -189,6 +192,7 @@ class VLLMAdapter:
 
     def engine_core_client(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
+            serving_started()  # this process serves requests: its deferred Prometheus endpoint starts
             if self.settings.vllm_engine_events:
                 try:
                     bound = inspect.signature(wrapped).bind(*args, **kwargs)
@@ -402,7 +406,9 @@ class VLLMAdapter:
             request.sampling_params = ours
         if rec.recording and self.settings.capture_content:
             rec.output_state = output_processor.request_states.get(rid)
+        rec.engine_clock = state.clock
         state.records[rid] = rec
+        rec.on_handed()  # vLLM sends the request to the engine core right after add_request
 
     def _wants_logit_dist(self, rec: RequestRecord) -> bool:
         """Whether to ask the engine for log-probs for this sampled request: the low 56 bits of
@@ -422,7 +428,11 @@ class VLLMAdapter:
             try:
                 outputs = args[0] if args else kwargs["engine_core_outputs"]
                 ts = args[1] if len(args) > 1 else kwargs.get("engine_core_timestamp")
-                pending = self._before_step(state, outputs, time.monotonic() if ts is None else ts)
+                if ts is None:
+                    ts = time.monotonic()
+                else:
+                    state.clock.observe_output(ts, time.monotonic())
+                pending = self._before_step(state, outputs, ts)
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
             result = wrapped(*args, **kwargs)
@@ -449,6 +459,8 @@ class VLLMAdapter:
                 for ev in events:
                     kind = _EVENT_KINDS.get(int(ev.type))
                     if kind is not None:
+                        if kind == "queued" and rec.queued_mono is None and rec.handed_mono is not None:
+                            state.clock.observe_queued(rec.handed_mono, ev.timestamp)
                         rec.on_event(kind, ev.timestamp)
             if rec.cached_tokens is None and out.prefill_stats is not None:
                 rec.cached_tokens = out.prefill_stats.num_cached_tokens

@@ -57,6 +57,9 @@ def register() -> None:
     try:
         if process_role() == "frontend":
             import llm_otel
+            from llm_otel.export.ports import defer_frontend_endpoints
+
+            defer_frontend_endpoints()  # vLLM's launcher may only start API servers: bind when serving
 
             llm_otel.instrument(engines=["vllm"])  # no-op if the application already did
             return

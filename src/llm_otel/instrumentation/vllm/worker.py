@@ -43,6 +43,28 @@ IDLE_FLUSH_S = 2.0
 MAX_STEPS_PER_REQUEST = 1 << 16
 
 
+def owns_sampling_result() -> bool:
+    """True in the worker whose sampler output vLLM returns: tensor-parallel rank 0 (and
+    prefill/decode-context-parallel rank 0) of its group - ``MultiprocExecutor._get_output_rank``
+    returns the first TP worker of the last PP stage, and only the last stage samples. Read from
+    vLLM's process groups (``vllm.distributed.parallel_state``), initialised before the first step;
+    True when they are not (a single-process engine) or cannot be read."""
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        if ps.get_tp_group().rank_in_group != 0:
+            return False
+    except Exception:  # noqa: BLE001 - no process groups: the only rank
+        return True
+    for name in ("get_pcp_group", "get_dcp_group"):  # newer context-parallel groups, when vLLM has them
+        try:
+            if getattr(ps, name)().rank_in_group != 0:
+                return False
+        except Exception:  # noqa: BLE001
+            continue
+    return True
+
+
 class _Stream:
     """One request's logit statistics so far: ``(step, row)`` pairs into the per-step arrays
     (one tuple per step and request on the engine's thread; stacked once, when the span is built)."""
@@ -69,6 +91,7 @@ class WorkerAdapter:
         self._flusher: threading.Thread | None = None
         self._open_steps: dict[int, Any] = {}  # id(model runner) -> StepContext awaiting sample_tokens
         self._torch_cuda: Any = False  # torch.cuda once known to be usable, None when not
+        self._owns_result: bool | None = None  # this rank returns the step's output (read once)
 
     # --- device timing of steps ---------------------------------------------------------------
     def execute_model(self, hook: str):
@@ -174,7 +197,11 @@ class WorkerAdapter:
             try:
                 logits = args[0] if args else kwargs.get("logits")
                 spec = args[1] if len(args) > 1 else kwargs.get("spec_decode_metadata")
-                if logits is not None and spec is None:  # with speculative decoding rows != requests
+                if self._owns_result is None:
+                    self._owns_result = owns_sampling_result()
+                # with speculative decoding rows != requests; with TP every rank samples the same
+                # rows, and only the rank whose output vLLM returns computes the statistics
+                if logits is not None and spec is None and self._owns_result:
                     plan = self._prepare(instance, logits)
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
