@@ -133,7 +133,8 @@ def send(top: Topology, n: int, max_tokens: int = 4, **extra) -> list[dict]:
     """``n`` completions at once, each on its own connection (so the kernel spreads them over the
     API servers sharing the listening socket); returns the response bodies."""
     def one(i: int) -> dict:
-        body = {"model": SERVED, "prompt": f"def f{i}():", "max_tokens": max_tokens, "ignore_eos": True, **extra}
+        body = {"model": SERVED, "prompt": f"def f{i}():", "max_tokens": max_tokens, "ignore_eos": True}
+        body.update(extra)
         with httpx.Client(timeout=120) as client:
             r = client.post(top.base + "/v1/completions", json=body)
         assert r.status_code == 200, r.text
@@ -195,15 +196,17 @@ class TestApiServers:
         top.prom, top.health = prom, health
         receiver.clear()
         top.responses = send(top, self.N)
+        # C15: one request with n=3 choices (one prompt, three outputs)
+        top.n3 = send(top, 1, max_tokens=5, n=3, prompt="def choose():")[0]
         yield top
         print(f"\n[topology api2] per process:\n{summary(receiver, 'topology-api2')}")
         record_received(receiver.spans())
         stop_topology(top)
 
     def test_request_spans_name_the_api_server_that_served_them(self, api2, receiver):
-        roots = wait_until(lambda: (lambda r: r if len(r) >= self.N else None)(
+        roots = wait_until(lambda: (lambda r: r if len(r) >= self.N + 3 else None)(
             [s for s in top_spans(receiver, api2) if s["name"] == f"text_completion {SERVED}"]), what="request spans")
-        assert len(roots) == self.N
+        assert len(roots) == self.N + 3  # a span per choice of the n=3 request
         for s in roots:
             res = s["resource"]
             assert res["llm.process.role"] == "frontend" and res["llm.process.name"] in ("ApiServer_0", "ApiServer_1")
@@ -216,19 +219,39 @@ class TestApiServers:
         assert all(len(v) == 1 for v in by_index.values())  # one process, one identity per index
         assert len({v for vs in by_index.values() for v in vs}) == len(by_index)
 
-    def test_each_api_server_serves_its_own_prometheus_port_and_counts_add_up(self, api2):
-        served = {}
+    @staticmethod
+    def _scrape(api2, prefix: str, label: str = "") -> dict[int, float]:
+        """API-server index -> the sum of the samples starting with ``prefix`` (and holding ``label``)."""
+        out = {}
         for index in (0, 1):
             text = httpx.get(f"http://localhost:{api2.prom - index}/metrics", timeout=10).text
-            served[index] = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                                if line.startswith("gen_ai_server_request_duration_seconds_count"))
-        assert sum(served.values()) == self.N, served
+            out[index] = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                             if line.startswith(prefix) and label in line)
+        return out
+
+    def test_each_api_server_serves_its_own_prometheus_port_and_counts_add_up(self, api2):
+        served = self._scrape(api2, "gen_ai_server_request_duration_seconds_count")
+        assert sum(served.values()) == self.N + 1, served  # the n=3 request is one request
         ports = api2.listening_ports()
         launcher = ports.pop(api2.proc.pid)
         assert not launcher & {api2.prom, api2.prom - 1, api2.prom + 1}  # it serves no request: no port
         owners = {p: pid for pid, listening in ports.items() for p in listening}
         assert owners[api2.prom] != owners[api2.prom - 1]
         assert owners[api2.prom + 1] not in (owners[api2.prom], owners[api2.prom - 1])  # the engine core
+
+    def test_c15_n3_usage_and_request_counts_add_up_to_what_vllm_served(self, api2):
+        usage = [r["usage"] for r in api2.responses] + [api2.n3["usage"]]
+        assert len(api2.n3["choices"]) == 3 and api2.n3["usage"]["completion_tokens"] == 15
+        input_sum = self._scrape(api2, "llm_server_token_usage", 'gen_ai_token_type="input"')
+        # the _sum and _count samples: one input observation per request, prompt counted once
+        sums = self._scrape(api2, "llm_server_token_usage_sum", 'gen_ai_token_type="input"')
+        counts = self._scrape(api2, "llm_server_token_usage_count", 'gen_ai_token_type="input"')
+        assert sum(sums.values()) == sum(u["prompt_tokens"] for u in usage), input_sum
+        assert sum(counts.values()) == self.N + 1
+        out = self._scrape(api2, "llm_server_token_usage_sum", 'gen_ai_token_type="output"')
+        assert sum(out.values()) == sum(u["completion_tokens"] for u in usage)
+        requests = self._scrape(api2, "llm_server_requests")
+        assert sum(requests.values()) == self.N + 1
 
     def test_healthz_per_api_server_that_served_a_request(self, api2, receiver):
         servers = {s["resource"]["llm.process.api_server.index"] for s in top_spans(receiver, api2)

@@ -179,6 +179,12 @@ LLM_LOGIT_TOP_LOGPROBS = 'llm.logit.top_logprobs'
 LLM_LOGIT_TOP_TOKEN_IDS = 'llm.logit.top_token_ids'
 """Vocabulary ids of one step's top-k tokens, most likely first; only with content capture on. Type: int[]. Origin: llm-otel."""
 
+LLM_LORA_BASE_MODEL = 'llm.lora.base_model'
+"""The base model a LoRA adapter was applied to (vLLM's served model name); on spans and, as a bounded dimension, on metrics of LoRA requests. Type: string. Origin: llm-otel."""
+
+LLM_LORA_NAME = 'llm.lora.name'
+"""Name of the LoRA adapter the request used (vLLM `EngineCoreRequest.lora_request.lora_name`, the `--lora-modules` name). On spans always; on metrics the adapter is the gen_ai.request.model dimension, bounded to the first 32 adapters a process serves (further ones are `_OTHER`). Type: string. Origin: llm-otel."""
+
 LLM_PROCESS_API_SERVER_INDEX = 'llm.process.api_server.index'
 """Index of this API server among the frontend processes vLLM's launcher started (`vllm serve --api-server-count N`, process `ApiServer_<index>`, `client_index`); absent when the frontend is the only one (the launcher's own process). Type: int. Origin: llm-otel."""
 
@@ -204,7 +210,7 @@ LLM_PROCESS_TENSOR_PARALLEL_RANK = 'llm.process.tensor_parallel.rank'
 """Tensor-parallel rank of a model worker (vLLM worker rank modulo `tensor_parallel_size`). Type: int. Origin: llm-otel."""
 
 LLM_REQUEST_CHOICE_INDEX = 'llm.request.choice.index'
-"""Index of this choice among the `n` parallel samples of one request (0 when n=1). Type: int. Origin: llm-otel."""
+"""Index of this choice among the `n` parallel samples of one request (0 when n=1). With n > 1 each choice has its own request span (its gen_ai.usage.input_tokens is the shared prompt's, its output tokens its own); request-level metrics count the request once (llm.server.token.usage, llm.server.requests, gen_ai.server.request.duration). Type: int. Origin: llm-otel."""
 
 LLM_REQUEST_CLASS_KEY = 'llm.request.class.key'
 """Which class dimension a collapsed value belonged to (tenant, priority, operation, revision). Type: string. Origin: llm-otel."""
@@ -526,6 +532,8 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.logit.top_k': 'int',
     'llm.logit.top_logprobs': 'double[]',
     'llm.logit.top_token_ids': 'int[]',
+    'llm.lora.base_model': 'string',
+    'llm.lora.name': 'string',
     'llm.process.api_server.index': 'int',
     'llm.process.data_parallel.rank': 'int',
     'llm.process.inherited_instance_id': 'string',

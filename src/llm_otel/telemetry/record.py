@@ -28,6 +28,23 @@ def mono_offset_ns() -> int:
     return time.time_ns() - time.monotonic_ns()
 
 
+class ChoiceGroup:
+    """The ``n`` choices of one request (vLLM ``n > 1``: one child request, and one record, per
+    choice). Per-request metrics (input tokens, the request count and duration) are recorded once,
+    by the choice that finishes last; per-choice ones (output tokens, TTFT, TPOT, ITL) by each."""
+
+    __slots__ = ("n", "left")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.left = n
+
+    def finish_one(self) -> bool:
+        """Count one finished choice; True for the last one."""
+        self.left -= 1
+        return self.left == 0
+
+
 class RequestRecord:
     """Everything known about one request (one choice of it when n>1).
 
@@ -43,7 +60,7 @@ class RequestRecord:
         "finish_reason", "error_type", "error_message", "request_attributes", "choice_index",
         "logprob_rows", "logprob_cap", "user_logprobs",
         "finished", "timing_source", "injected_logprobs", "vocab_size", "output_state",
-        "metric_attributes", "signal_state", "handed_s", "handed_mono", "engine_clock",
+        "metric_attributes", "signal_state", "handed_s", "handed_mono", "engine_clock", "choice_group",
     )
 
     def __init__(
@@ -106,6 +123,7 @@ class RequestRecord:
         self.handed_s: float | None = None
         self.handed_mono: float | None = None
         self.engine_clock = None  # telemetry.clock.EngineClock of the engine core serving it
+        self.choice_group: ChoiceGroup | None = None  # the request's choices when n > 1
 
     # --- hot path ---------------------------------------------------------------------------
     def on_tokens(self, token_ids: list[int], engine_mono: float) -> None:

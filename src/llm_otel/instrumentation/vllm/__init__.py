@@ -48,6 +48,7 @@ from llm_otel.instrumentation._hooks import AppliedHook, apply_hooks, remove_hoo
 from llm_otel.instrumentation.vllm.adapter import VLLMAdapter
 from llm_otel.instrumentation.vllm.hooks import HOOKS
 from llm_otel.instrumentation.vllm.package import _instruments, _instruments_any
+from llm_otel.instrumentation.vllm.ray_handoff import hand_off_environment, restore_environment
 from llm_otel.telemetry import Telemetry
 
 __all__ = ["VLLMInstrumentor", "HOOKS"]
@@ -116,6 +117,8 @@ class VLLMInstrumentor(BaseInstrumentor):
             # the engine-core and worker processes vLLM spawns from here inherit it and instrument
             # themselves through the vllm.general_plugins entry point
             os.environ[plugin.ENABLE_ENV] = "1"
+        # engine cores and workers started as Ray actors get the configuration through vLLM's copy
+        self._ray_env_previous = hand_off_environment()
 
     def _uninstrument(self, **kwargs: Any) -> None:
         from llm_otel.instrumentation.vllm import plugin
@@ -126,6 +129,8 @@ class VLLMInstrumentor(BaseInstrumentor):
             self.adapter.telemetry.signals.stop()  # its thread and /healthz end with the hooks
         self.adapter = None
         self._pending = None
+        restore_environment(getattr(self, "_ray_env_previous", None))
+        self._ray_env_previous = None
         if getattr(self, "_set_enable_env", False):
             os.environ.pop(plugin.ENABLE_ENV, None)
             self._set_enable_env = False
