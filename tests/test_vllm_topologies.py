@@ -26,7 +26,7 @@ import sys
 import time
 
 import pytest
-from conftest import HAS_VLLM, VLLM_ENV, record_received
+from conftest import HAS_VLLM, VLLM_ENV, record_received, wait_for_vllm_server
 
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")]
 
@@ -102,19 +102,7 @@ def start_topology(name: str, tiny_model, receiver, tmp_path_factory, args: list
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 420
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"{name}: vllm serve exited with {proc.returncode}:\n{log_path.read_text()[-5000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"{name}: not ready in 420 s:\n{log_path.read_text()[-5000:]}")
-        time.sleep(1)
+    wait_for_vllm_server(proc, base, log_path, 420, f"vllm serve ({name})")
     top = Topology(name, proc, base, log_path, time.monotonic() - t0, env)
     print(f"\n[topology {name}] start-up {top.start_s:.1f} s; processes: {top.processes()}")
     return top
@@ -129,8 +117,8 @@ def stop_topology(top: Topology) -> None:
         top.proc.wait()
 
 
-def send(top: Topology, n: int, max_tokens: int = 4, **extra) -> list[dict]:
-    """``n`` completions at once, each on its own connection (so the kernel spreads them over the
+def send(top: Topology, count: int, max_tokens: int = 4, **extra) -> list[dict]:
+    """``count`` completions at once, each on its own connection (so the kernel spreads them over the
     API servers sharing the listening socket); returns the response bodies."""
     def one(i: int) -> dict:
         body = {"model": SERVED, "prompt": f"def f{i}():", "max_tokens": max_tokens, "ignore_eos": True}
@@ -140,8 +128,8 @@ def send(top: Topology, n: int, max_tokens: int = 4, **extra) -> list[dict]:
         assert r.status_code == 200, r.text
         return r.json()
 
-    with concurrent.futures.ThreadPoolExecutor(n) as pool:
-        return list(pool.map(one, range(n)))
+    with concurrent.futures.ThreadPoolExecutor(count) as pool:
+        return list(pool.map(one, range(count)))
 
 
 def identity(resource: dict) -> tuple:
