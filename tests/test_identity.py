@@ -125,10 +125,12 @@ def test_main_process_frontend_has_no_index():
 vllm = pytest.importorskip("vllm")
 
 
-def test_ray_style_worker_found_through_vllms_worker_wrapper():
+def test_ray_style_worker_found_through_vllms_worker_wrapper(monkeypatch):
     """A Ray actor's multiprocessing name is ``MainProcess``: the identity comes from vLLM's real
     ``WorkerWrapperBase`` calling ``load_general_plugins`` from ``init_worker``."""
     from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    monkeypatch.setattr(identity, "in_ray_worker", lambda: True)  # tests/test_ray.py: the real detection
 
     class Probe(WorkerWrapperBase):
         def init_worker(self, all_kwargs):  # same locals as vLLM's (kwargs = all_kwargs[self.rpc_rank])
@@ -138,12 +140,15 @@ def test_ray_style_worker_found_through_vllms_worker_wrapper():
 
     wrapper = Probe(rpc_rank=0, global_rank=0)
     got = wrapper.init_worker([{"rank": 5, "vllm_config": _parallel(tp=4, pp=2)}])
-    assert got["llm.process.role"] == "worker"
+    assert got["llm.process.role"] == "worker" and got["llm.process.ray"] is True
+    assert got["llm.process.name"] == "RayWorkerWrapper"
     assert (got["llm.process.tensor_parallel.rank"], got["llm.process.pipeline_parallel.rank"]) == (1, 1)
 
 
-def test_ray_style_engine_core_found_through_vllms_engine_core():
+def test_ray_style_engine_core_found_through_vllms_engine_core(monkeypatch):
     from vllm.v1.engine.core import EngineCore
+
+    monkeypatch.setattr(identity, "in_ray_worker", lambda: True)
 
     class Probe(EngineCore):
         def __init__(self, vllm_config):  # EngineCore.__init__ loads the plugins first thing
@@ -154,6 +159,9 @@ def test_ray_style_engine_core_found_through_vllms_engine_core():
     config.parallel_config.data_parallel_index = 1  # EngineCoreActorMixin sets it before EngineCore.__init__
     got = Probe(config).got
     assert got["llm.process.role"] == "engine_core" and got["llm.process.data_parallel.rank"] == 1
+    assert got["llm.process.name"] == "DPEngineCoreActor_DP1"
+    monkeypatch.setattr(identity, "in_ray_worker", lambda: False)  # an engine core inside the frontend
+    assert Probe(config).got["llm.process.role"] == "frontend"
 
 
 def test_identity_never_raises(monkeypatch, caplog):

@@ -226,8 +226,10 @@ def current_process_identity(role: str | None = None, env: Mapping[str, str] | N
 
 
 def vllm_stack_role() -> str | None:
-    """``engine_core`` / ``worker`` when a vLLM ``EngineCore`` / ``WorkerWrapperBase`` up the
-    calling stack is loading the plugins (a Ray actor, whose process name says nothing), else None."""
+    """In a Ray actor (whose process name says nothing): ``engine_core`` / ``worker`` when a vLLM
+    ``EngineCore`` / ``WorkerWrapperBase`` up the calling stack is loading the plugins; else None."""
+    if not in_ray_worker():  # elsewhere the process name tells (an in-process engine core is the frontend's)
+        return None
     try:
         found = _vllm_object_on_stack()
     except Exception:  # noqa: BLE001
@@ -245,7 +247,9 @@ def _vllm_process_identity(role: str | None, env: Mapping[str, str] | None) -> d
     match_api = _API_SERVER_RE.match(name)
     match_core = _ENGINE_CORE_RE.match(name)
     match_worker = _WORKER_RE.match(name)
-    found = None if (match_api or match_core or match_worker) else _vllm_object_on_stack()
+    # a Ray actor is no multiprocessing child: the vLLM object loading the plugins says what it is.
+    # Only there - an engine core vLLM runs inside the frontend's process is part of the frontend
+    found = None if (match_api or match_core or match_worker or not ray) else _vllm_object_on_stack()
     if match_api:
         role = "frontend"
         api = int(match_api.group(1))
@@ -257,7 +261,7 @@ def _vllm_process_identity(role: str | None, env: Mapping[str, str] | None) -> d
     elif match_worker:
         role = "worker"
         dp, tp, pp = _worker_ranks(_int(kwargs.get("rank", match_worker.group(1))), kwargs.get("vllm_config"), why)
-    elif found is not None:  # a Ray actor or an in-process engine core / worker
+    elif found is not None:  # a Ray actor: an engine core or a worker
         role, owner, local = found
         config = getattr(owner, "vllm_config", None)
         parallel = getattr(config, "parallel_config", None)
