@@ -36,3 +36,18 @@ def test_c15_n_choices_count_the_prompt_and_the_request_once():
     # each choice keeps its own span with the prompt it consumed and its index
     roots = [s for s in cap.finished() if s.name == "text_completion tiny"]
     assert sorted(s.attributes["llm.request.choice.index"] for s in roots) == [0, 1, 2]
+
+
+def test_c22_lora_metric_dimension_is_bounded_per_process(caplog):
+    import logging
+
+    from llm_otel.instrumentation.vllm.adapter import MAX_LORA_NAMES, VLLMAdapter
+
+    adapter = VLLMAdapter(make_captured().telemetry)
+    names = [f"adapter-{i}" for i in range(MAX_LORA_NAMES + 3)]
+    with caplog.at_level(logging.WARNING, logger="llm_otel"):
+        got = [adapter._lora_metric_name(n) for n in names]
+    assert got[:MAX_LORA_NAMES] == names[:MAX_LORA_NAMES]
+    assert got[MAX_LORA_NAMES:] == ["_OTHER"] * 3
+    assert adapter._lora_metric_name("adapter-0") == "adapter-0"  # known names keep their series
+    assert caplog.text.count("LoRA adapters served") == 1

@@ -93,6 +93,15 @@ def test_workers_get_tp_and_pp_rank_from_their_rank_and_the_parallel_config():
     assert got["llm.process.name"] == "VllmWorker-3"
 
 
+def test_dense_dp_worker_reads_the_dp_index_not_its_process_group_rank():
+    """vLLM runs dense-model DP engines as independent engines: their workers' process-group DP
+    rank is 0, ``data_parallel_index`` keeps the engine's rank (vllm/v1/engine/core.py:1472)."""
+    config = _parallel(dp=1, dp_rank=0)
+    config.parallel_config.data_parallel_index = 1
+    got = _identity_of_child("VllmWorker-0", {"rank": 0, "vllm_config": config})
+    assert got["llm.process.data_parallel.rank"] == 1
+
+
 def test_worker_identity_survives_spawn():
     """vLLM on CPU spawns: the child's Process object (and its kwargs) is unpickled from the parent's."""
     got = _identity_of_child("VllmWorker-1", {"rank": 1, "vllm_config": _parallel(tp=2)}, method="spawn")

@@ -2,9 +2,10 @@
 tensor parallelism, each topology started once (class-scoped, torn down before the next starts),
 zero-code (``LLM_OTEL_ENABLED=1``), exporting to the test's OTLP receiver.
 
-* ``--api-server-count 2``: the ``vllm serve`` launcher (tests/vllm_serve_launcher.py) starts two
-  API servers (``ApiServer_0/1``), one engine core and one worker. Prometheus: each API server on
-  its own port (base - index), the launcher none; the per-process request counts add up.
+* ``--api-server-count 2`` (with a LoRA adapter): the ``vllm serve`` launcher
+  (tests/vllm_serve_launcher.py) starts two API servers (``ApiServer_0/1``), one engine core and
+  one worker. Prometheus: each API server on its own port (base - index), the launcher none; the
+  per-process request counts add up, with ``n=3`` (C15) and a LoRA request (C22).
 * ``--data-parallel-size 2``: two API servers (vLLM's default for DP), two engine cores
   (``EngineCore_DP0/1``), two workers; OTLP metrics from all of them (C14).
 * ``--tensor-parallel-size 2``: one engine core, two workers (TP ranks 0 and 1); one
@@ -27,6 +28,7 @@ import time
 
 import pytest
 from conftest import HAS_VLLM, VLLM_ENV, record_received, wait_for_vllm_server
+from tiny_lora import ensure_tiny_lora
 
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")]
 
@@ -143,16 +145,27 @@ def summary(receiver, service: str) -> str:
     for s in receiver.spans():
         if s["resource"].get("service.name") == service:
             spans[(identity(s["resource"]), s["resource"].get("process.pid"))][s["name"]] += 1
-    for m in receiver.metrics(latest=True):
-        if m["resource"].get("service.name") == service:
-            series[(identity(m["resource"]), m["resource"].get("process.pid"))].add(
-                (m["name"], tuple(sorted(m["attributes"].items()))))
+    for m in latest_points(receiver, service):
+        series[(identity(m["resource"]), m["resource"].get("process.pid"))].add(
+            (m["name"], tuple(sorted(m["attributes"].items()))))
     lines = []
     for key in sorted(set(spans) | set(series), key=str):
         names = collections.Counter(name for name, _ in series.get(key, ()))
         lines.append(f"  {dict(zip(IDENTITY_KEYS, key[0]))} pid={key[1]}: spans {dict(spans.get(key, {}))}; "
                      f"metric series {len(series.get(key, ()))} {dict(names)}")
     return "\n".join(lines)
+
+
+def latest_points(receiver, service: str) -> list[dict]:
+    """The latest point of every series of ``service``, a series being (resource identity, metric,
+    attributes): the receiver's own ``latest`` view keys by metric and attributes only, which is
+    the collision C14 is about."""
+    latest = {}
+    for m in receiver.metrics(latest=False):
+        if m["resource"].get("service.name") == service:
+            key = (m["resource"].get("service.instance.id"), m["name"], tuple(sorted(m["attributes"].items())))
+            latest[key] = m
+    return list(latest.values())
 
 
 def top_spans(receiver, top) -> list[dict]:
@@ -171,25 +184,31 @@ def wait_until(predicate, timeout: float = 30.0, what: str = "condition"):
 
 
 # --- several API servers ----------------------------------------------------------------------
+@pytest.fixture(scope="class")
+def api2(tiny_model, receiver, tmp_path_factory):
+    prom = _free_port(neighbours=2)
+    health = _free_port(neighbours=2)
+    lora = ensure_tiny_lora(tiny_model, tmp_path_factory.mktemp("lora") / "sql")
+    args = ["--api-server-count", "2", "--enable-lora", "--lora-modules", f"sql={lora}", "--max-lora-rank", "8",
+            "--max-loras", "1"]
+    top = start_topology("api2", tiny_model, receiver, tmp_path_factory, args, {
+        "OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_PORT": str(prom),
+        "LLM_OTEL_HEALTH_PORT": str(health), "LLM_OTEL_HEALTH_WARMUP_S": "0", "LLM_OTEL_LOGIT_DIST_RATIO": "0"})
+    top.prom, top.health = prom, health
+    receiver.clear()
+    top.responses = send(top, TestApiServers.N)
+    # C15: one request with n=3 choices (one prompt, three outputs)
+    top.n3 = send(top, 1, max_tokens=5, n=3, prompt="def choose():")[0]
+    # C22: one request to the LoRA adapter
+    top.lora = send(top, 1, max_tokens=4, model="sql", prompt="select")[0]
+    yield top
+    print(f"\n[topology api2] per process:\n{summary(receiver, 'topology-api2')}")
+    record_received(receiver.spans())
+    stop_topology(top)
+
+
 class TestApiServers:
     N = 8
-
-    @pytest.fixture(scope="class")
-    def api2(self, tiny_model, receiver, tmp_path_factory):
-        prom = _free_port(neighbours=2)
-        health = _free_port(neighbours=2)
-        top = start_topology("api2", tiny_model, receiver, tmp_path_factory, ["--api-server-count", "2"], {
-            "OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_PORT": str(prom),
-            "LLM_OTEL_HEALTH_PORT": str(health), "LLM_OTEL_HEALTH_WARMUP_S": "0", "LLM_OTEL_LOGIT_DIST_RATIO": "0"})
-        top.prom, top.health = prom, health
-        receiver.clear()
-        top.responses = send(top, self.N)
-        # C15: one request with n=3 choices (one prompt, three outputs)
-        top.n3 = send(top, 1, max_tokens=5, n=3, prompt="def choose():")[0]
-        yield top
-        print(f"\n[topology api2] per process:\n{summary(receiver, 'topology-api2')}")
-        record_received(receiver.spans())
-        stop_topology(top)
 
     def test_request_spans_name_the_api_server_that_served_them(self, api2, receiver):
         roots = wait_until(lambda: (lambda r: r if len(r) >= self.N + 3 else None)(
@@ -219,7 +238,7 @@ class TestApiServers:
 
     def test_each_api_server_serves_its_own_prometheus_port_and_counts_add_up(self, api2):
         served = self._scrape(api2, "gen_ai_server_request_duration_seconds_count")
-        assert sum(served.values()) == self.N + 1, served  # the n=3 request is one request
+        assert sum(served.values()) == self.N + 2, served  # the n=3 request is one request; + the LoRA one
         ports = api2.listening_ports()
         launcher = ports.pop(api2.proc.pid)
         assert not launcher & {api2.prom, api2.prom - 1, api2.prom + 1}  # it serves no request: no port
@@ -228,18 +247,32 @@ class TestApiServers:
         assert owners[api2.prom + 1] not in (owners[api2.prom], owners[api2.prom - 1])  # the engine core
 
     def test_c15_n3_usage_and_request_counts_add_up_to_what_vllm_served(self, api2):
-        usage = [r["usage"] for r in api2.responses] + [api2.n3["usage"]]
+        usage = [r["usage"] for r in api2.responses] + [api2.n3["usage"], api2.lora["usage"]]
         assert len(api2.n3["choices"]) == 3 and api2.n3["usage"]["completion_tokens"] == 15
         input_sum = self._scrape(api2, "llm_server_token_usage", 'gen_ai_token_type="input"')
         # the _sum and _count samples: one input observation per request, prompt counted once
         sums = self._scrape(api2, "llm_server_token_usage_sum", 'gen_ai_token_type="input"')
         counts = self._scrape(api2, "llm_server_token_usage_count", 'gen_ai_token_type="input"')
         assert sum(sums.values()) == sum(u["prompt_tokens"] for u in usage), input_sum
-        assert sum(counts.values()) == self.N + 1
+        assert sum(counts.values()) == self.N + 2
         out = self._scrape(api2, "llm_server_token_usage_sum", 'gen_ai_token_type="output"')
         assert sum(out.values()) == sum(u["completion_tokens"] for u in usage)
         requests = self._scrape(api2, "llm_server_requests")
-        assert sum(requests.values()) == self.N + 1
+        assert sum(requests.values()) == self.N + 2
+
+    def test_c22_lora_request_names_the_adapter_and_keeps_the_base_model(self, api2, receiver):
+        assert api2.lora["model"] == "sql"
+        (span,) = wait_until(lambda: [s for s in top_spans(receiver, api2) if s["name"] == "text_completion sql"]
+                             or None, what="the LoRA request's span")
+        a = span["attributes"]
+        assert a["gen_ai.request.model"] == "sql" and a["llm.lora.name"] == "sql"
+        assert a["llm.lora.base_model"] == SERVED
+        assert a["gen_ai.usage.input_tokens"] == api2.lora["usage"]["prompt_tokens"]
+        label = 'gen_ai_request_model="sql"'
+        counts = self._scrape(api2, "gen_ai_server_request_duration_seconds_count", label)
+        assert sum(counts.values()) == 1
+        base = self._scrape(api2, "gen_ai_server_request_duration_seconds_count", f'llm_lora_base_model="{SERVED}"')
+        assert sum(base.values()) == 1
 
     def test_healthz_per_api_server_that_served_a_request(self, api2, receiver):
         servers = {s["resource"]["llm.process.api_server.index"] for s in top_spans(receiver, api2)
@@ -250,22 +283,23 @@ class TestApiServers:
 
 
 # --- data parallelism -------------------------------------------------------------------------
+@pytest.fixture(scope="class")
+def dp2(tiny_model, receiver, tmp_path_factory):
+    top = start_topology("dp2", tiny_model, receiver, tmp_path_factory, ["--data-parallel-size", "2"],
+                         {"LLM_OTEL_LOGIT_DIST_RATIO": "0"})
+    receiver.clear()
+    top.responses = send(top, TestDataParallel.N)
+    yield top
+    print(f"\n[topology dp2] per process:\n{summary(receiver, 'topology-dp2')}")
+    record_received(receiver.spans())
+    stop_topology(top)
+
+
 class TestDataParallel:
     N = 8
 
-    @pytest.fixture(scope="class")
-    def dp2(self, tiny_model, receiver, tmp_path_factory):
-        top = start_topology("dp2", tiny_model, receiver, tmp_path_factory, ["--data-parallel-size", "2"],
-                             {"LLM_OTEL_LOGIT_DIST_RATIO": "0"})
-        receiver.clear()
-        top.responses = send(top, self.N)
-        yield top
-        print(f"\n[topology dp2] per process:\n{summary(receiver, 'topology-dp2')}")
-        record_received(receiver.spans())
-        stop_topology(top)
-
     def _points(self, receiver):
-        return [m for m in receiver.metrics(latest=True) if m["resource"].get("service.name") == "topology-dp2"]
+        return latest_points(receiver, "topology-dp2")
 
     def test_c14_every_metric_point_is_attributable_to_one_process(self, dp2, receiver):
         def ready():
@@ -310,27 +344,31 @@ class TestDataParallel:
             assert s["resource"]["llm.process.name"] == f"EngineCore_DP{s['resource']['llm.process.data_parallel.rank']}"
         workers = [s for s in top_spans(receiver, dp2) if s["resource"].get("llm.process.role") == "worker"]
         for s in workers:
-            assert s["resource"]["llm.process.data_parallel.rank"] in (0, 1)
             assert s["resource"]["llm.process.tensor_parallel.rank"] == 0
+        # each engine core's worker carries that engine's DP rank (not its process group's 0)
+        core_ranks = {s["resource"]["llm.process.data_parallel.rank"] for s in steps}
+        worker_ranks = {s["resource"]["llm.process.data_parallel.rank"] for s in workers}
+        assert worker_ranks == core_ranks and len({s["resource"]["process.pid"] for s in workers}) == len(worker_ranks)
 
 
 # --- tensor parallelism -----------------------------------------------------------------------
+@pytest.fixture(scope="class")
+def tp2(tiny_model, receiver, tmp_path_factory):
+    # two CPU workers on one NUMA node: vLLM's automatic thread binding refuses ("Not enough
+    # allowed NUMA nodes"), so each worker gets one core by hand (vllm/utils/ompmultiprocessing.py)
+    top = start_topology("tp2", tiny_model, receiver, tmp_path_factory, ["--tensor-parallel-size", "2"],
+                         {"LLM_OTEL_LOGIT_DIST_RATIO": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+                          "OTEL_METRICS_EXPORTER": "none"})
+    receiver.clear()
+    top.responses = send(top, TestTensorParallel.N, max_tokens=6)
+    yield top
+    print(f"\n[topology tp2] per process:\n{summary(receiver, 'topology-tp2')}")
+    record_received(receiver.spans())
+    stop_topology(top)
+
+
 class TestTensorParallel:
     N = 3
-
-    @pytest.fixture(scope="class")
-    def tp2(self, tiny_model, receiver, tmp_path_factory):
-        # two CPU workers on one NUMA node: vLLM's automatic thread binding refuses ("Not enough
-        # allowed NUMA nodes"), so each worker gets one core by hand (vllm/utils/ompmultiprocessing.py)
-        top = start_topology("tp2", tiny_model, receiver, tmp_path_factory, ["--tensor-parallel-size", "2"],
-                             {"LLM_OTEL_LOGIT_DIST_RATIO": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1",
-                              "OTEL_METRICS_EXPORTER": "none"})
-        receiver.clear()
-        top.responses = send(top, self.N, max_tokens=6)
-        yield top
-        print(f"\n[topology tp2] per process:\n{summary(receiver, 'topology-tp2')}")
-        record_received(receiver.spans())
-        stop_topology(top)
 
     def test_one_logit_dist_per_request_from_tp_rank_0(self, tp2, receiver):
         roots = wait_until(lambda: (lambda r: r if len(r) >= self.N else None)(

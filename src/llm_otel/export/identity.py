@@ -21,7 +21,7 @@ attribute                                   where it comes from
                                             ``EngineCore_DP1``, ``VllmWorker-3``) or Ray actor class + rank
 ``llm.process.api_server.index``            ``ApiServer_<i>`` (``vllm.v1.utils.APIServerProcessManager``)
 ``llm.process.data_parallel.rank``          engine core: ``dp_rank`` of ``EngineCoreProc.run_engine_core``
-                                            / the Ray actor; worker: ``ParallelConfig.data_parallel_rank``
+                                            / the Ray actor; worker: ``ParallelConfig.data_parallel_index``
 ``llm.process.tensor_parallel.rank``,       worker: its global ``rank`` (``WorkerProc`` / ``rpc_rank``)
 ``llm.process.pipeline_parallel.rank``      with ``tensor_parallel_size`` x ``prefill_context_parallel_size``
 ``llm.process.ray``                         this process is a Ray worker process (``ray`` imported and its
@@ -184,7 +184,11 @@ def _worker_ranks(rank: int | None, vllm_config: Any, why: list[str]) -> tuple[i
     if parallel is None:
         why.append("no vllm_config.parallel_config")
         return None, None, None
-    dp = _int(getattr(parallel, "data_parallel_rank", None))
+    # data_parallel_index: vLLM's DP rank even for dense models, whose independent engines each
+    # run with data_parallel_rank 0 in their process groups (vllm/config/parallel.py)
+    dp = _int(getattr(parallel, "data_parallel_index", None))
+    if dp is None:
+        dp = _int(getattr(parallel, "data_parallel_rank", None))
     tp_size = _int(getattr(parallel, "tensor_parallel_size", None))
     pcp_size = _int(getattr(parallel, "prefill_context_parallel_size", 1)) or 1
     if rank is None or not tp_size:
