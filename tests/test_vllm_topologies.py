@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import os
 import signal
 import socket
@@ -110,6 +111,20 @@ def start_topology(name: str, tiny_model, receiver, tmp_path_factory, args: list
     return top
 
 
+@contextlib.contextmanager
+def running(name: str, tiny_model, receiver, tmp_path_factory, args: list[str], env_extra: dict):
+    """The topology, started, with the receiver cleared; at exit the per-process summary is
+    printed, the received spans go to the live semconv check and the topology is stopped."""
+    top = start_topology(name, tiny_model, receiver, tmp_path_factory, args, env_extra)
+    receiver.clear()
+    try:
+        yield top
+    finally:
+        print(f"\n[topology {name}] per process:\n{summary(receiver, f'topology-{name}')}")
+        record_received(receiver.spans())
+        stop_topology(top)
+
+
 def stop_topology(top: Topology) -> None:
     os.killpg(top.proc.pid, signal.SIGTERM)
     try:
@@ -191,20 +206,16 @@ def api2(tiny_model, receiver, tmp_path_factory):
     lora = ensure_tiny_lora(tiny_model, tmp_path_factory.mktemp("lora") / "sql")
     args = ["--api-server-count", "2", "--enable-lora", "--lora-modules", f"sql={lora}", "--max-lora-rank", "8",
             "--max-loras", "1"]
-    top = start_topology("api2", tiny_model, receiver, tmp_path_factory, args, {
-        "OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_PORT": str(prom),
-        "LLM_OTEL_HEALTH_PORT": str(health), "LLM_OTEL_HEALTH_WARMUP_S": "0", "LLM_OTEL_LOGIT_DIST_RATIO": "0"})
-    top.prom, top.health = prom, health
-    receiver.clear()
-    top.responses = send(top, TestApiServers.N)
-    # C15: one request with n=3 choices (one prompt, three outputs)
-    top.n3 = send(top, 1, max_tokens=5, n=3, prompt="def choose():")[0]
-    # C22: one request to the LoRA adapter
-    top.lora = send(top, 1, max_tokens=4, model="sql", prompt="select")[0]
-    yield top
-    print(f"\n[topology api2] per process:\n{summary(receiver, 'topology-api2')}")
-    record_received(receiver.spans())
-    stop_topology(top)
+    env = {"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_PORT": str(prom),
+           "LLM_OTEL_HEALTH_PORT": str(health), "LLM_OTEL_HEALTH_WARMUP_S": "0", "LLM_OTEL_LOGIT_DIST_RATIO": "0"}
+    with running("api2", tiny_model, receiver, tmp_path_factory, args, env) as top:
+        top.prom, top.health = prom, health
+        top.responses = send(top, TestApiServers.N)
+        # C15: one request with n=3 choices (one prompt, three outputs)
+        top.n3 = send(top, 1, max_tokens=5, n=3, prompt="def choose():")[0]
+        # C22: one request to the LoRA adapter
+        top.lora = send(top, 1, max_tokens=4, model="sql", prompt="select")[0]
+        yield top
 
 
 class TestApiServers:
@@ -285,14 +296,10 @@ class TestApiServers:
 # --- data parallelism -------------------------------------------------------------------------
 @pytest.fixture(scope="class")
 def dp2(tiny_model, receiver, tmp_path_factory):
-    top = start_topology("dp2", tiny_model, receiver, tmp_path_factory, ["--data-parallel-size", "2"],
-                         {"LLM_OTEL_LOGIT_DIST_RATIO": "0"})
-    receiver.clear()
-    top.responses = send(top, TestDataParallel.N)
-    yield top
-    print(f"\n[topology dp2] per process:\n{summary(receiver, 'topology-dp2')}")
-    record_received(receiver.spans())
-    stop_topology(top)
+    with running("dp2", tiny_model, receiver, tmp_path_factory, ["--data-parallel-size", "2"],
+                 {"LLM_OTEL_LOGIT_DIST_RATIO": "0"}) as top:
+        top.responses = send(top, TestDataParallel.N)
+        yield top
 
 
 class TestDataParallel:
@@ -356,15 +363,11 @@ class TestDataParallel:
 def tp2(tiny_model, receiver, tmp_path_factory):
     # two CPU workers on one NUMA node: vLLM's automatic thread binding refuses ("Not enough
     # allowed NUMA nodes"), so each worker gets one core by hand (vllm/utils/ompmultiprocessing.py)
-    top = start_topology("tp2", tiny_model, receiver, tmp_path_factory, ["--tensor-parallel-size", "2"],
-                         {"LLM_OTEL_LOGIT_DIST_RATIO": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1",
-                          "OTEL_METRICS_EXPORTER": "none"})
-    receiver.clear()
-    top.responses = send(top, TestTensorParallel.N, max_tokens=6)
-    yield top
-    print(f"\n[topology tp2] per process:\n{summary(receiver, 'topology-tp2')}")
-    record_received(receiver.spans())
-    stop_topology(top)
+    with running("tp2", tiny_model, receiver, tmp_path_factory, ["--tensor-parallel-size", "2"],
+                 {"LLM_OTEL_LOGIT_DIST_RATIO": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+                  "OTEL_METRICS_EXPORTER": "none"}) as top:
+        top.responses = send(top, TestTensorParallel.N, max_tokens=6)
+        yield top
 
 
 class TestTensorParallel:
