@@ -56,15 +56,15 @@ def test_api_server_index_from_vllms_process_name():
 
 def test_deferred_frontend_endpoint_starts_only_when_the_process_serves():
     started = []
-    assert ports.start_frontend_endpoint(lambda: started.append(1) or True) is True  # not deferred: now
+    assert ports.when_serving(lambda: started.append(1) or True) is True  # not deferred: now
     ports.defer_frontend_endpoints()
-    assert ports.start_frontend_endpoint(lambda: started.append(2) or True) is None
+    assert ports.when_serving(lambda: started.append(2) or True) is None
     assert started == [1]
     ports.serving_started()
     assert started == [1, 2]
     ports.serving_started()  # idempotent
     assert started == [1, 2]
-    assert ports.start_frontend_endpoint(lambda: started.append(3) or True) is True  # serving: at once
+    assert ports.when_serving(lambda: started.append(3) or True) is True  # serving: at once
 
 
 def test_deferred_prometheus_reader_binds_its_api_server_port_when_serving(monkeypatch):

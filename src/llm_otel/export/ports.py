@@ -22,7 +22,8 @@ API servers count down from the base and engine cores up from it, so neither dep
 of the other there are (a process knows only its own index), and ``LLM_OTEL_HEALTH_PORT=0`` still
 means "a free port" in every process.
 
-*When*: a vLLM frontend process binds its Prometheus port when it creates its engine client
+*When*: a vLLM frontend process binds its Prometheus port (and starts reporting the sampling
+probability, the one gauge a frontend has before any request) when it creates its engine client
 (``EngineCoreClient.make_client`` / ``make_async_mp_client``), i.e. when it is known to serve
 requests: vLLM's launcher loads the plugins (and so builds our providers) while it parses its
 command line, before it knows whether it will serve or only start API servers. Everywhere else
@@ -99,15 +100,16 @@ def scheme(prometheus_base: int | None, api_servers: int = 1, dp_size: int = 1, 
 
 
 def defer_frontend_endpoints() -> None:
-    """From now on, frontend endpoints of this process start at :func:`serving_started` (set by
-    the vLLM plugin in vLLM's own frontend processes, before it builds their providers)."""
+    """From now on, :func:`when_serving` work of this process (its endpoints, the sampling gauge)
+    waits for :func:`serving_started` (set by the vLLM plugin in vLLM's own frontend processes,
+    before it builds their providers)."""
     global _defer_frontend
     _defer_frontend = True
 
 
-def start_frontend_endpoint(start: Callable[[], bool]) -> bool | None:
+def when_serving(start: Callable[[], bool]) -> bool | None:
     """Run ``start`` now and return its result, or keep it for when this process starts serving
-    (frontend endpoints deferred) and return None."""
+    (frontend work deferred: its endpoints, the gauges only a serving frontend has) and return None."""
     with _lock:
         if _defer_frontend and not _serving:
             _pending.append(start)

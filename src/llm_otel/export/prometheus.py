@@ -79,9 +79,9 @@ def prometheus_port(env: Mapping[str, str], role: str, process_name: str | None 
 def prometheus_reader(env: Mapping[str, str], role: str):
     """This process's metric reader with its endpoint started, or None (worker role, or the port is
     busy: logged). A vLLM frontend's endpoint starts once it serves requests
-    (:func:`llm_otel.export.ports.start_frontend_endpoint`); until then the reader collects
+    (:func:`llm_otel.export.ports.when_serving`); until then the reader collects
     nothing. Raises ConfigError for a bad port variable."""
-    from llm_otel.export.ports import start_frontend_endpoint
+    from llm_otel.export.ports import when_serving
 
     port = prometheus_port(env, role)
     if port is None:
@@ -100,7 +100,7 @@ def prometheus_reader(env: Mapping[str, str], role: str):
         logger.info("llm-otel: Prometheus metrics of this %s process on http://%s:%d/metrics", role, host, port)
         return True
 
-    started = start_frontend_endpoint(start) if role == "frontend" else start()
+    started = when_serving(start) if role == "frontend" else start()
     return None if started is False else reader  # None: deferred until this process serves
 
 

@@ -101,10 +101,16 @@ class VLLMInstrumentor(BaseInstrumentor):
         if role == "frontend":  # where requests start: the head-sampling probability applies here
             from opentelemetry import trace
 
-            try:
-                telemetry.instruments.observe_sampling(tracer_provider or trace.get_tracer_provider())
-            except Exception as exc:  # noqa: BLE001
-                telemetry.errors.report("sampling.probability", exc)
+            from llm_otel.export.ports import when_serving
+
+            def observe_sampling() -> bool:  # once this process serves (vllm serve's launcher never does)
+                try:
+                    telemetry.instruments.observe_sampling(tracer_provider or trace.get_tracer_provider())
+                except Exception as exc:  # noqa: BLE001
+                    telemetry.errors.report("sampling.probability", exc)
+                return True
+
+            when_serving(observe_sampling)
         self.adapter = VLLMAdapter(telemetry)
         if role == "engine_core":  # engine-state and GPU instruments now, not on the first step
             try:
