@@ -285,6 +285,21 @@ class TestApiServers:
         base = self._scrape(api2, "gen_ai_server_request_duration_seconds_count", f'llm_lora_base_model="{SERVED}"')
         assert sum(base.values()) == 1
 
+    def test_frontend_work_and_engine_input_wait_split_the_time_before_the_queue(self, api2, receiver):
+        """Eight requests at once against one engine core: later ones wait for the step it is in.
+        On one host the engine's stamps are used as they are (no clock mapping), and frontend work
+        plus the engine input wait is exactly arrival -> QUEUED."""
+        prompts = wait_until(lambda: (lambda p: p if len(p) >= self.N + 4 else None)(
+            [s for s in top_spans(receiver, api2) if s["name"] == "llm.prompt"]), what="llm.prompt spans")
+        for p in prompts:
+            a = p["attributes"]
+            assert a["llm.request.timing.source"] == "engine_events"
+            (queued,) = [e for e in p["events"] if e["name"] == "llm.request.queued"]
+            before_queue = (queued["time_ns"] - p["start_ns"]) / 1e9
+            split = a["llm.request.frontend.duration"] + a["llm.request.engine_input_wait.duration"]
+            assert split == pytest.approx(before_queue, abs=2e-6)
+            assert 0 <= a["llm.request.frontend.duration"] and 0 <= a["llm.request.engine_input_wait.duration"]
+
     def test_healthz_per_api_server_that_served_a_request(self, api2, receiver):
         servers = {s["resource"]["llm.process.api_server.index"] for s in top_spans(receiver, api2)
                    if s["name"] == f"text_completion {SERVED}"}
