@@ -250,6 +250,11 @@ class TestApiServers:
     def test_each_api_server_serves_its_own_prometheus_port_and_counts_add_up(self, api2):
         served = self._scrape(api2, "gen_ai_server_request_duration_seconds_count")
         assert sum(served.values()) == self.N + 2, served  # the n=3 request is one request; + the LoRA one
+        for index in (0, 1):
+            text = httpx.get(f"http://localhost:{api2.prom - index}/metrics", timeout=10).text
+            samples = [line for line in text.splitlines() if line and not line.startswith("#")]
+            print(f"\n[topology api2] ApiServer_{index} Prometheus :{api2.prom - index}: {len(samples)} samples, "
+                  f"{served[index]:.0f} requests")
         ports = api2.listening_ports()
         launcher = ports.pop(api2.proc.pid)
         assert not launcher & {api2.prom, api2.prom - 1, api2.prom + 1}  # it serves no request: no port
