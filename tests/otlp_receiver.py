@@ -242,7 +242,7 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
         self._receiver = receiver
 
     def Export(self, request, context):  # noqa: N802 (grpc naming)
-        self._receiver._record_request("grpc", "traces", None, 200)
+        self._receiver._record_request("grpc", "traces", None, 200, peer=context.peer(), size=request.ByteSize())
         self._receiver._ingest_traces(request, "grpc")
         return trace_service_pb2.ExportTraceServiceResponse()
 
@@ -252,7 +252,7 @@ class _MetricsService(metrics_service_pb2_grpc.MetricsServiceServicer):
         self._receiver = receiver
 
     def Export(self, request, context):  # noqa: N802 (grpc naming)
-        self._receiver._record_request("grpc", "metrics", None, 200)
+        self._receiver._record_request("grpc", "metrics", None, 200, peer=context.peer(), size=request.ByteSize())
         self._receiver._ingest_metrics(request, "grpc")
         return metrics_service_pb2.ExportMetricsServiceResponse()
 
@@ -490,6 +490,8 @@ class OTLPReceiver:
         encoding: str | None,
         status: int,
         error: str | None = None,
+        peer: str | None = None,
+        size: int | None = None,
     ) -> None:
         with self._cond:
             self._requests.append(
@@ -499,6 +501,8 @@ class OTLPReceiver:
                     "content_encoding": encoding,
                     "status": status,
                     "error": error,
+                    "peer": peer,  # gRPC: the client's address ("ipv4:127.0.0.1:PORT"), one per channel
+                    "size": size,  # gRPC: the decoded request's encoded size in bytes
                 }
             )
             self._cond.notify_all()
@@ -650,7 +654,7 @@ class OTLPReceiver:
     # ---- misc ------------------------------------------------------------
 
     def requests(self) -> list[dict[str, Any]]:
-        """Log of export requests: transport, signal, content_encoding, status, error."""
+        """Log of export requests: transport, signal, content_encoding, status, error, peer, size."""
         with self._cond:
             return copy.deepcopy(self._requests)
 

@@ -262,7 +262,8 @@ def test_gzip_compressed_http_export_is_received_as_gzip(rx, make_tracer_provide
     (span,) = rx.wait_for_spans(1, timeout=5, name="compressed")
     assert span["transport"] == "http"
     assert rx.requests() == [
-        {"transport": "http", "signal": "traces", "content_encoding": "gzip", "status": 200, "error": None}
+        {"transport": "http", "signal": "traces", "content_encoding": "gzip", "status": 200, "error": None,
+         "peer": None, "size": None}
     ]
 
 

@@ -69,11 +69,17 @@ def run_layout(layout: str, tmp_path) -> dict:
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens",
         "vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample_tokens",
-    }, 10),
-    ("v0_33", "0.33.0", {
-        "vllm.v1.engine.core:EngineCore.step_with_batch_queue",
-        "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
-    }, 6),
+        "vllm.v1.worker.gpu.sample.sampler:Sampler.add_request",
+        "vllm.v1.worker.gpu.sample.sampler:Sampler.__call__",
+        "vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler.__call__",
+        "vllm.v1.engine.utils:shutdown",
+        "vllm.v1.utils:shutdown",
+        "vllm.v1.engine.core:EngineCore.shutdown",
+        "vllm.v1.executor.multiproc_executor:WorkerProc.shutdown",
+    }, 17),
+    # 0.33 has every target (tests/contracts/vllm-0.33.0.json); only the old OpenAI handler
+    # modules of the <= 0.11 layout do not resolve, and their 0.33 alternatives do: no warning
+    ("v0_33", "0.33.0", set(), 2),
 ])
 def test_c06_other_vllm_layouts_skip_missing_hooks_with_one_warning_each_and_still_trace(layout, version, missing,
                                                                                        unresolved, tmp_path):
@@ -88,3 +94,18 @@ def test_c06_other_vllm_layouts_skip_missing_hooks_with_one_warning_each_and_sti
     assert set(result["spans"]) == {"text_completion fake-model", "llm.prompt", "llm.token_stream"}
     assert result["spans"]["text_completion fake-model"]["gen_ai.usage.output_tokens"] == 2
     assert result["spans"]["text_completion fake-model"]["gen_ai.usage.input_tokens"] == 3
+
+
+def test_the_033_stand_in_tree_has_the_033_wheels_parameters():
+    """tests/vllm_layouts/v0_33 is checked against vLLM 0.33.0's real source: each hooked function
+    it defines has the parameters the golden read from the 0.33.0 wheel."""
+    from contracts import signatures, vllm_golden
+
+    with open(vllm_golden.golden_path("0.33.0"), encoding="utf-8") as fh:
+        real = json.load(fh)["targets"]
+    tree = os.path.join(HERE, "vllm_layouts", "v0_33")
+    stand_in = signatures.extract(tree, [tuple(key.split(":")) for key in real])
+    present = {k: v for k, v in stand_in.items() if v["found"] and v["params"] is not None}
+    assert len(present) >= 10
+    for key, entry in present.items():
+        assert entry["params"] == real[key]["params"], key

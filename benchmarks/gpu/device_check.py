@@ -13,6 +13,22 @@ What it does, on torch's current CUDA stream (the stream vLLM's model runs on):
    tracker; and per-step host cost of ``begin`` + ``end``.
 5. **Overflow**: a small ring written faster than it is drained counts exactly what it lost.
 6. **Clock**: the calibration window (offset error bound) and the queueing delay seen.
+7. **Logit statistics** (issue 17): the worker's per-step reduction (``TorchLogitStats``: top-k,
+   entropy, non-finite flag, then one transfer) on ``(rows, 131072)`` bf16 logits, rows 8/64/256,
+   timed with CUDA events (device) and wall clock (host, including the transfer); checked
+   against a float64 reference. Target: <= 50 us per step for 256 x 128k on an H200.
+8. **MRv2 sampler hook**: ``WorkerAdapter.sampler_add_request`` / ``sampler_call`` driven with CUDA
+   tensors through stand-ins of MRv2's ``Sampler`` / ``InputBatch`` (the fields the contract test
+   holds to vLLM 0.32/0.33: req_ids, idx_mapping_np, cu_num_logits_np, ...): 256 requests, 32
+   chosen, spans emitted at max_tokens, hook cost per step beside the bare sampler.
+9. **NVTX**: step ranges recorded by tests/nvtx_tool/recorder.c as an NVTX injection tool (what
+   Nsight attaches), when a C compiler and NVTX headers are present (or a prebuilt tool is given).
+10. **NVML**: ``NvmlSource`` reads utilisation and memory of the visible GPUs.
+11. **CUDA-graph capture while the drain thread polls** (case C23): torch graphs captured on the
+   engine's thread between ring-recorded steps while the real drain thread polls events; every
+   capture must succeed with llm-otel's capture gate. A control run with the gate bypassed
+   counts how many captures the unguarded poller breaks (run last: a broken capture may leave
+   CUDA in an error state).
 
 Writes a short Markdown report (``--out``) and a JSON file next to it. Exit status 0 when every
 check passed, 1 when one failed, 2 when the machine cannot run it (no CUDA / CuPy / torch).
@@ -295,11 +311,282 @@ def check_overflow(env: Env, results: dict, failures: list):
     tracker.close()
 
 
+def cuda_ms(env: Env, fn, reps: int):
+    """Median device ms of ``fn`` between CUDA events, and median host us per call (synchronised)."""
+    device, host = [], []
+    for _ in range(reps):
+        e0, e1 = env.event(), env.event()
+        env.sync()
+        t0 = time.perf_counter_ns()
+        e0.record()
+        fn()
+        e1.record()
+        env.sync()
+        host.append((time.perf_counter_ns() - t0) / 1e3)
+        device.append(e0.elapsed_time(e1))
+    return percentile(device, 50), percentile(host, 50)
+
+
+def check_logit_reduction(env: Env, results: dict, failures: list):
+    import numpy as np
+
+    from llm_otel.telemetry.logits import TorchLogitStats
+
+    torch = env.torch
+    vocab = 131072 if not env.dry else 4096
+    dtype = torch.bfloat16 if not env.dry else torch.float32
+    logits = (torch.randn(256, vocab, device=env.device) * 3).to(dtype)
+    logits[3, 17] = float("nan")
+    out = {}
+    for rows in (8, 64, 256):
+        index = torch.arange(rows, device=env.device)
+        sampled = torch.randint(0, vocab, (rows,), device=env.device)
+        reduce_only = lambda: TorchLogitStats(logits.index_select(0, index), 5)  # noqa: E731
+        whole = lambda: TorchLogitStats(logits.index_select(0, index), 5).to_host(sampled)  # noqa: E731
+        for _ in range(3):
+            whole()
+        dev_ms, _ = cuda_ms(env, reduce_only, 20)
+        _, host_us = cuda_ms(env, whole, 20)
+        out[rows] = {"device_us": dev_ms * 1e3, "with_transfer_host_us": host_us}
+    stats, lp = TorchLogitStats(logits[:8], 5).to_host(torch.arange(8, device=env.device))
+    ref = logits[:8].double().cpu().numpy()
+    ref_lp = ref - np.log(np.exp(ref - ref.max(1, keepdims=True)).sum(1, keepdims=True)) - ref.max(1, keepdims=True)
+    ref_ent = -(np.exp(ref_lp) * ref_lp).sum(1)
+    ok = [i for i in range(8) if i != 3]
+    ent_err = float(np.nanmax(np.abs(stats.entropy[ok] - ref_ent[ok])))
+    top_ok = all(int(stats.top_ids[i, 0]) == int(np.argmax(ref[i])) for i in ok)
+    results["logit_reduction"] = {"vocab": vocab, "dtype": str(dtype).split(".")[-1], "rows": out,
+                                  "entropy_max_abs_err": ent_err, "top1_matches": top_ok,
+                                  "nonfinite_row_flagged": bool(stats.nonfinite[3])}
+    if not top_ok or ent_err > 1e-2 or not stats.nonfinite[3]:
+        failures.append(f"logit statistics wrong on device: entropy err {ent_err:.2e}, top-1 ok {top_ok}, "
+                        f"NaN row flagged {bool(stats.nonfinite[3])}")
+
+
+class StandInSampler:
+    """MRv2 ``vllm.v1.worker.gpu.sample.sampler.Sampler``: ``req_states`` (RequestState's
+    ``req_id_to_index`` / ``index_to_req_id``), ``add_request(req_idx, sampling_params)``,
+    ``__call__(logits, input_batch) -> SamplerOutput(sampled_token_ids (n, 1))``; sampling itself
+    is an argmax here (vLLM's Triton kernels are not on this machine)."""
+
+    def __init__(self):
+        import types
+
+        self.req_states = types.SimpleNamespace(req_id_to_index={}, index_to_req_id={})
+
+    def add_request(self, req_idx, sampling_params):
+        return None
+
+    def __call__(self, logits, input_batch):
+        import types
+
+        return types.SimpleNamespace(sampled_token_ids=logits.argmax(dim=1).view(-1, 1))
+
+
+def check_mrv2_hook(env: Env, results: dict, failures: list):
+    import types
+
+    import numpy as np
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from llm_otel.config import Settings
+    from llm_otel.instrumentation.vllm.engine_core import CARRIER_KEY, CARRIER_TOPK_KEY
+    from llm_otel.instrumentation.vllm.worker import WorkerAdapter
+    from llm_otel.telemetry import Telemetry
+
+    torch = env.torch
+    exporter = InMemorySpanExporter()
+    tp = TracerProvider()
+    tp.add_span_processor(SimpleSpanProcessor(exporter))
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    telemetry = Telemetry(tp, MeterProvider(), Settings.from_env({}))
+    worker = WorkerAdapter(telemetry)
+    sampler = StandInSampler()
+    n, chosen_every, steps = 256, 8, 20
+    vocab = 131072 if not env.dry else 4096
+    add = worker.sampler_add_request("bench")
+    for i in range(n):
+        rid = f"req-{i}"
+        slot = (i * 37) % 512
+        sampler.req_states.req_id_to_index[rid] = slot
+        sampler.req_states.index_to_req_id[slot] = rid
+        extra = {CARRIER_KEY: f"00-{i + 1:032x}-{i + 1:016x}-01", CARRIER_TOPK_KEY: 5} if i % chosen_every == 0 else None
+        add(sampler.add_request, sampler, (slot, types.SimpleNamespace(extra_args=extra, max_tokens=steps)), {})
+    batch = types.SimpleNamespace(
+        req_ids=[f"req-{i}" for i in range(n)], num_reqs=n,
+        idx_mapping_np=np.array([(i * 37) % 512 for i in range(n)]), cu_num_logits_np=np.arange(n + 1),
+        num_computed_tokens_np=np.full(n, 100), num_scheduled_tokens=np.ones(n, dtype=np.int64),
+        prefill_len_np=np.full(n, 50))
+    logits = (torch.randn(n, vocab, device=env.device) * 3).to(torch.bfloat16 if not env.dry else torch.float32)
+    call = worker.sampler_call("bench")
+    bare, hooked = [], []
+    for _ in range(steps):
+        env.sync()
+        t0 = time.perf_counter_ns()
+        sampler(logits, batch).sampled_token_ids.cpu()  # the engine copies its tokens to host too
+        bare.append((time.perf_counter_ns() - t0) / 1e3)
+        env.sync()
+        t0 = time.perf_counter_ns()
+        call(sampler.__call__, sampler, (logits, batch), {}).sampled_token_ids.cpu()
+        hooked.append((time.perf_counter_ns() - t0) / 1e3)
+    spans = [s for s in exporter.get_finished_spans() if s.name == "llm.logit_dist"]
+    results["mrv2_hook"] = {"requests": n, "chosen": n // chosen_every, "steps": steps, "spans": len(spans),
+                            "bare_sampler_us_p50": percentile(bare, 50), "hooked_us_p50": percentile(hooked, 50),
+                            "errors": dict(telemetry.errors.counts)}
+    if len(spans) != n // chosen_every or any(s.attributes.get("llm.logit.steps") != steps for s in spans):
+        failures.append(f"MRv2 hook: {len(spans)} llm.logit_dist spans, expected {n // chosen_every} of {steps} steps")
+    if telemetry.errors.counts:
+        failures.append(f"MRv2 hook reported errors: {dict(telemetry.errors.counts)}")
+
+
+NVTX_SCRIPT = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+from llm_otel.gpu.nvtx import NvtxRanges
+ranges = NvtxRanges(enabled=True)
+for i in range(100):
+    ranges.begin_step(0x1000 + i, "decode")
+    ranges.end_step(0x1000 + i)
+print(ranges.active)
+"""
+
+
+def check_nvtx(results: dict, failures: list, tool: str | None):
+    import shutil
+    import subprocess
+    import tempfile
+
+    src_dir = os.path.join(HERE, "..", "..", "src")
+    with tempfile.TemporaryDirectory() as tmp:
+        if not tool:
+            cc = shutil.which("cc") or shutil.which("gcc")
+            headers = [d for d in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda")
+                       if d and os.path.exists(os.path.join(d, "include", "nvtx3", "nvToolsExt.h"))]
+            if cc is None or not headers:
+                results["nvtx"] = "n/a: no C compiler or NVTX headers, and no prebuilt tool"
+                return
+            tool = os.path.join(tmp, "librecorder.so")
+            subprocess.run([cc, "-shared", "-fPIC", "-O1", "-I", os.path.join(headers[0], "include"), "-o", tool,
+                            os.path.join(HERE, "..", "..", "tests", "nvtx_tool", "recorder.c"), "-lpthread"],
+                           check=True, capture_output=True, timeout=120)
+        record = os.path.join(tmp, "nvtx.txt")
+        env = dict(os.environ, NVTX_INJECTION64_PATH=os.path.abspath(tool), LLM_OTEL_NVTX_RECORD=record)
+        env.pop("NVTX_DISABLE", None)
+        proc = subprocess.run([sys.executable, "-c", NVTX_SCRIPT, src_dir], env=env, capture_output=True,
+                              text=True, timeout=120)
+        lines = open(record).read().splitlines() if os.path.exists(record) else []
+    pushes = sum(1 for line in lines if line.startswith("push llm_otel llm.engine.step"))
+    pops = sum(1 for line in lines if line.startswith("pop llm_otel"))
+    results["nvtx"] = f"{pushes} step ranges pushed, {pops} popped (of 100)"
+    if proc.returncode != 0 or pushes != 100 or pops != 100:
+        failures.append(f"NVTX: {results['nvtx']}; {proc.stderr.strip()[-300:]}")
+
+
+def check_nvml(results: dict, failures: list):
+    from llm_otel.gpu.nvml import NvmlSource
+
+    try:
+        source = NvmlSource()
+        util = source.read()
+        devices = source.devices()
+    except Exception as exc:  # noqa: BLE001
+        results["nvml"] = f"n/a: {type(exc).__name__}: {exc}"
+        failures.append(f"NVML: {results['nvml']}")
+        return
+    results["nvml"] = f"utilisation {util:.2f}, {len(devices)} device(s), first {devices[0] if devices else '-'}"
+
+
+def check_graph_capture(env: Env, results: dict, failures: list, captures: int, control: bool):
+    import threading
+
+    from llm_otel.gpu import capture
+
+    torch = env.torch
+    key = "graph_capture_control" if control else "graph_capture"
+    if env.dry:
+        results[key] = "n/a (CPU dry run)"
+        return
+    ring = new_ring(False, capacity=8192)
+    telemetry, tracker, _ = make_tracker(ring)
+    tracker.drain_period_s = 0.0002
+    tracker._start_thread = True
+    capture.capture_gate.install()
+    saved = capture.capture_gate.device_work
+    if control:  # the unguarded poller: every drain pass may touch the device
+        from contextlib import contextmanager
+
+        @contextmanager
+        def always():
+            yield True
+
+        capture.capture_gate.device_work = always
+    x = torch.randn(1024, 1024, device="cuda")
+    side = torch.cuda.Stream()
+    failed, replays_ok, polls_during = 0, 0, 0
+    polled = [0]
+    real_poll = ring.poll
+
+    def counting_poll():
+        if capture.capture_gate.active:
+            polled[0] += 1
+        return real_poll()
+
+    ring.poll = counting_poll
+    try:
+        with torch.cuda.stream(side):
+            for i in range(captures):
+                z = None
+                ctx = tracker.begin([f"g{i}"], stream=side.cuda_stream)
+                y = x @ x
+                tracker.end(ctx, stream=side.cuda_stream)
+                graph = torch.cuda.CUDAGraph()
+                try:
+                    with torch.cuda.graph(graph, stream=side):
+                        z = (y * 0.5 + 1.0).sum(dim=0)
+                    graph.replay()
+                    replays_ok += 1
+                except Exception as exc:  # noqa: BLE001 - capture invalidated by another thread's CUDA call
+                    failed += 1
+                    results.setdefault(key + "_first_error", f"{type(exc).__name__}: {exc}"[:300])
+                    try:
+                        torch.cuda.synchronize()
+                    except Exception:  # noqa: BLE001 - a broken context: stop here, report what we saw
+                        break
+                del z
+            torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001
+        if not control:
+            raise
+        results[key + "_aborted"] = f"{type(exc).__name__}: {exc}"[:300]
+    finally:
+        capture.capture_gate.device_work = saved
+        ring.poll = real_poll
+        polls_during = polled[0]
+        try:
+            tracker.close()
+        except Exception:  # noqa: BLE001 - after a broken control capture
+            if not control:
+                raise
+    results[key] = {"captures": captures, "failed": failed, "replayed": replays_ok,
+                    "polls_during_capture": polls_during, "drain_alive": threading.active_count()}
+    if not control and (failed or polls_during):
+        failures.append(f"CUDA-graph capture with the gate: {failed}/{captures} captures failed, "
+                        f"{polls_during} polls during a capture")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(HERE, "out", "device_check.md"))
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--cpu-dry-run", action="store_true")
+    ap.add_argument("--captures", type=int, default=200, help="CUDA graphs captured while the drain polls")
+    ap.add_argument("--no-control", action="store_true", help="skip the unguarded-capture control run")
+    ap.add_argument("--nvtx-tool", default=os.environ.get("LLM_OTEL_NVTX_TOOL"),
+                    help="a prebuilt tests/nvtx_tool/recorder.c (.so) when this machine cannot build it")
     args = ap.parse_args(argv)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     results: dict = {"python": platform.python_version(), "dry_run": args.cpu_dry_run}
@@ -323,7 +610,15 @@ def main(argv=None) -> int:
     for name, fn in (("order+accuracy", lambda: check_order_and_accuracy(env, args.steps, results, failures)),
                      ("never blocks", lambda: check_never_blocks(env, results, failures)),
                      ("cost", lambda: check_cost(env, max(200, args.steps), results)),
-                     ("overflow", lambda: check_overflow(env, results, failures))):
+                     ("overflow", lambda: check_overflow(env, results, failures)),
+                     ("logit reduction", lambda: check_logit_reduction(env, results, failures)),
+                     ("MRv2 sampler hook", lambda: check_mrv2_hook(env, results, failures)),
+                     ("NVTX", lambda: check_nvtx(results, failures, args.nvtx_tool)),
+                     ("NVML", lambda: (check_nvml(results, failures) if not args.cpu_dry_run
+                                       else results.__setitem__("nvml", "n/a (CPU dry run)"))),
+                     ("graph capture", lambda: check_graph_capture(env, results, failures, args.captures, False)),
+                     ("graph capture control", lambda: (None if args.no_control else check_graph_capture(
+                         env, results, failures, args.captures, True)))):
         try:
             fn()
         except Exception as exc:  # noqa: BLE001
@@ -371,6 +666,29 @@ def report(r: dict) -> str:
         f"{fmt(c.get('added_per_step'))} |",
         f"| begin+end host cost per step (us) | {fmt(r.get('begin_plus_end_host_us'))} |",
         f"| overflow: 100 records into 32 slots, counted lost | {r.get('overflow_overwritten')} (expected 68) |",
+    ]
+    lr = r.get("logit_reduction") or {}
+    for rows, v in sorted((lr.get("rows") or {}).items(), key=lambda kv: int(kv[0])):
+        lines.append(f"| logit stats ({rows} x {lr.get('vocab')} {lr.get('dtype')}): device us / host us with transfer | "
+                     f"{fmt(v.get('device_us'))} / {fmt(v.get('with_transfer_host_us'))} |")
+    if lr:
+        lines.append(f"| logit stats vs float64: entropy max err, top-1, NaN row flagged | "
+                     f"{lr.get('entropy_max_abs_err', 0):.2e}, {lr.get('top1_matches')}, {lr.get('nonfinite_row_flagged')} |")
+    m = r.get("mrv2_hook") or {}
+    if m:
+        lines.append(f"| MRv2 sampler hook: spans / chosen, step us bare / hooked | {m.get('spans')}/{m.get('chosen')}, "
+                     f"{fmt(m.get('bare_sampler_us_p50'))} / {fmt(m.get('hooked_us_p50'))} |")
+    lines.append(f"| NVTX | {r.get('nvtx', 'n/a')} |")
+    lines.append(f"| NVML | {r.get('nvml', 'n/a')} |")
+    for key, label in (("graph_capture", "graph capture while drain polls (gate)"),
+                       ("graph_capture_control", "control: same without the gate")):
+        g = r.get(key)
+        if isinstance(g, dict):
+            lines.append(f"| {label}: failed / captures, polls during capture | {g['failed']}/{g['captures']}, "
+                         f"{g['polls_during_capture']} |")
+        elif g is not None:
+            lines.append(f"| {label} | {g} |")
+    lines += [
         "",
         "Result: " + ("PASS" if not r.get("failures") else "FAIL"),
     ]

@@ -17,8 +17,11 @@ def ensure_providers(settings: Settings) -> bool:
     """Install tracer/meter providers built from the environment where the application has none.
 
     Returns True when at least one provider was created here. Providers set by the application
-    (or by ``opentelemetry-instrument`` with a distro) are left alone.
+    (or by ``opentelemetry-instrument`` with a distro) are left alone. Providers created here are
+    flushed by this process's lifecycle (:mod:`llm_otel.export.lifecycle`) within
+    ``LLM_OTEL_FLUSH_DEADLINE_S`` at exit, not by the SDK's unbounded exit handler.
     """
+    from llm_otel.export.lifecycle import lifecycle
     from llm_otel.export.providers import build_providers
 
     with _lock:
@@ -26,13 +29,31 @@ def ensure_providers(settings: Settings) -> bool:
         need_meter = type(metrics.get_meter_provider()).__name__ == "_ProxyMeterProvider"
         if not (need_tracer or need_meter):
             return False
-        tracer_provider, meter_provider = build_providers(settings)
+        tracer_provider, meter_provider = build_providers(settings, shutdown_on_exit=False)
+        life = lifecycle(deadline_s=settings.flush_deadline_s)
         if need_tracer:
             trace.set_tracer_provider(tracer_provider)
+            life.add(tracer_provider=tracer_provider, exporters=exporters_of(tracer_provider))
         else:
             tracer_provider.shutdown()
         if need_meter:
             metrics.set_meter_provider(meter_provider)
+            life.add(meter_provider=meter_provider, exporters=exporters_of(meter_provider))
         else:
             meter_provider.shutdown()
         return True
+
+
+def exporters_of(provider) -> list:
+    """The llm-otel exporter wrappers behind ``provider``'s span processors or metric readers
+    (for the final flush's accounting)."""
+    from llm_otel.export.exporters import ProcessMetricExporter, ProcessSpanExporter
+
+    found = []
+    processors = getattr(getattr(provider, "_active_span_processor", None), "_span_processors", ()) or ()
+    for processor in processors:
+        inner = getattr(processor, "_batch_processor", None)
+        found.append(getattr(inner, "_exporter", None) or getattr(processor, "span_exporter", None))
+    readers = getattr(getattr(provider, "_sdk_config", None), "metric_readers", ()) or ()
+    found.extend(getattr(reader, "_exporter", None) for reader in readers)
+    return [e for e in found if isinstance(e, (ProcessSpanExporter, ProcessMetricExporter))]

@@ -152,7 +152,8 @@ def doctor(env=None, out=None, *, api_servers: int = 1, dp_size: int = 1, serve_
     probe span within 5 s (a collector that is down or a wrong protocol is reported, never silent);
     the Prometheus and ``/healthz`` port of each serving process for ``api_servers`` API servers
     and ``dp_size`` engine cores, with collisions (also with the engine's own ``serve_port``);
-    which vLLM hook targets resolve in the installed vLLM.
+    which vLLM hook targets resolve in the installed vLLM; whether CuPy and torch were built for
+    the same CUDA major (a ``warn`` line naming the extra to install when not).
     """
     import importlib
     import time
@@ -199,9 +200,9 @@ def doctor(env=None, out=None, *, api_servers: int = 1, dp_size: int = 1, serve_
             result = exc
         finally:
             exporter.shutdown()
-        endpoint = getattr(exporter, "_endpoint", "?")
+        endpoint = getattr(exporter, "endpoint", None) or getattr(exporter, "_endpoint", "?")
         if result is SpanExportResult.SUCCESS:
-            say("ok", f"OTLP exporter {type(exporter).__module__.split('.')[-2]} -> {endpoint} accepted a probe span "
+            say("ok", f"OTLP exporter {type(getattr(exporter, 'inner', lambda: exporter)()).__module__.split('.')[-2]} -> {endpoint} accepted a probe span "
                       f"({(time.monotonic() - started) * 1e3:.0f} ms)")
         else:
             ok = False
@@ -219,7 +220,7 @@ def doctor(env=None, out=None, *, api_servers: int = 1, dp_size: int = 1, serve_
         reader = InMemoryMetricReader()
         MeterProvider(metric_readers=[reader]).get_meter("llm_otel.doctor").create_counter(
             "llm_otel.doctor.probe").add(1)
-        endpoint = getattr(metric_exporter, "_endpoint", "?")
+        endpoint = getattr(metric_exporter, "endpoint", None) or getattr(metric_exporter, "_endpoint", "?")
         try:
             result = metric_exporter.export(reader.get_metrics_data(), timeout_millis=5_000)
         except Exception as exc:  # noqa: BLE001
@@ -251,7 +252,27 @@ def doctor(env=None, out=None, *, api_servers: int = 1, dp_size: int = 1, serve_
             say("warn", f"vLLM {engine_version()}: {len(missing)} hook target(s) missing: {', '.join(missing)}")
         else:
             say("ok", f"vLLM {engine_version()}: every hook target found")
+    _doctor_cuda_stack(say)
     return 0 if ok else 1
+
+
+def _doctor_cuda_stack(say) -> None:
+    """CuPy's CUDA build against torch's (the GPU step ring needs the same major). Informational:
+    without it step timing still works on the host clock."""
+    from llm_otel.gpu.stack import EXTRA_FOR_MAJOR, cuda_stack
+
+    stack = cuda_stack(import_torch=True)
+    if stack.torch_cuda is None:
+        say("info", "torch without CUDA (or no torch): GPU step timing uses the host clock")
+    elif stack.cupy_dist is None:
+        extra = EXTRA_FOR_MAJOR.get(stack.torch_cuda_major or -1, "llm-otel[gpu]")
+        say("info", f"torch CUDA {stack.torch_cuda}, no CuPy: GPU step timing uses the host clock "
+                    f"(pip install '{extra}' for device times)")
+    elif stack.mismatch:
+        say("warn", stack.advice())
+    else:
+        say("ok", f"CUDA stack: torch CUDA {stack.torch_cuda}, {stack.cupy_dist}"
+                  + (f" (CUDA {stack.cupy_cuda_major})" if stack.cupy_cuda_major else ""))
 
 
 def serve_health(port: int, host: str = "127.0.0.1") -> int:

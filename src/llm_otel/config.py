@@ -74,6 +74,16 @@ class Settings:
             overflow overwrites the oldest and is counted in ``llm_otel.gpu.ring.overwritten``.
         nvtx: ``LLM_OTEL_NVTX`` (true). NVTX ranges carrying step/request span ids (domain
             ``llm_otel``), active only when an NVTX tool such as Nsight Systems is attached.
+        flush_deadline_s: ``LLM_OTEL_FLUSH_DEADLINE_S`` (2.0). Seconds each process's final flush
+            of traces and metrics may take on an orderly exit (SIGTERM of the API server, engine
+            shutdown, interpreter exit), counted from when the process learned it is shutting
+            down; what is not delivered by then is dropped with one warning
+            (:mod:`llm_otel.export.lifecycle`). The vLLM frontend gives its engine processes this
+            long, plus one second, to exit before vLLM kills them.
+        otlp_max_request_bytes: ``LLM_OTEL_OTLP_MAX_REQUEST_BYTES`` (3145728, 3 MiB). Upper bound
+            of one OTLP span export request from exporters llm-otel builds; larger batches are
+            split and a larger span has its longest attributes shortened (captured messages stay
+            valid JSON). Collectors reject gRPC requests over 4 MiB by default.
         console: ``LLM_OTEL_CONSOLE`` (auto). ``tree`` / ``json`` / ``off``: console output used when
             no ``OTEL_EXPORTER_OTLP_*ENDPOINT`` is set; ``auto`` = ``tree``.
     """
@@ -97,6 +107,8 @@ class Settings:
     gpu_steps: str = "auto"
     gpu_ring_capacity: int = 4096
     nvtx: bool = True
+    flush_deadline_s: float = 2.0
+    otlp_max_request_bytes: int = 3 * 1024 * 1024
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -122,6 +134,9 @@ class Settings:
             gpu_steps=_choice(env, "LLM_OTEL_GPU_STEPS", "auto", {"auto", "cupy", "numpy", "off"}),
             gpu_ring_capacity=_int(env, "LLM_OTEL_GPU_RING_CAPACITY", 4096, lo=16, hi=1 << 24),
             nvtx=_bool(env, "LLM_OTEL_NVTX", True),
+            flush_deadline_s=_float(env, "LLM_OTEL_FLUSH_DEADLINE_S", 2.0, lo=0.0, hi=300.0),
+            otlp_max_request_bytes=_int(env, "LLM_OTEL_OTLP_MAX_REQUEST_BYTES", 3 * 1024 * 1024,
+                                        lo=64 * 1024, hi=1 << 30),
         )
 
 

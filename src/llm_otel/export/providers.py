@@ -129,7 +129,10 @@ def span_exporter_from_env(env: Mapping[str, str] | None = None):
     """The OTLP span exporter ``env`` (default ``os.environ``) asks for, or None without an endpoint.
 
     The endpoint is taken from ``env``; headers, timeout, compression and TLS settings from the
-    process environment, as the exporters read them."""
+    process environment, as the exporters read them. The exporter is wrapped in
+    :class:`~llm_otel.export.exporters.ProcessSpanExporter`: rebuilt in a forked child, requests
+    under ``LLM_OTEL_OTLP_MAX_REQUEST_BYTES``, lost spans counted in ``llm_otel.spans.dropped`` once
+    ``bind(meter_provider)`` was called, and logged once per outage."""
     env = os.environ if env is None else env
     if exporter_choice(env, "TRACES") != "otlp" or not _endpoint(env, "TRACES"):
         return None
@@ -138,7 +141,12 @@ def span_exporter_from_env(env: Mapping[str, str] | None = None):
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    return OTLPSpanExporter(endpoint=_signal_endpoint(env, "TRACES", proto))
+    from llm_otel.config import _int
+    from llm_otel.export.exporters import DEFAULT_MAX_REQUEST_BYTES, ProcessSpanExporter
+
+    endpoint = _signal_endpoint(env, "TRACES", proto)
+    cap = _int(env, "LLM_OTEL_OTLP_MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES, lo=64 * 1024, hi=1 << 30)
+    return ProcessSpanExporter(lambda: OTLPSpanExporter(endpoint=endpoint), cap, endpoint)
 
 
 def metric_exporter_from_env(env: Mapping[str, str] | None = None):
@@ -151,12 +159,18 @@ def metric_exporter_from_env(env: Mapping[str, str] | None = None):
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
     else:
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-    return OTLPMetricExporter(endpoint=_signal_endpoint(env, "METRICS", proto))
+    from llm_otel.export.exporters import ProcessMetricExporter
+
+    endpoint = _signal_endpoint(env, "METRICS", proto)
+    return ProcessMetricExporter(lambda: OTLPMetricExporter(endpoint=endpoint), endpoint)
 
 
 def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
-                    stream=None) -> tuple[TracerProvider, MeterProvider]:
+                    stream=None, shutdown_on_exit: bool = True) -> tuple[TracerProvider, MeterProvider]:
     """Tracer and meter providers for this process, configured from ``env`` (``os.environ``).
+
+    ``shutdown_on_exit=False``: the SDK registers no unbounded exit handler; the caller hands the
+    providers to :mod:`llm_otel.export.lifecycle` (as :func:`llm_otel._setup.ensure_providers` does).
 
     Raises ConfigError, before creating anything, for an unknown ``OTEL_{TRACES,METRICS}_EXPORTER``
     or an unsupported ``OTEL_EXPORTER_OTLP*_PROTOCOL`` (with or without an endpoint).
@@ -168,7 +182,8 @@ def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
     validate_exporter_env(env)
     resource = Resource.create(current_process_identity())  # + OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES
     sampler, poller = _adaptive_sampler(settings, env)
-    tracer_provider = TracerProvider(resource=resource, id_generator=SystemRandomIdGenerator(), sampler=sampler)
+    tracer_provider = TracerProvider(resource=resource, id_generator=SystemRandomIdGenerator(), sampler=sampler,
+                                     shutdown_on_exit=shutdown_on_exit)
     if poller is not None:
         # the poller's thread ends with the provider that reads it. A weakref callback, not
         # weakref.finalize: the first finalize() registers weakref's atexit hook, and one registered
@@ -195,7 +210,9 @@ def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
             readers.append(reader)
     elif exporter_choice(env, "METRICS") != "none" and settings.console in ("auto", "tree"):
         readers.append(ConsoleMetricsSummary(stream))
-    meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+    meter_provider = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=shutdown_on_exit)
+    if span_exporter is not None:
+        span_exporter.bind(meter_provider)  # its lost spans count in llm_otel.spans.dropped
     from llm_otel.sampling import utilization_is_gpu
 
     if utilization_is_gpu(poller):

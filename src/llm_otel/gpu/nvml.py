@@ -141,7 +141,17 @@ class UtilizationPoller:
         name = getattr(self.source, "thread_name", "llm-otel-gpu-poller")
         self._thread = threading.Thread(target=loop, name=name, daemon=True)
         self._thread.start()
+        from llm_otel.export.lifecycle import restart_in_fork_child
+
+        restart_in_fork_child(self)
         return self
+
+    def _restart_after_fork(self) -> None:
+        """In a forked child: the thread did not come along; start it again unless stopped."""
+        if self._thread is not None and not self._stop.is_set():
+            self._thread = None
+            self._stop = threading.Event()
+            self.start()
 
     def stop(self) -> None:
         self._stop.set()

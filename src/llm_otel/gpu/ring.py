@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from typing import Any, Protocol
@@ -79,7 +80,58 @@ extern "C" __global__ void llm_otel_globaltimer(unsigned long long* out) {
 
 
 class RingError(RuntimeError):
-    """The backend cannot be used (no CuPy, no GPU, no driver) or failed at run time."""
+    """The backend cannot be used (no CuPy, no GPU, no driver) or failed at run time.
+
+    ``expected`` is True for the ordinary absence of a GPU stack (CuPy not installed, no CUDA
+    device): the automatic choice then falls back quietly. Anything else (kernel compilation,
+    a CuPy/torch CUDA mismatch) is worth the one warning :func:`make_ring` gives.
+    """
+
+    def __init__(self, message: str, *, expected: bool = False) -> None:
+        super().__init__(message)
+        self.expected = expected
+
+
+#: environment variable CuPy reads at each compilation: keep compiled kernels in memory only
+CUPY_CACHE_IN_MEMORY = "CUPY_CACHE_IN_MEMORY"
+
+
+def load_kernels(cp: Any, source: str = KERNEL_SOURCE,
+                 names: tuple[str, ...] = (KERNEL_NAME, TIMER_KERNEL_NAME)) -> list[Any]:
+    """Compile ``source`` with CuPy (NVRTC) and return its kernels ``names``.
+
+    CuPy writes compiled kernels to its on-disk cache (``CUPY_CACHE_DIR``, default
+    ``~/.cupy/kernel_cache``). Where that is not writable - a read-only HOME, a cache owned by
+    another user (case C21; cupy/cupy#2296) - the compilation fails with an ``OSError``; then it is
+    retried once with ``CUPY_CACHE_IN_MEMORY=1`` (CuPy's own switch, read at each compilation;
+    the environment is restored afterwards) and one warning names the directory and the cause.
+
+    Raises:
+        RingError: the kernel does not compile even in memory.
+    """
+    try:
+        module = cp.RawModule(code=source)
+        return [module.get_function(name) for name in names]  # compiles and caches here
+    except OSError as exc:
+        cache_dir = os.environ.get("CUPY_CACHE_DIR") or os.path.join("~", ".cupy", "kernel_cache")
+        cause = f"{type(exc).__name__}: {exc}"
+    previous = os.environ.get(CUPY_CACHE_IN_MEMORY)
+    os.environ[CUPY_CACHE_IN_MEMORY] = "1"
+    try:
+        module = cp.RawModule(code=source)
+        kernels = [module.get_function(name) for name in names]
+    except Exception as exc:  # noqa: BLE001
+        raise RingError(f"the ring kernel does not compile: CuPy's kernel cache {cache_dir} is not writable "
+                        f"({cause}) and compiling in memory failed too ({type(exc).__name__}: {exc})") from exc
+    finally:
+        if previous is None:
+            os.environ.pop(CUPY_CACHE_IN_MEMORY, None)
+        else:
+            os.environ[CUPY_CACHE_IN_MEMORY] = previous
+    logger.warning("llm-otel: CuPy's kernel cache %s is not writable (%s); the GPU step ring compiled its "
+                   "kernel in memory instead (set CUPY_CACHE_DIR to a writable directory to cache it)",
+                   cache_dir, cause)
+    return kernels
 
 
 class RingBackend(Protocol):
@@ -163,6 +215,7 @@ class NumpyRing:
     name = "numpy"
     clock = "host"
     clock_error_ns = 0
+    on_device = False  # nothing here touches CUDA: no capture gate needed
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         if capacity < 2:
@@ -214,18 +267,32 @@ class CupyRing:
 
     name = "cupy"
     clock = "globaltimer"
+    on_device = True  # poll/calibrate run under llm_otel.gpu.capture.capture_gate
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY, device: int | None = None,
                  max_inflight: int = 256) -> None:
         if capacity < 2:
             raise ValueError(f"ring capacity must be >= 2, got {capacity}")
+        from llm_otel.gpu.stack import cuda_stack
+
+        stack = cuda_stack()
+        if stack.mismatch:  # CuPy would look for the other major's libraries: say which extra fixes it
+            raise RingError(stack.advice())
         try:
             import cupy as cp
-        except Exception as exc:  # noqa: BLE001 - ImportError, or a CUDA library load error
+        except ImportError as exc:  # quiet only where CuPy is simply not installed
+            raise RingError(f"CuPy is not importable ({type(exc).__name__}: {exc})",
+                            expected=stack.cupy_dist is None) from exc
+        except Exception as exc:  # noqa: BLE001 - a CUDA library load error
             raise RingError(f"CuPy is not importable ({type(exc).__name__}: {exc})") from exc
         try:
-            if cp.cuda.runtime.getDeviceCount() < 1:
-                raise RingError("no CUDA device")
+            try:
+                devices = cp.cuda.runtime.getDeviceCount()
+            except Exception as exc:  # noqa: BLE001 - no driver: a CPU machine with CuPy installed
+                raise RingError(f"no CUDA driver ({type(exc).__name__}: {exc})",
+                                expected=stack.torch_cuda is None) from exc
+            if devices < 1:
+                raise RingError("no CUDA device", expected=stack.torch_cuda is None)
             self._cp = cp
             self._device = cp.cuda.Device(device if device is not None else cp.cuda.runtime.getDevice())
             with self._device:
@@ -233,9 +300,7 @@ class CupyRing:
                 self._ring = cp.zeros((capacity, RECORD_WORDS), dtype=cp.uint64)
                 self._head = cp.zeros(1, dtype=cp.uint64)
                 self._timer = cp.zeros(1, dtype=cp.uint64)
-                module = cp.RawModule(code=KERNEL_SOURCE)
-                self._kernel = module.get_function(KERNEL_NAME)
-                self._timer_kernel = module.get_function(TIMER_KERNEL_NAME)
+                self._kernel, self._timer_kernel = load_kernels(cp)
                 nbytes = capacity * RECORD_WORDS * 8
                 self._pinned_mem = cp.cuda.alloc_pinned_memory(nbytes)
                 self._host = np.frombuffer(self._pinned_mem, dtype=np.uint64,
@@ -362,5 +427,14 @@ def make_ring(backend: str = "auto", capacity: int = DEFAULT_CAPACITY) -> RingBa
     try:
         return CupyRing(capacity)
     except RingError as exc:
-        logger.debug("llm-otel: no CUDA ring buffer (%s); step timing uses the host clock", exc)
+        fallback_warning(exc)
         return NumpyRing(capacity)
+
+
+def fallback_warning(exc: RingError) -> None:
+    """Log why the automatic choice fell back to the host-clock ring: one debug line where no GPU
+    stack is expected, one warning otherwise (a GPU machine that should have had device times)."""
+    if exc.expected:
+        logger.debug("llm-otel: no CUDA ring buffer (%s); step timing uses the host clock", exc)
+    else:
+        logger.warning("llm-otel: no CUDA ring buffer (%s); step timing uses the host clock", exc)

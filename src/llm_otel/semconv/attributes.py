@@ -2,6 +2,9 @@
 
 # fmt: off
 
+DEPLOYMENT_ENVIRONMENT_NAME = 'deployment.environment.name'
+"""Name of the deployment environment (aka deployment tier). Type: string. Origin: official."""
+
 ERROR_TYPE = 'error.type'
 """Describes a class of error the operation ended with. Type: string. Origin: official."""
 
@@ -73,6 +76,9 @@ HOST_NAME = 'host.name'
 
 HW_ID = 'hw.id'
 """An identifier for the hardware component, unique within the monitored host; for GPUs llm-otel uses the NVML device index. Type: string. Origin: official."""
+
+K8S_NODE_NAME = 'k8s.node.name'
+"""The name of the Node. Type: string. Origin: official."""
 
 LLM_ENGINE_PHASE = 'llm.engine.phase'
 """What the engine spent most of the last GPU sampling period (1 s) on - `prefill` (steps that scheduled prompt tokens, mixed batches included), `decode` (steps that only generated) or `idle` (no step). Type: string. Origin: llm-otel."""
@@ -365,6 +371,9 @@ SERVER_PORT = 'server.port'
 SERVICE_INSTANCE_ID = 'service.instance.id'
 """The string ID of the service instance; unique for each instance of the same service.namespace,service.name pair. llm-otel makes it unique per process (a UUID v4, or derived from the inherited one as `<inherited>/<role>[.api<i>][.dp<r>][.pp<r>][.tp<r>].<pid>`). Type: string. Origin: official."""
 
+SERVICE_NAME = 'service.name'
+"""Logical name of the service (OTEL_SERVICE_NAME). Type: string. Origin: official."""
+
 
 class LlmEngineStepDeviceClockValues:
     """Values of llm.engine.step.device.clock."""
@@ -473,6 +482,7 @@ class LlmVramSourceValues:
 
 
 ATTRIBUTE_TYPES: dict[str, str] = {
+    'deployment.environment.name': 'string',
     'error.type': 'string',
     'gen_ai.input.messages': 'string',
     'gen_ai.operation.name': 'string',
@@ -497,6 +507,7 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'gen_ai.usage.output_tokens': 'int',
     'host.name': 'string',
     'hw.id': 'string',
+    'k8s.node.name': 'string',
     'llm.engine.phase': 'string',
     'llm.engine.step.batch_size': 'int',
     'llm.engine.step.cpu_time': 'double',
@@ -594,4 +605,5 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'server.address': 'string',
     'server.port': 'int',
     'service.instance.id': 'string',
+    'service.name': 'string',
 }

@@ -132,3 +132,7 @@ LLM_OTEL_REQUEST_CLASS_COLLAPSED_UNIT = '{value}'
 LLM_OTEL_SAMPLING_PROBABILITY = 'llm_otel.sampling.probability'
 """Head-sampling probability of new traces now (llm-otel's adaptive sampler, or a TraceIdRatioBased / always-on/off root sampler); absent for samplers whose probability is unknown. Metrics are recorded for every request regardless. Instrument: gauge, unit: 1."""
 LLM_OTEL_SAMPLING_PROBABILITY_UNIT = '1'
+
+LLM_OTEL_SPANS_DROPPED = 'llm_otel.spans.dropped'
+"""Spans this process recorded but could not export (the OTLP exporter gave up on the batch - collector down, slower than OTEL_EXPORTER_OTLP_TIMEOUT, or refusing it); the engine keeps serving and the spans are lost. Instrument: counter, unit: {span}."""
+LLM_OTEL_SPANS_DROPPED_UNIT = '{span}'

@@ -311,6 +311,9 @@ class Signals:
                 self._own_poller = True
             self._thread = threading.Thread(target=self._loop, name="llm-otel-signals", daemon=True)
             self._thread.start()
+            from llm_otel.export.lifecycle import restart_in_fork_child
+
+            restart_in_fork_child(self)
         if self.config.health_port is not None and self.health_server is None:
             from llm_otel.export.ports import api_server_index, frontend_port
 
@@ -324,6 +327,29 @@ class Signals:
                 logger.warning("llm-otel: health endpoint not started on %s:%s (%s)", self.config.health_host,
                                port, exc)
         return self
+
+    def _restart_after_fork(self) -> None:
+        """In a forked child (an application that forks after ``instrument()``): the tick thread
+        runs again; the /healthz endpoint stays with the parent, which holds its port (the child's
+        copy of the listening socket is closed)."""
+        if self._thread is None or self._stop.is_set():
+            return
+        self._lock = threading.Lock()
+        self._thread = None
+        if self.health_server is not None:
+            self.health_server.close_inherited()
+            self.health_server = None
+        self.start()
+
+    def abandon_inherited(self) -> None:
+        """In a forked process that replaces this object (a vLLM engine process): stop without
+        waiting for threads that only existed in the parent."""
+        self._stop.set()
+        if self._own_poller and self.poller is not None:
+            self.poller.stop()
+        if self.health_server is not None:
+            self.health_server.close_inherited()
+            self.health_server = None
 
     def stop(self) -> None:
         """Stop the thread, the health endpoint and a poller this object started (idempotent)."""

@@ -205,6 +205,14 @@ class HealthServer:
     def serve_forever(self) -> None:
         self._httpd.serve_forever()
 
+    def close_inherited(self) -> None:
+        """In a forked child: close this process's copy of the listening socket (the parent's
+        thread serves it; ``stop()`` here would wait forever for a thread that is not here)."""
+        try:
+            self._httpd.socket.close()
+        except OSError:
+            pass
+
     def stop(self) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()

@@ -78,6 +78,14 @@ class Telemetry:
         self._steps: StepTracker | None = None
         self._steps_lock = threading.Lock()
 
+    def abandon_inherited(self) -> None:
+        """In a process forked from the one that built this object, which builds its own: stop
+        its signals and sampler poller without waiting on the parent's threads."""
+        self.signals.abandon_inherited()
+        poller = getattr(self.sampling_root, "poller", None)
+        if poller is not None:
+            poller.stop()
+
     def attach_engine_load(self, source) -> bool:
         """Let the adaptive sampler follow one engine's occupancy where it has no GPU utilisation:
         ``source() -> (requests held, max concurrent requests)``, or None once the engine is gone

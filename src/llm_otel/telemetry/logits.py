@@ -123,13 +123,15 @@ class TorchLogitStats:
         with torch.no_grad():
             if x.dim() == 1:
                 x = x.unsqueeze(0)
-            x = x.float() if x.dtype not in (torch.float32, torch.float64) else x
             self.k = k = min(k, x.shape[1])
             # a NaN or +inf anywhere in a row, or a row of -inf only, makes its maximum non-finite
             # (amax propagates NaN); such rows are reported as non-finite and their statistics
-            # discarded (_unpack), so nothing needs masking: five passes over the logits in all
+            # discarded (_unpack), so nothing needs masking: five passes over the logits in all.
+            # bf16/fp16 logits are read in their own dtype (no float32 copy of the rows):
+            # log_softmax upcasts while it reads, and writes float32
             self.nonfinite = ~torch.isfinite(x.amax(dim=1))
-            self.logp = torch.log_softmax(x, dim=1)  # log-sum-exp inside
+            work = torch.float64 if x.dtype == torch.float64 else torch.float32
+            self.logp = torch.log_softmax(x, dim=1, dtype=work)  # log-sum-exp inside
             # -inf logits (masked tokens) have p = 0 and log p = -inf: clamping log p to the
             # dtype's lowest finite value makes their term 0 * finite = 0 (the limit), with no
             # data-dependent branch (a branch would synchronise the engine's CUDA stream)

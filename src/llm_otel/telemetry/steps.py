@@ -27,10 +27,15 @@ without device times after ``step_timeout_s``.
 
 Bad input never reaches the engine: no GPU / no CuPy -> host-clock ring; an error while recording
 or draining -> the ring turns itself off with one log line, spans are still completed.
+
+CUDA graphs (:mod:`llm_otel.gpu.capture`): while a graph is being captured no record is launched
+(the step completes without device times) and the drain thread does no device work; building
+the CuPy ring waits for captures in progress.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import logging
@@ -42,8 +47,9 @@ from typing import Any, Iterable, Sequence
 from opentelemetry import trace
 from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, SpanKind, TraceFlags
 
+from llm_otel.gpu.capture import capture_gate
 from llm_otel.gpu.nvtx import NvtxRanges
-from llm_otel.gpu.ring import KIND_BEGIN, KIND_END, CupyRing, RingBackend, RingError, make_ring
+from llm_otel.gpu.ring import KIND_BEGIN, KIND_END, CupyRing, RingBackend, RingError, fallback_warning, make_ring
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import metrics as M
 from llm_otel.semconv import spans as S
@@ -117,6 +123,8 @@ class StepTracker:
         self.nvtx = nvtx if isinstance(nvtx, NvtxRanges) else NvtxRanges(enabled=bool(nvtx))
         self.ring: RingBackend | None = None
         self._ready = threading.Event()
+        if "torch" in sys.modules:  # count CUDA-graph captures from now on (vLLM captures lazily too)
+            capture_gate.install()
         if isinstance(backend, str) and backend in ("auto", "cupy") and importlib.util.find_spec("cupy"):
             # importing CuPy and compiling the kernel take up to seconds: never on the engine's
             # step; steps begun before the ring is ready simply carry no device times
@@ -156,10 +164,11 @@ class StepTracker:
                 self.ring = backend
             elif backend in ("auto", "cupy") and device is not None:
                 try:
-                    self.ring = CupyRing(capacity, device=device)
-                except RingError:
+                    self.ring = _outside_capture(lambda: CupyRing(capacity, device=device))
+                except RingError as exc:
                     if backend == "cupy":
                         raise
+                    fallback_warning(exc)
                     self.ring = make_ring("numpy", capacity)
             else:
                 self.ring = make_ring(backend, capacity)
@@ -234,11 +243,14 @@ class StepTracker:
             self.telemetry.errors.report("gpu.step.begin", exc)
             return None
 
-    def end(self, ctx: StepContext | None, *, span_end_ns: int | None = None, stream: Any = None) -> None:
+    def end(self, ctx: StepContext | None, *, span_end_ns: int | None = None, stream: Any = None,
+            record: bool = True) -> None:
         """End the step after the model's kernels were launched (they may still run). Never blocks.
 
         ``span_end_ns``: epoch ns at which the step span ends (default: now). The span is ended
-        once the device records are drained (or at once when the ring is off).
+        once the device records are drained (or at once when the ring is off). ``record=False``:
+        launch no end record (the caller's stream is capturing a CUDA graph); the step then
+        completes without device times.
         """
         if ctx is None:
             return
@@ -252,7 +264,7 @@ class StepTracker:
                 ctx.span_end_ns = span_end_ns if span_end_ns is not None else ctx.end_launch_ns
             if threading.get_ident() == ctx.thread:
                 self.nvtx.end_step(ctx.span_id)
-            if ctx.recorded and self._record(ctx.span_id, KIND_END, stream):
+            if ctx.recorded and record and self._record(ctx.span_id, KIND_END, stream):
                 try:
                     self.ring.mark_step(stream)
                 except Exception as exc:  # noqa: BLE001
@@ -333,11 +345,7 @@ class StepTracker:
         finished: list[StepContext] = []
         if ring is not None:
             try:
-                if time.monotonic() - self._last_calibration >= self.calibrate_every_s:
-                    self._last_calibration = time.monotonic()
-                    ring.calibrate()
-                records = ring.poll()
-                lost = ring.overwritten - self._overwritten_reported
+                records, lost = self._poll(ring)
             except Exception as exc:  # noqa: BLE001
                 self._ring_failed(exc)
                 records, lost = (), 0
@@ -434,11 +442,27 @@ class StepTracker:
             attrs[A.LLM_ENGINE_STEP_DEVICE_CLOCK_ERROR] = ring.clock_error_ns / 1e9
         return attrs
 
+    def _poll(self, ring: RingBackend) -> tuple[Any, int]:
+        """Calibrate when due and read new records; a device ring only outside CUDA-graph
+        captures (records stay in the ring until the next pass)."""
+        # a host ring touches no device: no gate, no lock
+        gate = capture_gate.device_work() if getattr(ring, "on_device", False) else contextlib.nullcontext(True)
+        with gate as allowed:
+            if not allowed:
+                return (), 0
+            if time.monotonic() - self._last_calibration >= self.calibrate_every_s:
+                self._last_calibration = time.monotonic()
+                ring.calibrate()
+            records = ring.poll()
+        return records, ring.overwritten - self._overwritten_reported
+
     # --- plumbing ---------------------------------------------------------------------------
     def _record(self, span_id: int, kind: int, stream: Any) -> bool:
         ring = self.ring
         if ring is None:
             return False
+        if capture_gate.active and getattr(ring, "on_device", False):
+            return False  # a capture is running somewhere in the process: launch nothing now
         try:
             ring.record(span_id, kind, stream)
             return True
@@ -490,6 +514,23 @@ class StepTracker:
         ring, self.ring = self.ring, None
         if ring is not None:
             ring.close()
+
+
+def _outside_capture(build: Any, wait_s: float = 600.0) -> Any:
+    """Run ``build`` (device allocations, module load) under the capture gate, waiting - on our
+    own thread - while CUDA graphs are being captured.
+
+    Raises:
+        RingError: captures kept going for ``wait_s`` seconds.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        with capture_gate.device_work() as allowed:
+            if allowed:
+                return build()
+        if time.monotonic() > deadline:
+            raise RingError(f"CUDA graphs were being captured for {wait_s:.0f} s; ring not built")
+        time.sleep(0.05)
 
 
 def _current_cuda_device() -> int | None:

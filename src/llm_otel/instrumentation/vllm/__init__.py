@@ -63,6 +63,7 @@ class VLLMInstrumentor(BaseInstrumentor):
     """
 
     adapter: VLLMAdapter | None = None
+    role: str | None = None
     _applied: list[AppliedHook] = []
     _pending: dict | None = None
 
@@ -91,7 +92,7 @@ class VLLMInstrumentor(BaseInstrumentor):
         settings = kwargs.get("settings") or Settings.from_env()
         tracer_provider = kwargs.get("tracer_provider")
         meter_provider = kwargs.get("meter_provider")
-        role = plugin.process_role()
+        role = self.role = plugin.process_role()
         if tracer_provider is None and meter_provider is None:
             if role == "frontend":
                 ensure_providers(settings)
@@ -112,6 +113,11 @@ class VLLMInstrumentor(BaseInstrumentor):
 
             when_serving(observe_sampling)
         self.adapter = VLLMAdapter(telemetry)
+        if role == "frontend":
+            from llm_otel.export.lifecycle import create_flush_dir, lifecycle
+
+            lifecycle(role).before_flush(self._fail_in_flight_at_exit)  # never finished by vLLM
+            create_flush_dir()  # the engine processes started from here say when they flushed
         if role == "engine_core":  # engine-state and GPU instruments now, not on the first step
             try:
                 self.adapter.core.engine_metrics()
@@ -125,6 +131,23 @@ class VLLMInstrumentor(BaseInstrumentor):
             os.environ[plugin.ENABLE_ENV] = "1"
         # engine cores and workers started as Ray actors get the configuration through vLLM's copy
         self._ray_env_previous = hand_off_environment()
+
+    def _fail_in_flight_at_exit(self) -> None:
+        if self.adapter is not None:
+            self.adapter.fail_in_flight_at_exit()
+
+    def abandon_inherited(self) -> None:
+        """In a process forked from an instrumented one (vLLM's engine processes under ``fork``):
+        restore the patched attributes and let go of the parent's adapter without touching what
+        only the parent can stop (its threads do not exist here; its /healthz and Prometheus
+        sockets are closed in this process only). The instrumentor is then uninstrumented here."""
+        remove_hooks(self._applied)
+        self._applied = []
+        if self.adapter is not None:
+            self.adapter.telemetry.abandon_inherited()
+        self.adapter = None
+        self._pending = None
+        self._is_instrumented_by_opentelemetry = False
 
     def _uninstrument(self, **kwargs: Any) -> None:
         from llm_otel.instrumentation.vllm import plugin

@@ -536,6 +536,82 @@ class VLLMAdapter:
         for rid in [rid for rid in state.records if rid not in live]:
             self.telemetry.finish(state.records.pop(rid))  # timing may be incomplete; counted as a hook error
 
+    # --- process lifecycle ------------------------------------------------------------------
+    def engine_failed(self, hook: str):
+        """OutputProcessor.propagate_error(e): vLLM hands ``e`` (``EngineDeadError`` when the engine
+        core died) to every waiting request; each request in flight ends with ``error.type`` =
+        the exception's class name, its metrics counted."""
+
+        def wrapper(wrapped, instance, args, kwargs):
+            try:
+                error = kwargs.get("e", args[0] if args else None)
+                state = self._states.get(instance)
+                if state is not None and state.records and isinstance(error, BaseException):
+                    for rid in list(state.records):
+                        rec = state.records.pop(rid)
+                        rec.error_type = type(error).__name__
+                        self.telemetry.finish(rec)
+            except Exception as exc:  # noqa: BLE001
+                self.telemetry.errors.report(hook, exc)
+            return wrapped(*args, **kwargs)
+
+        return wrapper
+
+    def fail_in_flight_at_exit(self) -> int:
+        """End every request still tracked when this process exits (``error.type=shutdown``):
+        vLLM will never finish them, and their spans and metrics would otherwise be lost."""
+        n = 0
+        for state in list(self._states.values()):
+            for rid in list(state.records):
+                rec = state.records.pop(rid)
+                rec.error_type = "shutdown"
+                rec.error_message = "the process exited before the request finished"
+                self.telemetry.finish(rec)
+                n += 1
+        return n
+
+    def process_shutdown(self, hook: str):
+        """vLLM's process-manager ``shutdown(procs, timeout)``: SIGTERM, then SIGKILL once
+        ``timeout`` seconds have passed (0 under the OpenAI server). This process starts its own
+        flush; when vLLM's timeout is shorter than the flush deadline, the processes it stops are
+        sent SIGTERM first and vLLM proceeds once each of them (and their workers) has flushed
+        its telemetry or exited, at the latest after the deadline. A longer vLLM timeout (``None``
+        means its 5 s) is left alone."""
+        window = self.settings.flush_deadline_s
+
+        def wrapper(wrapped, instance, args, kwargs):
+            try:
+                from llm_otel.export.lifecycle import begin_shutdown, wait_flushed
+
+                begin_shutdown()
+                procs = kwargs.pop("procs", args[0] if args else None)
+                timeout = kwargs.pop("timeout", args[1] if len(args) > 1 else None)
+                if timeout is not None and timeout < window:
+                    # SIGTERM now; vLLM's own SIGTERM and kill follow once they flushed or exited
+                    live = [p for p in procs if p.is_alive() and p.pid is not None]
+                    for p in live:
+                        p.terminate()
+                    wait_flushed([p.pid for p in live], time.monotonic() + window)
+            except Exception as exc:  # noqa: BLE001
+                self.telemetry.errors.report(hook, exc)
+                return wrapped(*args, **kwargs)
+            return wrapped(procs, timeout=timeout, **kwargs)
+
+        return wrapper
+
+    def process_exiting(self, hook: str):
+        """EngineCore.shutdown / WorkerProc.shutdown: this engine process starts its flush now,
+        before vLLM's own teardown (the engine core then waits for its workers, which flush at the
+        same time)."""
+
+        def wrapper(wrapped, instance, args, kwargs):
+            from llm_otel.export.lifecycle import begin_shutdown
+
+            begin_shutdown()
+            return wrapped(*args, **kwargs)
+
+        return wrapper
+
     def abort_requests(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
             aborted = wrapped(*args, **kwargs)

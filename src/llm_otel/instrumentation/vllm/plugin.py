@@ -17,9 +17,9 @@ their spans are dropped - the frontend's console shows the request trees. With
 
 from __future__ import annotations
 
-import atexit
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import sys
 
@@ -76,14 +76,17 @@ def register() -> None:
 
 def engine_process_providers(role: str):
     """Tracer and meter providers for an engine-core or worker process, from the ``OTEL_*``
-    environment, with resource attribute ``llm.process.role``; flushed at exit (with the worker's
-    pending logit statistics and step device timings)."""
+    environment, with resource attribute ``llm.process.role``. They are flushed by this process's
+    lifecycle (:mod:`llm_otel.export.lifecycle`) on every orderly exit - the end of the
+    multiprocessing child, under ``spawn`` or ``fork`` - within ``LLM_OTEL_FLUSH_DEADLINE_S``,
+    after the worker's pending logit statistics and step device timings are completed."""
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+    from llm_otel.export.lifecycle import lifecycle
     from llm_otel.export.providers import (
         SystemRandomIdGenerator,
         metric_exporter_from_env,
@@ -108,21 +111,62 @@ def engine_process_providers(role: str):
         if prometheus is not None:
             readers.append(prometheus)
     meter_provider = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False)
-
-    def _flush() -> None:
-        from llm_otel.instrumentation.vllm import VLLMInstrumentor
-
-        adapter = VLLMInstrumentor().adapter
-        try:
-            if adapter is not None:
-                adapter.worker.flush(0.0)
-                steps = adapter.telemetry.steps_if_started
-                if steps is not None:  # device records still in flight complete their step spans
-                    steps.close()
-        finally:
-            tracer_provider.shutdown()
-            meter_provider.shutdown()
-
-    atexit.register(_flush)
+    if exporter is not None:
+        exporter.bind(meter_provider)  # its lost spans count in llm_otel.spans.dropped
+    life = lifecycle(role)
+    life.add(tracer_provider, meter_provider, exporters=(exporter, metric_exporter))
+    life.before_flush(_complete_pending, early=True)  # the model steps are over once shutdown began
     logger.debug("llm-otel: instrumenting vLLM %s process (pid %d)", role, os.getpid())
     return tracer_provider, meter_provider
+
+
+def _complete_pending() -> None:
+    """Before the final flush of an engine process: the worker's buffered logit statistics become
+    spans, device records still in flight complete their step spans."""
+    from llm_otel.instrumentation.vllm import VLLMInstrumentor
+
+    adapter = VLLMInstrumentor().adapter
+    if adapter is None:
+        return
+    adapter.worker.flush(0.0)
+    steps = adapter.telemetry.steps_if_started
+    if steps is not None:
+        steps.close()
+
+
+# --- fork ---------------------------------------------------------------------------------------
+class _ForkHook:
+    """Anchor for multiprocessing's after-fork registry (it holds objects weakly)."""
+
+
+_FORK_HOOK = _ForkHook()
+
+
+def _after_multiprocessing_fork(_anchor: object) -> None:
+    """In a process vLLM started with ``fork`` (engine core, worker): the frontend's (or engine
+    core's) instrumentation came along - its hooks, its providers, its exporters' channels - and
+    vLLM's plugin loader will not run again here (its once-per-process flag came along too). Give
+    this process the setup of its own role. Runs in multiprocessing's bootstrap, after the child
+    is named and before vLLM's code runs; never raises."""
+    try:
+        if not enabled():
+            return
+        role = process_role()
+        from llm_otel.instrumentation.vllm import VLLMInstrumentor
+
+        inst = VLLMInstrumentor()
+        if not inst.is_instrumented_by_opentelemetry or getattr(inst, "role", None) == role:
+            return
+        from llm_otel.export import exporters, lifecycle
+
+        exporters.disown_inherited()  # the parent exports its own spans and points
+        lifecycle.lifecycle(role).forget()
+        inst.abandon_inherited()
+        inst.instrument()
+        logger.debug("llm-otel: forked vLLM %s process (pid %d) set up for its role", role, os.getpid())
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("llm-otel: could not set up this forked vLLM process (%s: %s); it runs uninstrumented",
+                       type(exc).__name__, exc)
+
+
+multiprocessing.util.register_after_fork(_FORK_HOOK, _after_multiprocessing_fork)

@@ -17,10 +17,30 @@ the frontend put there - present only for sampled requests chosen for logit stat
 ``output_token_ids``; ``discard_request_mask`` marks rows of partial (chunked) prefills, whose
 sample is thrown away; the sampler returns ``sampled_token_ids``.
 
+Model Runner V2 (``vllm/v1/worker/gpu``, the default on GPUs with Triton in vLLM 0.32/0.33): the
+runner computes logits inside ``GPUModelRunner.sample(hidden_states, input_batch, grammar_output)``
+and hands them to ``Sampler.__call__(logits, input_batch)`` or, under speculative decoding, to
+``RejectionSampler.__call__(logits, input_batch, draft_logits, invalid_drafts)``; both are hooked.
+MRv2 keeps no per-request ``sampling_params`` in the runner: ``Sampler.add_request(req_idx,
+sampling_params)`` is hooked to remember, per request-state slot, the carrier of chosen requests
+(with ``req_states.index_to_req_id[req_idx]`` to detect a reused slot). Rows: request i of
+``input_batch.req_ids`` owns logit rows ``cu_num_logits_np[i]:cu_num_logits_np[i+1]`` (one row
+without speculative decoding) and state slot ``idx_mapping_np[i]``; a chunk of a prefill that does
+not finish it (``num_computed_tokens_np + num_scheduled_tokens < prefill_len_np``, the rule of
+``get_num_sampled_and_rejected``) samples nothing and is skipped; requests vLLM still holds are
+``req_states.req_id_to_index``. Under speculative decoding only request i's *first* row
+(``cu_num_logits_np[i]``) is reduced: the target model's distribution for the step's first new
+token, which is always an output token (the accepted first draft or the recovered/bonus token,
+``sampled_token_ids[i, 0]``); draft rows after it are output tokens only when accepted, which is
+known after sampling, so they are not reported - such a request's span has one entry per engine
+step, not per token. The V1 runner (``_sample``) skips steps with speculative decoding.
+
 Per step: the chosen rows are gathered and reduced on the logits' device *before* the sampler
 runs (it may modify logits in place), and after it one ``(rows, 2k+3)`` transfer brings top-k,
-entropy, non-finite flags and the sampled tokens' log-probs to host. Unchosen requests cost a
-dict lookup. A request's span is emitted when its last token is sampled (``max_tokens`` reached),
+entropy, non-finite flags and the sampled tokens' log-probs to host. That transfer is
+synchronous: on a step with chosen rows the engine's thread waits for the sampler to finish on
+the device. Unchosen requests cost a dict lookup (MRv2: one NumPy gather over the batch while
+any chosen request is live). While a CUDA graph is captured nothing is reduced. A request's span is emitted when its last token is sampled (``max_tokens`` reached),
 when vLLM drops it from ``requests``, or after ``IDLE_FLUSH_S`` without a step for it.
 """
 
@@ -28,10 +48,12 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
 
+from llm_otel.gpu.capture import capture_gate
 from llm_otel.instrumentation.vllm.engine_core import (CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY,
                                                        STEP_CARRIER_ATTR)
 from llm_otel.propagation import context_from_carrier, parse_traceparent
@@ -79,10 +101,47 @@ class _Stream:
         self.last_mono = time.monotonic()
 
 
+class _Chosen:
+    """A request chosen for logit statistics, remembered per MRv2 request-state slot."""
+
+    __slots__ = ("req_id", "extra", "max_tokens")
+
+    def __init__(self, req_id: str | None, extra: dict, max_tokens: int | None) -> None:
+        self.req_id = req_id
+        self.extra = extra
+        self.max_tokens = max_tokens
+
+
+class _Slots(dict):
+    """MRv2 request-state slot -> :class:`_Chosen` of one Sampler, with ``mask[slot]`` True for the
+    chosen slots so a step's batch is matched with one NumPy gather (``mask[idx_mapping_np]``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mask = np.zeros(64, dtype=bool)
+
+    def choose(self, slot: int, chosen: _Chosen) -> None:
+        if slot >= len(self.mask):
+            self.mask = np.concatenate([self.mask, np.zeros(max(slot + 1, 2 * len(self.mask)) - len(self.mask), bool)])
+        self.mask[slot] = True
+        self[slot] = chosen
+
+    def forget(self, slot: int) -> None:
+        if self.pop(slot, None) is not None:
+            self.mask[slot] = False
+
+    def matches(self, idx_mapping: np.ndarray) -> np.ndarray:
+        """Bool per batch row: its slot holds a chosen request."""
+        if len(idx_mapping) and int(idx_mapping.max()) >= len(self.mask):
+            self.mask = np.concatenate([self.mask, np.zeros(int(idx_mapping.max()) + 1 - len(self.mask), bool)])
+        return self.mask[idx_mapping]
+
+
 class WorkerAdapter:
     """Wrapper factories for ``GPUModelRunner.execute_model`` / ``sample_tokens`` (device timing
-    of steps) and ``GPUModelRunner._sample`` (logit statistics); vLLM's CPU model runner inherits
-    all three."""
+    of steps, V1 and Model Runner V2), ``GPUModelRunner._sample`` (V1 logit statistics; vLLM's CPU
+    model runner inherits all three) and MRv2's ``Sampler.add_request`` / ``Sampler.__call__`` /
+    ``RejectionSampler.__call__`` (MRv2 logit statistics)."""
 
     def __init__(self, telemetry: Telemetry) -> None:
         self.telemetry = telemetry
@@ -92,12 +151,18 @@ class WorkerAdapter:
         self._open_steps: dict[int, Any] = {}  # id(model runner) -> StepContext awaiting sample_tokens
         self._torch_cuda: Any = False  # torch.cuda once known to be usable, None when not
         self._owns_result: bool | None = None  # this rank returns the step's output (read once)
+        # MRv2: Sampler -> {request-state slot: _Chosen}; weak, so a discarded runner takes its map
+        self._chosen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sampler -> _Slots
 
     # --- device timing of steps ---------------------------------------------------------------
     def execute_model(self, hook: str):
-        """Wrapper for ``GPUModelRunner.execute_model(scheduler_output, intermediate_tensors=None)``."""
+        """Wrapper for ``GPUModelRunner.execute_model(scheduler_output, intermediate_tensors=None)``
+        (V1) and MRv2's ``execute_model(scheduler_output, intermediate_tensors=None, dummy_run=False,
+        ...)``; MRv2 dummy runs (profiling, CUDA-graph capture, DP padding) are passed through."""
         def wrapper(wrapped, instance, args, kwargs):
             ctx = None
+            if kwargs.get("dummy_run"):  # MRv2 passes it by keyword (_dummy_run); no step of a request
+                return wrapped(*args, **kwargs)
             try:
                 stale = self._open_steps.pop(id(instance), None) if self._open_steps else None
                 if stale is not None:  # sample_tokens never came (the step failed in between)
@@ -146,8 +211,8 @@ class WorkerAdapter:
             self._torch_cuda = cuda
         if cuda is None or not cuda.is_initialized():
             return None
-        if cuda.is_current_stream_capturing():
-            return False  # a record launched now would be frozen into the graph
+        if capture_gate.capturing(cuda):
+            return False  # a record launched now would be frozen into (or abort) the graph
         return cuda.current_stream().cuda_stream
 
     def _begin_step(self, so: Any):
@@ -187,28 +252,40 @@ class WorkerAdapter:
     def _end_step(self, ctx: Any, hook: str) -> None:
         try:
             stream = self._cuda_stream()
-            self.telemetry.steps.end(ctx, stream=stream if stream is not False else None)
+            # while a graph is captured the end record is not launched: the step completes
+            # without device times instead of putting our kernel into the engine's graph
+            self.telemetry.steps.end(ctx, stream=stream if stream is not False else None,
+                                     record=stream is not False)
         except Exception as exc:  # noqa: BLE001
             self.telemetry.errors.report(hook, exc)
 
+    # --- logit statistics: V1 runner ----------------------------------------------------------
+    def _owns_sampling(self) -> bool:
+        """Whether this worker computes logit statistics (:func:`owns_sampling_result`, read once:
+        vLLM's process groups exist by the first sampled step)."""
+        owns = self._owns_result
+        if owns is None:
+            owns = self._owns_result = owns_sampling_result()
+        return owns
+
     def sample(self, hook: str):
+        """Wrapper for the V1 runner's ``GPUModelRunner._sample(logits, spec_decode_metadata)``."""
         def wrapper(wrapped, instance, args, kwargs):
             plan = None
             try:
                 logits = args[0] if args else kwargs.get("logits")
                 spec = args[1] if len(args) > 1 else kwargs.get("spec_decode_metadata")
-                if self._owns_result is None:
-                    self._owns_result = owns_sampling_result()
                 # with speculative decoding rows != requests; with TP every rank samples the same
                 # rows, and only the rank whose output vLLM returns computes the statistics
-                if logits is not None and spec is None and self._owns_result:
+                if logits is not None and spec is None and self._owns_sampling():
                     plan = self._prepare(instance, logits)
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
             output = wrapped(*args, **kwargs)
             if plan is not None:
                 try:
-                    self._collect(instance, plan, output)
+                    sampled = getattr(output, "sampled_token_ids", None)
+                    self._collect(plan, sampled, plan[0], instance.requests)
                 except Exception as exc:  # noqa: BLE001
                     self.telemetry.errors.report(hook, exc)
             return output
@@ -216,62 +293,173 @@ class WorkerAdapter:
         return wrapper
 
     def _prepare(self, runner: Any, logits: Any):
-        import torch
-
-        from llm_otel.telemetry.logits import TorchLogitStats
-
+        """V1: chosen rows of ``logits`` (row i <-> ``input_batch.req_ids[i]``), reduced."""
         req_ids = runner.input_batch.req_ids
         requests = runner.requests
         n = min(int(logits.shape[0]), len(req_ids))
         discard = getattr(getattr(runner, "discard_request_mask", None), "np", None)
-        rows, members, k = [], [], 0
+        rows, members = [], []
         for i in range(n):
             state = requests.get(req_ids[i])
-            extra = getattr(getattr(state, "sampling_params", None), "extra_args", None) if state else None
+            sp = getattr(state, "sampling_params", None) if state else None
+            extra = getattr(sp, "extra_args", None)
             if not extra or CARRIER_TOPK_KEY not in extra:
                 continue
             if discard is not None and i < len(discard) and discard[i]:
                 continue
             rows.append(i)
-            members.append((req_ids[i], extra, state))
-            k = max(k, int(extra[CARRIER_TOPK_KEY]))
-        if not rows:
-            return None
-        index = torch.tensor(rows, device=logits.device)
-        return rows, members, index, TorchLogitStats(logits.index_select(0, index), k)
+            members.append((req_ids[i], extra, getattr(sp, "max_tokens", None),
+                            len(getattr(state, "output_token_ids", ()))))
+        return self._reduce(logits, rows, members)
 
-    def _collect(self, runner: Any, plan, output: Any) -> None:
-        rows, members, index, device_stats = plan
-        sampled = getattr(output, "sampled_token_ids", None)
-        sampled_rows = sampled.index_select(0, index.to(sampled.device))[:, 0] if sampled is not None else None
-        stats, sampled_lp = device_stats.to_host(sampled_rows)
+    # --- logit statistics: Model Runner V2 ----------------------------------------------------
+    def sampler_add_request(self, hook: str):
+        """Wrapper for MRv2 ``Sampler.add_request(req_idx, sampling_params)``: remembers the slot of
+        a request chosen for logit statistics (and forgets a reused slot's previous request)."""
+        def wrapper(wrapped, instance, args, kwargs):
+            output = wrapped(*args, **kwargs)
+            try:
+                req_idx = args[0] if args else kwargs["req_idx"]
+                sp = args[1] if len(args) > 1 else kwargs["sampling_params"]
+                extra = getattr(sp, "extra_args", None)
+                slots = self._chosen.get(instance)
+                if extra and CARRIER_TOPK_KEY in extra:
+                    if slots is None:
+                        slots = self._chosen[instance] = _Slots()
+                    index_to_req_id = getattr(getattr(instance, "req_states", None), "index_to_req_id", None)
+                    req_id = index_to_req_id.get(req_idx) if index_to_req_id is not None else None
+                    slots.choose(int(req_idx), _Chosen(req_id, extra, getattr(sp, "max_tokens", None)))
+                elif slots:
+                    slots.forget(int(req_idx))
+            except Exception as exc:  # noqa: BLE001
+                self.telemetry.errors.report(hook, exc)
+            return output
+
+        return wrapper
+
+    def sampler_call(self, hook: str):
+        """Wrapper for MRv2 ``Sampler.__call__(logits, input_batch)`` and
+        ``RejectionSampler.__call__(logits, input_batch, draft_logits=None, invalid_drafts=None)``
+        (whose ``sampler`` attribute is the Sampler holding the chosen slots)."""
+        def wrapper(wrapped, instance, args, kwargs):
+            plan = None
+            sampler = vars(instance).get("sampler", instance) if hasattr(instance, "__dict__") else instance
+            try:
+                if self._chosen.get(sampler) and self._owns_sampling():  # TP: the output rank only
+                    logits = args[0] if args else kwargs.get("logits")
+                    batch = args[1] if len(args) > 1 else kwargs.get("input_batch")
+                    if logits is not None and batch is not None:
+                        plan = self._prepare_mrv2(sampler, logits, batch)
+            except Exception as exc:  # noqa: BLE001
+                self.telemetry.errors.report(hook, exc)
+            output = wrapped(*args, **kwargs)
+            if plan is not None:
+                try:
+                    rows, _, _, requests, n_logit_rows = plan
+                    sampled = getattr(output, "sampled_token_ids", None)
+                    # Sampler: one sampled row per logit row; RejectionSampler: (num_reqs, drafts + 1)
+                    by_row = sampled is not None and int(sampled.shape[0]) == n_logit_rows
+                    finished = self._collect(plan, sampled, rows if by_row else requests,
+                                             sampler.req_states.req_id_to_index)
+                    if finished:  # forget their slots: a step without chosen requests costs one lookup
+                        slots = self._chosen.get(sampler) or _Slots()
+                        for slot in [k for k, c in slots.items() if c.req_id in finished]:
+                            slots.forget(slot)
+                except Exception as exc:  # noqa: BLE001
+                    self.telemetry.errors.report(hook, exc)
+            return output
+
+        return wrapper
+
+    def _prepare_mrv2(self, sampler: Any, logits: Any, batch: Any):
+        """MRv2: the first logit row of each chosen request of ``batch`` (an ``InputBatch``), reduced;
+        the plan ends with each reduced request's index in the batch and the number of logit rows."""
+        slots = self._chosen.get(sampler)
+        req_ids = batch.req_ids
+        num_reqs = min(int(batch.num_reqs), len(req_ids))
+        idx_mapping = np.asarray(batch.idx_mapping_np[:num_reqs])
+        cu = batch.cu_num_logits_np
+        # vectorised over the batch; the Python loop runs over the chosen requests only
+        wanted = slots.matches(idx_mapping)
+        wanted &= ~(batch.num_computed_tokens_np[:num_reqs] + batch.num_scheduled_tokens[:num_reqs]
+                    < batch.prefill_len_np[:num_reqs])
+        n_rows = int(logits.shape[0])
+        rows, members, requests = [], [], []
+        for i in np.flatnonzero(wanted).tolist():
+            chosen = slots[int(idx_mapping[i])]
+            req_id = req_ids[i]
+            if chosen.req_id is not None and chosen.req_id != req_id:
+                continue  # the slot was reused by a request added without our hook seeing it
+            row = int(cu[i])
+            if row >= n_rows:
+                continue
+            rows.append(row)
+            requests.append(i)
+            members.append((req_id, chosen.extra, chosen.max_tokens, None))
+        plan = self._reduce(logits, rows, members)
+        return None if plan is None else (*plan, requests, n_rows)
+
+    # --- one step's statistics, both runners ------------------------------------------------------
+    def _reduce(self, logits: Any, rows: list[int], members: list[tuple]):
+        """The one place a step's logit statistics are computed: gathers ``rows`` of the
+        ``(rows, vocab)`` ``logits`` on their device and reduces them (top-k, entropy, non-finite)
+        before the sampler may modify the logits in place. ``members[j]`` = ``(req_id,
+        extra_args, max_tokens, output tokens before this step or None)`` for ``rows[j]``.
+
+        Returns ``(rows, members, TorchLogitStats)`` or None (nothing chosen, or the engine's
+        stream is capturing a CUDA graph: no allocation or launch may happen then)."""
+        if not rows or capture_gate.capturing():
+            return None
+        import torch
+
+        from llm_otel.telemetry.logits import TorchLogitStats
+
+        k = max(int(extra[CARRIER_TOPK_KEY]) for _, extra, _, _ in members)
+        # staged host->device copy: no wait for the engine's stream (a blocking copy would wait
+        # for the forward pass here)
+        index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+        return rows, members, TorchLogitStats(logits.index_select(0, index), k)
+
+    def _collect(self, plan, sampled: Any, sampled_rows: list[int], live: Any) -> set[str]:
+        """After the sampler: one ``(rows, 2k+3)`` transfer (statistics plus the log-probs of the
+        tokens in column 0 of ``sampled[sampled_rows]``), then each member's stream is extended;
+        streams of requests absent from ``live`` (vLLM's own request map) are emitted. Returns
+        the request ids whose streams were emitted."""
+        _, members, device_stats = plan[:3]
+        picked = None
+        if sampled is not None:
+            import torch
+
+            index = torch.tensor(sampled_rows, dtype=torch.long).to(sampled.device, non_blocking=True)
+            picked = sampled.index_select(0, index)[:, 0]
+        stats, sampled_lp = device_stats.to_host(picked)
         step = (time.time_ns(), stats, sampled_lp)
         now_mono = time.monotonic()
         done = []
         with self._lock:
             streams = self._streams
-            for j, (req_id, extra, state) in enumerate(members):
+            for j, (req_id, extra, max_tokens, tokens_before) in enumerate(members):
                 stream = streams.get(req_id)
                 if stream is None:
                     parent = context_from_carrier({"traceparent": extra.get(CARRIER_KEY),
                                                    "tracestate": extra.get(CARRIER_STATE_KEY)})
                     if parent is None:
                         continue
-                    stream = streams[req_id] = _Stream(parent, int(extra[CARRIER_TOPK_KEY]),
-                                                       getattr(state.sampling_params, "max_tokens", None))
+                    stream = streams[req_id] = _Stream(parent, int(extra[CARRIER_TOPK_KEY]), max_tokens)
                 if len(stream.rows) >= MAX_STEPS_PER_REQUEST:
                     continue
+                before = tokens_before if tokens_before is not None else len(stream.rows)
                 stream.rows.append((step, j))
                 stream.last_mono = now_mono
-                if stream.max_tokens is not None and len(getattr(state, "output_token_ids", ())) + 1 >= stream.max_tokens:
+                if stream.max_tokens is not None and before + 1 >= stream.max_tokens:
                     done.append(req_id)
             # requests vLLM no longer holds have finished (EOS, stop, abort)
-            live = runner.requests
             done.extend(r for r in streams if r not in live and r not in done)
             finished = [(r, streams.pop(r)) for r in done if r in streams]
         for req_id, stream in finished:
             self._emit(stream)
         self._ensure_flusher()
+        return {req_id for req_id, _ in finished}
 
     def _emit(self, stream: _Stream) -> None:
         if not stream.rows:

@@ -1,4 +1,5 @@
-# mirrors vllm/v1/engine/output_processor.py (OutputProcessor.add_request / process_outputs / abort_requests)
+# mirrors vllm/v1/engine/output_processor.py (OutputProcessor.add_request / process_outputs / abort_requests /
+# propagate_error, which AsyncLLM's output handler calls when the engine core dies)
 class OutputProcessor:
     def __init__(self, tokenizer=None, log_stats=False):
         self.request_states = {}
@@ -14,3 +15,7 @@ class OutputProcessor:
 
     def abort_requests(self, request_ids, internal=False):
         return [r for r in request_ids if self.request_states.pop(r, None) is not None]
+
+    def propagate_error(self, e):
+        for state in self.request_states.values():
+            getattr(state, "queue", None) and state.queue.put(e)

