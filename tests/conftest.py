@@ -130,6 +130,29 @@ VLLM_ENV = {
 EXACT = {k: VLLM_ENV[k] for k in ("LLM_OTEL_STEP_SPANS_PER_S", "LLM_OTEL_ITL_SAMPLE_EVERY")}
 
 
+def wait_for_vllm_server(proc, base: str, log_path, timeout_s: float, what: str = "vLLM server") -> None:
+    """Poll ``base + "/health"`` until it answers 200; fail the test with the tail of ``log_path``
+    when the server process exits first or ``timeout_s`` passes (then its process group is killed)."""
+    import signal
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"{what} exited with {proc.returncode}:\n{log_path.read_text()[-5000:]}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"{what} not ready in {timeout_s:.0f} s:\n{log_path.read_text()[-5000:]}")
+        time.sleep(1)
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     from llm_otel.demo.tiny_model import ensure_tiny_model

@@ -113,7 +113,8 @@ def test_forked_engine_processes_tell_their_own_story(fork_restart):
     assert "Overriding VLLM_WORKER_MULTIPROC_METHOD" not in server.log_text()
     spans = _assert_whole_story(rx, tokens=6)
     roles = {role: s["resource"].get("llm.process.role") for role, s in spans.items()}
-    assert roles == {"frontend": None, "engine_core": "engine_core", "worker": "worker", "logit": "worker"}
+    # every process's resource names its role (issue 16: process identity), the frontend's too
+    assert roles == {"frontend": "frontend", "engine_core": "engine_core", "worker": "worker", "logit": "worker"}
     pid_of = {role: s["resource"].get("process.pid") for role, s in spans.items()}
     assert pid_of["engine_core"] in pids["engine_core"] and pid_of["worker"] in pids["worker"], (pid_of, pids)
     assert pid_of["frontend"] == server.proc.pid

@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from conftest import HAS_VLLM, VLLM_ENV, record_received
+from conftest import HAS_VLLM, VLLM_ENV, record_received, wait_for_vllm_server
 
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")]
 
@@ -50,19 +50,7 @@ def server(tiny_model, receiver, tmp_path_factory):
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"vLLM server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.time() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"vLLM server not ready in 300 s:\n{log_path.read_text()[-4000:]}")
-        time.sleep(1)
+    wait_for_vllm_server(proc, base, log_path, 300)
     yield {"base": base, "proc": proc, "log": log_path, "health_port": health_port}
     os.killpg(proc.pid, signal.SIGTERM)
     try:

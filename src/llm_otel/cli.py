@@ -25,7 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--prompts", type=int, default=4, help="number of completion prompts (default 4)")
     demo.add_argument("--max-tokens", type=int, default=24, help="output tokens per request (default 24)")
     demo.add_argument("--model-dir", default=None, help="where the tiny model is built/cached")
-    sub.add_parser("doctor", help="check configuration, exporter reachability and vLLM hook targets")
+    doc = sub.add_parser("doctor", help="check configuration, exporter reachability, the ports of each serving "
+                                        "process and vLLM hook targets")
+    doc.add_argument("--api-server-count", type=int, default=1,
+                     help="API server processes, as given to vllm serve (default 1)")
+    doc.add_argument("--data-parallel-size", type=int, default=1,
+                     help="engine cores on this host, as given to vllm serve (default 1)")
+    doc.add_argument("--port", type=_port, default=None, help="the engine's own HTTP port (vllm serve --port)")
     sub.add_parser("semconv-check", help="validate semconv/ and check the generated code is current")
     health = sub.add_parser("serve-health", help="node sidecar: /healthz from GPU utilisation, VRAM pressure "
                                                  "(NVML), uptime and exporter reachability (docs/signals.md)")
@@ -37,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         return run_demo_command(args.prompts, args.max_tokens, args.model_dir)
     if args.command == "doctor":
-        return doctor()
+        return doctor(api_servers=args.api_server_count, dp_size=args.data_parallel_size, serve_port=args.port)
     from llm_otel._semconv_registry import main as semconv_main
 
     return semconv_main(["--check"])
@@ -59,38 +65,63 @@ def run_demo_command(prompts: int, max_tokens: int, model_dir: str | None) -> in
     return run_demo(prompts=prompts, max_tokens=max_tokens, model_dir=model_dir)
 
 
-def _doctor_prometheus(env, say) -> bool:
-    """With OTEL_METRICS_EXPORTER=prometheus: the exporter package and the ports each process would
-    serve on (frontend, engine core). False when metrics could not be served."""
+def _doctor_prometheus(env, say, api_servers: int = 1, dp_size: int = 1, serve_port: int | None = None) -> bool:
+    """The ports each serving process would listen on (llm_otel.export.ports: Prometheus with
+    OTEL_METRICS_EXPORTER=prometheus, /healthz with LLM_OTEL_HEALTH_PORT) for ``api_servers`` API
+    servers and ``dp_size`` engine cores: the scheme, collisions, ports already taken. False when
+    some process's metrics or health endpoint could not be served."""
     import socket
 
     from llm_otel.config import ConfigError
+    from llm_otel.export.ports import scheme
     from llm_otel.export.providers import exporter_choice
+    from llm_otel.signals import SignalsConfig
 
-    if exporter_choice(env, "METRICS") != "prometheus":
+    base = None
+    host = "localhost"
+    if exporter_choice(env, "METRICS") == "prometheus":
+        try:
+            from llm_otel.export.prometheus import DEFAULT_HOST, prometheus_port
+        except ImportError as exc:
+            say("FAIL", f"OTEL_METRICS_EXPORTER=prometheus needs opentelemetry-exporter-prometheus "
+                        f"(pip install 'llm-otel[prometheus]'): {exc}")
+            return False
+        try:
+            base = prometheus_port(env, "frontend", "MainProcess")
+        except ConfigError as exc:
+            say("FAIL", str(exc))
+            return False
+        host = (env.get("OTEL_EXPORTER_PROMETHEUS_HOST") or DEFAULT_HOST).strip()
+    try:
+        signals = SignalsConfig.from_env(env)
+    except ConfigError:
+        signals = None  # reported by the configuration check
+    health = signals.health_port if signals is not None else None
+    if base is None and health is None:
         return True
-    try:
-        from llm_otel.export.prometheus import DEFAULT_HOST, prometheus_port
-    except ImportError as exc:
-        say("FAIL", f"OTEL_METRICS_EXPORTER=prometheus needs opentelemetry-exporter-prometheus "
-                    f"(pip install 'llm-otel[prometheus]'): {exc}")
-        return False
-    try:
-        ports = [(role, prometheus_port(env, role, "EngineCore_DP0")) for role in ("frontend", "engine_core")]
-    except ConfigError as exc:
-        say("FAIL", str(exc))
-        return False
-    host = (env.get("OTEL_EXPORTER_PROMETHEUS_HOST") or DEFAULT_HOST).strip()
-    good = True
-    for role, port in ports:
+    rows, collisions = scheme(base, api_servers, dp_size, health, (serve_port,) if serve_port else ())
+    say("info", f"ports for {api_servers} API server(s) and {dp_size} engine core(s): API server i on base - i, "
+                "engine core of DP rank r on Prometheus base + 1 + r, workers and a launcher that only starts "
+                "API servers none")
+    good = not collisions
+    for problem in collisions:
+        say("FAIL", f"port collision: {problem}")
+    for process, endpoint, port in rows:
+        if endpoint == "healthz" and port == 0:
+            say("ok", f"/healthz: the {process} process would pick a free port")
+            continue
+        bind_host = host if endpoint == "prometheus" else signals.health_host
         with socket.socket() as probe:
             try:
-                probe.bind((host, port))
-                say("ok", f"Prometheus: the {role} process would serve http://{host}:{port}/metrics")
+                probe.bind((bind_host, port))
             except OSError as exc:
                 good = False
-                say("FAIL", f"Prometheus: {host}:{port} for the {role} process is not available ({exc}); "
-                            "its metrics would not be exposed")
+                what = "metrics" if endpoint == "prometheus" else "health endpoint"
+                say("FAIL", f"{endpoint}: {bind_host}:{port} for the {process} process is not available ({exc}); "
+                            f"its {what} would not be exposed")
+                continue
+        url = f"http://{bind_host}:{port}/" + ("metrics" if endpoint == "prometheus" else "healthz")
+        say("ok", f"{'Prometheus' if endpoint == 'prometheus' else '/healthz'}: the {process} process would serve {url}")
     return good
 
 
@@ -114,11 +145,13 @@ def _metrics_destination(env, choice: str, console: str) -> str:
     return f"{why} and LLM_OTEL_CONSOLE={console}: metrics are not exported"
 
 
-def doctor(env=None, out=None) -> int:
+def doctor(env=None, out=None, *, api_servers: int = 1, dp_size: int = 1, serve_port: int | None = None) -> int:
     """Print a health report; exit status 1 when something would lose telemetry.
 
     Checks: the configuration parses; the OTLP span exporter the environment selects accepts a
     probe span within 5 s (a collector that is down or a wrong protocol is reported, never silent);
+    the Prometheus and ``/healthz`` port of each serving process for ``api_servers`` API servers
+    and ``dp_size`` engine cores, with collisions (also with the engine's own ``serve_port``);
     which vLLM hook targets resolve in the installed vLLM; whether CuPy and torch were built for
     the same CUDA major (a ``warn`` line naming the extra to install when not).
     """
@@ -206,7 +239,7 @@ def doctor(env=None, out=None) -> int:
             say("info", "OTEL_METRICS_EXPORTER=none: metrics are not exported")
         elif metrics_choice != "prometheus":
             say("info", _metrics_destination(env, metrics_choice, Settings.from_env(env).console))
-        ok = _doctor_prometheus(env, say) and ok
+    ok = _doctor_prometheus(env, say, api_servers, dp_size, serve_port) and ok
     if importlib.util.find_spec("vllm") is None:
         say("info", "vLLM not installed")
     else:

@@ -4,16 +4,22 @@
 instrumented process serve its metrics over HTTP, on ``OTEL_EXPORTER_PROMETHEUS_HOST``
 (default ``localhost``) and a port per process role, so that vLLM's processes never collide:
 
-==============  =============================================  ==================================
-process         port                                           metrics
-==============  =============================================  ==================================
-frontend        ``OTEL_EXPORTER_PROMETHEUS_PORT`` (9464)        per-request (TTFT, TPOT, ITL, ...),
-                                                               requests by finish reason,
-                                                               sampling probability, self-metrics
-engine core     port + 1 + data-parallel rank                  KV cache, prefix cache, queue,
-(``EngineCore_DP<rank>``)                                      GPU utilisation/memory by phase
-workers         none (they record no metrics)
-==============  =============================================  ==================================
+==============================  ==========================================  ============================
+process                         port                                        metrics
+==============================  ==========================================  ============================
+frontend (API server *i*)       ``OTEL_EXPORTER_PROMETHEUS_PORT`` (9464)     per-request (TTFT, TPOT, ITL,
+                                minus *i* (``ApiServer_<i>``; 0 when there  ...), requests by finish
+                                is one frontend)                            reason, sampling probability,
+                                                                            self-metrics
+engine core                     port + 1 + data-parallel rank               KV cache, prefix cache, queue,
+(``EngineCore_DP<rank>``)                                                   GPU utilisation/memory by phase
+workers                         none (they record no metrics)
+``vllm serve`` launcher of      none (it serves no requests)
+several API servers
+==============================  ==========================================  ============================
+
+The scheme, and when a vLLM frontend binds its port (once it serves requests), are
+:mod:`llm_otel.export.ports`'s.
 
 Exemplars: the upstream exporter (``opentelemetry-exporter-prometheus``) drops them; the reader
 here attaches each histogram bucket's SDK exemplar (``trace_id``, ``span_id`` labels) to that
@@ -48,7 +54,10 @@ DEFAULT_HOST = "localhost"
 
 def prometheus_port(env: Mapping[str, str], role: str, process_name: str | None = None) -> int | None:
     """The port a process of ``role`` (``frontend``/``engine_core``/``worker``) serves on, or None
-    (workers). Raises ConfigError for a bad ``OTEL_EXPORTER_PROMETHEUS_PORT``."""
+    (workers); ``process_name`` defaults to this process's multiprocessing name (``ApiServer_<i>``,
+    ``EngineCore_DP<r>``). Raises ConfigError for a bad ``OTEL_EXPORTER_PROMETHEUS_PORT``."""
+    from llm_otel.export.ports import api_server_index, engine_core_port, frontend_port
+
     from llm_otel.config import ConfigError
 
     raw = (env.get("OTEL_EXPORTER_PROMETHEUS_PORT") or "").strip()
@@ -58,32 +67,41 @@ def prometheus_port(env: Mapping[str, str], role: str, process_name: str | None 
         raise ConfigError(f"OTEL_EXPORTER_PROMETHEUS_PORT={raw!r}: expected a port number") from None
     if not 0 < base < 65535:
         raise ConfigError(f"OTEL_EXPORTER_PROMETHEUS_PORT={raw!r}: expected a port number in [1, 65534]")
+    name = process_name if process_name is not None else multiprocessing.current_process().name
     if role == "frontend":
-        return base
+        return frontend_port(base, api_server_index(name))
     if role == "engine_core":
-        name = process_name if process_name is not None else multiprocessing.current_process().name
         match = re.search(r"_DP(\d+)$", name)
-        return base + 1 + (int(match.group(1)) if match else 0)
+        return engine_core_port(base, int(match.group(1)) if match else 0)
     return None
 
 
 def prometheus_reader(env: Mapping[str, str], role: str):
-    """Start this process's endpoint and return its metric reader, or None (worker role, or the
-    port is busy: logged). Raises ConfigError for a bad port variable."""
+    """This process's metric reader with its endpoint started, or None (worker role, or the port is
+    busy: logged). A vLLM frontend's endpoint starts once it serves requests
+    (:func:`llm_otel.export.ports.when_serving`); until then the reader collects
+    nothing. Raises ConfigError for a bad port variable."""
+    from llm_otel.export.ports import when_serving
+
     port = prometheus_port(env, role)
     if port is None:
         return None
     host = (env.get("OTEL_EXPORTER_PROMETHEUS_HOST") or DEFAULT_HOST).strip()
     registry = CollectorRegistry(auto_describe=False)
     reader = ExemplarPrometheusMetricReader(registry=registry)
-    try:
-        start_http_server(port, addr=host, registry=registry)
-    except OSError as exc:
-        logger.warning("llm-otel: cannot serve Prometheus metrics on %s:%d (%s); this %s process's metrics "
-                       "are not exposed", host, port, exc, role)
-        return None
-    logger.info("llm-otel: Prometheus metrics of this %s process on http://%s:%d/metrics", role, host, port)
-    return reader
+
+    def start() -> bool:
+        try:
+            start_http_server(port, addr=host, registry=registry)
+        except OSError as exc:
+            logger.warning("llm-otel: cannot serve Prometheus metrics on %s:%d (%s); this %s process's metrics "
+                           "are not exposed", host, port, exc, role)
+            return False
+        logger.info("llm-otel: Prometheus metrics of this %s process on http://%s:%d/metrics", role, host, port)
+        return True
+
+    started = when_serving(start) if role == "frontend" else start()
+    return None if started is False else reader  # None: deferred until this process serves
 
 
 class _ExemplarIndex:

@@ -18,7 +18,7 @@ GEN_AI_CLIENT_OPERATION_TIME_TO_FIRST_CHUNK_UNIT = 's'
 GEN_AI_CLIENT_OPERATION_TIME_TO_FIRST_CHUNK_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 
 GEN_AI_SERVER_REQUEST_DURATION = 'gen_ai.server.request.duration'
-"""Generative AI server request duration such as time-to-last byte or last output token. Instrument: histogram, unit: s."""
+"""Generative AI server request duration such as time-to-last byte or last output token; with n > 1 one observation per request (arrival to the last choice's finish), so its count is the number of requests served. Instrument: histogram, unit: s."""
 GEN_AI_SERVER_REQUEST_DURATION_UNIT = 's'
 GEN_AI_SERVER_REQUEST_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
 
@@ -28,7 +28,7 @@ GEN_AI_SERVER_TIME_PER_OUTPUT_TOKEN_UNIT = 's'
 GEN_AI_SERVER_TIME_PER_OUTPUT_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
 GEN_AI_SERVER_TIME_TO_FIRST_TOKEN = 'gen_ai.server.time_to_first_token'
-"""Time to generate first token for successful responses (queue and prefill included). Instrument: histogram, unit: s."""
+"""Time to generate first token for successful responses (queue and prefill included); with n > 1 one observation per choice. Instrument: histogram, unit: s."""
 GEN_AI_SERVER_TIME_TO_FIRST_TOKEN_UNIT = 's'
 GEN_AI_SERVER_TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 
@@ -85,7 +85,7 @@ LLM_SERVER_REQUEST_QUEUE_TIME_UNIT = 's'
 LLM_SERVER_REQUEST_QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 
 LLM_SERVER_REQUESTS = 'llm.server.requests'
-"""Finished and rejected requests (choices), by finish reason and, for failures, error.type; the denominator and numerator of the availability SLO. Instrument: counter, unit: {request}."""
+"""Finished and rejected requests, by finish reason and, for failures, error.type; the denominator and numerator of the availability SLO. With n > 1 a request counts once, with the finish reason (and error) of the choice that finished last. Instrument: counter, unit: {request}."""
 LLM_SERVER_REQUESTS_UNIT = '{request}'
 
 LLM_SERVER_REQUESTS_RUNNING = 'llm.server.requests.running'
@@ -101,7 +101,7 @@ LLM_SERVER_SLO_CHECKS = 'llm.server.slo.checks'
 LLM_SERVER_SLO_CHECKS_UNIT = '{check}'
 
 LLM_SERVER_TOKEN_USAGE = 'llm.server.token.usage'
-"""Input and output tokens per request served by the engine (the GenAI spec defines token usage only for clients). Instrument: histogram, unit: {token}."""
+"""Input and output tokens per request served by the engine (the GenAI spec defines token usage only for clients). With n > 1 the prompt is one prompt - input tokens are observed once per request - and output tokens once per choice, so the sums equal the engine's usage (prompt_tokens, completion_tokens). Instrument: histogram, unit: {token}."""
 LLM_SERVER_TOKEN_USAGE_UNIT = '{token}'
 LLM_SERVER_TOKEN_USAGE_BUCKETS = (1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0, 4194304.0, 16777216.0, 67108864.0)
 

@@ -315,14 +315,17 @@ class Signals:
 
             restart_in_fork_child(self)
         if self.config.health_port is not None and self.health_server is None:
+            from llm_otel.export.ports import api_server_index, frontend_port
+
+            port = frontend_port(self.config.health_port, api_server_index())  # API server i: base - i
             try:
-                self.health_server = HealthServer(self.report, self.config.health_port, self.config.health_host,
+                self.health_server = HealthServer(self.report, port, self.config.health_host,
                                                   self.config.health_min_score).start()
                 logger.info("llm-otel: health endpoint on http://%s:%d/healthz", self.config.health_host,
                             self.health_server.port)
             except (OSError, ValueError) as exc:
                 logger.warning("llm-otel: health endpoint not started on %s:%s (%s)", self.config.health_host,
-                               self.config.health_port, exc)
+                               port, exc)
         return self
 
     def _restart_after_fork(self) -> None:

@@ -176,6 +176,7 @@ class Telemetry:
         if rec.finished:
             return
         rec.finished = True
+        rec.settle_clock()  # engine stamps from another host's clock: shifted onto ours, marked
         end_ns = time.time_ns() if end_ns is None else end_ns
         duration_s = max(0.0, (end_ns - rec.arrival_ns) / 1e9)
         try:

@@ -80,8 +80,9 @@ class EngineStateMetrics:
     ``SchedulerStats`` (or None when the engine does not collect them) - O(1), no I/O.
     """
 
-    def __init__(self, meter: Meter, provider: str = "vllm") -> None:
+    def __init__(self, meter: Meter, provider: str = "vllm", dp_rank: int | None = None) -> None:
         self.provider = provider
+        self.dp_rank = dp_rank  # on every point, as vLLM's own engine=<dp rank> label
         self.attrs: dict[str, str] | None = None
         self._kv: float | None = None
         self._running: int | None = None
@@ -120,6 +121,8 @@ class EngineStateMetrics:
             return
         if self.attrs is None or self.attrs[A.GEN_AI_REQUEST_MODEL] != model:
             self.attrs = {A.GEN_AI_PROVIDER_NAME: self.provider, A.GEN_AI_REQUEST_MODEL: model}
+            if self.dp_rank is not None:
+                self.attrs[A.LLM_PROCESS_DATA_PARALLEL_RANK] = self.dp_rank
         kv = getattr(stats, "kv_cache_usage", None)
         if kv is None:
             self._missing("kv", "the engine's scheduler statistics carry no kv_cache_usage")

@@ -52,6 +52,11 @@ class Instruments:
     * ``llm.server.output_token_rate`` ({token}/s): output tokens / request duration.
     * ``llm.server.requests`` ({request}): every finished or rejected request, with
       ``llm.response.finish_reason`` and ``error.type``.
+
+    ``n > 1`` (several choices of one prompt, a record each): the request duration, the request
+    count and the input tokens are recorded once per request, by the choice that finishes last
+    (with its finish reason / error); output tokens, TTFT, TPOT, ITL, output token rate and queue
+    time once per choice. So the counts add up to what the engine served (one prompt, n outputs).
     """
 
     def __init__(self, meter: Meter, itl_every: int = 1) -> None:
@@ -113,11 +118,14 @@ class Instruments:
             attrs.update(rec.metric_attributes)
         ctx = trace.set_span_in_context(rec.span) if rec.recording else _NO_TRACE
         ok = rec.error_type is None
+        # n > 1: the request is one request with one prompt - counted once, by its last choice
+        whole = rec.choice_group is None or rec.choice_group.finish_one()
         count_attrs = {k: v for k, v in attrs.items() if k != A.GEN_AI_RESPONSE_MODEL}
         if rec.finish_reason is not None:
             count_attrs[A.LLM_RESPONSE_FINISH_REASON] = rec.finish_reason
         if ok:
-            self.duration.record(duration_s, attrs, ctx)
+            if whole:
+                self.duration.record(duration_s, attrs, ctx)
             ttft = rec.time_to_first_token_s()
             if ttft is not None:
                 self.ttft.record(max(0.0, ttft), attrs, ctx)
@@ -129,14 +137,17 @@ class Instruments:
                 self.token_rate.record(rec.num_output_tokens / duration_s, attrs, ctx)
         else:
             error_type = self.error_type(rec.error_type)
-            self.duration.record(duration_s, {**attrs, A.ERROR_TYPE: error_type}, ctx)
+            if whole:
+                self.duration.record(duration_s, {**attrs, A.ERROR_TYPE: error_type}, ctx)
             count_attrs[A.ERROR_TYPE] = error_type
-        self.requests.add(1, count_attrs, ctx)
+        if whole:
+            self.requests.add(1, count_attrs, ctx)
         queue = rec.queue_time_s()
         if queue is not None:
             self.queue.record(queue, attrs, ctx)
         token_attrs = {k: v for k, v in attrs.items() if k != A.GEN_AI_RESPONSE_MODEL}
-        self.tokens.record(rec.input_tokens, {**token_attrs, A.GEN_AI_TOKEN_TYPE: "input"}, _NO_TRACE)
+        if whole:
+            self.tokens.record(rec.input_tokens, {**token_attrs, A.GEN_AI_TOKEN_TYPE: "input"}, _NO_TRACE)
         self.tokens.record(rec.num_output_tokens, {**token_attrs, A.GEN_AI_TOKEN_TYPE: "output"}, _NO_TRACE)
 
     def _record_itl(self, rec: RequestRecord, attrs: dict, ctx) -> None:

@@ -9,7 +9,8 @@ Clocks: ``arrival_s`` is wall-clock seconds (``time.time()``, vLLM ``EngineCoreR
 every ``*_mono`` value is the engine's ``time.monotonic()`` in seconds (vLLM's EngineCore stamps,
 ``EngineCoreOutputs.timestamp`` and ``EngineCoreEvent.timestamp``). ``mono_offset_ns`` maps the
 latter to epoch nanoseconds once: ``epoch_ns = round(mono_s * 1e9) + mono_offset_ns``. On Linux
-``CLOCK_MONOTONIC`` is system-wide, so engine processes on the same host share it.
+``CLOCK_MONOTONIC`` is system-wide, so engine processes on the same host share it; an engine core
+on another host does not, which :meth:`RequestRecord.settle_clock` corrects (telemetry/clock.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,23 @@ def mono_offset_ns() -> int:
     return time.time_ns() - time.monotonic_ns()
 
 
+class ChoiceGroup:
+    """The ``n`` choices of one request (vLLM ``n > 1``: one child request, and one record, per
+    choice). Per-request metrics (input tokens, the request count and duration) are recorded once,
+    by the choice that finishes last; per-choice ones (output tokens, TTFT, TPOT, ITL) by each."""
+
+    __slots__ = ("n", "left")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.left = n
+
+    def finish_one(self) -> bool:
+        """Count one finished choice; True for the last one."""
+        self.left -= 1
+        return self.left == 0
+
+
 class RequestRecord:
     """Everything known about one request (one choice of it when n>1).
 
@@ -42,7 +60,7 @@ class RequestRecord:
         "finish_reason", "error_type", "error_message", "request_attributes", "choice_index",
         "logprob_rows", "logprob_cap", "user_logprobs",
         "finished", "timing_source", "injected_logprobs", "vocab_size", "output_state",
-        "metric_attributes", "signal_state",
+        "metric_attributes", "signal_state", "handed_s", "handed_mono", "engine_clock", "choice_group",
     )
 
     def __init__(
@@ -101,6 +119,11 @@ class RequestRecord:
         self.output_state = None  # engine object holding the completion text (content capture only)
         self.metric_attributes: dict[str, Any] = {}  # bounded request-class labels (llm_otel.signals)
         self.signal_state = None  # (tier, KV spec) set by Signals.admit
+        # the frontend handed the request to the engine core: wall s and the frontend's monotonic s
+        self.handed_s: float | None = None
+        self.handed_mono: float | None = None
+        self.engine_clock = None  # telemetry.clock.EngineClock of the engine core serving it
+        self.choice_group: ChoiceGroup | None = None  # the request's choices when n > 1
 
     # --- hot path ---------------------------------------------------------------------------
     def on_tokens(self, token_ids: list[int], engine_mono: float) -> None:
@@ -133,7 +156,20 @@ class RequestRecord:
         if len(self.logprob_rows) < self.logprob_cap:
             self.logprob_rows.append((token_ids, logprobs))
 
+    def on_handed(self) -> None:
+        """The frontend hands the request to the engine core now (stamps both of its clocks)."""
+        self.handed_s = time.time()
+        self.handed_mono = time.monotonic()
+
     # --- derived, at finish -----------------------------------------------------------------
+    def settle_clock(self) -> None:
+        """Put the engine's stamps on the frontend's clock when they come from another clock
+        domain (:mod:`llm_otel.telemetry.clock`); called once, before spans and metrics are built."""
+        clock = self.engine_clock
+        if clock is not None and not clock.same_domain:
+            self.mono_offset_ns -= round(clock.offset_s() * 1e9)
+            self.timing_source = "engine_clock_mapped"
+
     def epoch_ns(self, mono_s: float) -> int:
         """Engine monotonic seconds -> epoch nanoseconds."""
         return round(mono_s * 1e9) + self.mono_offset_ns

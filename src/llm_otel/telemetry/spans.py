@@ -69,7 +69,12 @@ class SpanBuilder:
             attrs[A.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = rec.cached_tokens
         if rec.preempted_mono:
             attrs[A.LLM_REQUEST_PREEMPTIONS] = len(rec.preempted_mono)
-        if rec.queued_mono is not None:
+        if rec.handed_s is not None:  # frontend processing on the frontend's clock; then the engine's input wait
+            attrs[A.LLM_REQUEST_FRONTEND_DURATION] = max(0.0, rec.handed_s - rec.arrival_s)
+            if rec.queued_mono is not None:
+                attrs[A.LLM_REQUEST_ENGINE_INPUT_WAIT_DURATION] = max(
+                    0.0, (rec.epoch_ns(rec.queued_mono) - round(rec.handed_s * 1e9)) / 1e9)
+        elif rec.queued_mono is not None:  # an adapter that cannot stamp the hand-over
             attrs[A.LLM_REQUEST_FRONTEND_DURATION] = max(0.0, (rec.epoch_ns(rec.queued_mono) - start_ns) / 1e9)
         queue = rec.queue_time_s()
         if queue is not None:

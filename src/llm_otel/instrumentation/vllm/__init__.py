@@ -48,6 +48,7 @@ from llm_otel.instrumentation._hooks import AppliedHook, apply_hooks, remove_hoo
 from llm_otel.instrumentation.vllm.adapter import VLLMAdapter
 from llm_otel.instrumentation.vllm.hooks import HOOKS
 from llm_otel.instrumentation.vllm.package import _instruments, _instruments_any
+from llm_otel.instrumentation.vllm.ray_handoff import hand_off_environment, restore_environment
 from llm_otel.telemetry import Telemetry
 
 __all__ = ["VLLMInstrumentor", "HOOKS"]
@@ -101,10 +102,16 @@ class VLLMInstrumentor(BaseInstrumentor):
         if role == "frontend":  # where requests start: the head-sampling probability applies here
             from opentelemetry import trace
 
-            try:
-                telemetry.instruments.observe_sampling(tracer_provider or trace.get_tracer_provider())
-            except Exception as exc:  # noqa: BLE001
-                telemetry.errors.report("sampling.probability", exc)
+            from llm_otel.export.ports import when_serving
+
+            def observe_sampling() -> bool:  # once this process serves (vllm serve's launcher never does)
+                try:
+                    telemetry.instruments.observe_sampling(tracer_provider or trace.get_tracer_provider())
+                except Exception as exc:  # noqa: BLE001
+                    telemetry.errors.report("sampling.probability", exc)
+                return True
+
+            when_serving(observe_sampling)
         self.adapter = VLLMAdapter(telemetry)
         if role == "frontend":
             from llm_otel.export.lifecycle import create_flush_dir, lifecycle
@@ -122,6 +129,8 @@ class VLLMInstrumentor(BaseInstrumentor):
             # the engine-core and worker processes vLLM spawns from here inherit it and instrument
             # themselves through the vllm.general_plugins entry point
             os.environ[plugin.ENABLE_ENV] = "1"
+        # engine cores and workers started as Ray actors get the configuration through vLLM's copy
+        self._ray_env_previous = hand_off_environment()
 
     def _fail_in_flight_at_exit(self) -> None:
         if self.adapter is not None:
@@ -149,6 +158,8 @@ class VLLMInstrumentor(BaseInstrumentor):
             self.adapter.telemetry.signals.stop()  # its thread and /healthz end with the hooks
         self.adapter = None
         self._pending = None
+        restore_environment(getattr(self, "_ray_env_previous", None))
+        self._ray_env_previous = None
         if getattr(self, "_set_enable_env", False):
             os.environ.pop(plugin.ENABLE_ENV, None)
             self._set_enable_env = False

@@ -26,17 +26,21 @@ from typing import Any
 
 from opentelemetry.trace import SpanKind
 
+from llm_otel.export.ports import serving_started
 from llm_otel.instrumentation.vllm.engine_core import CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY, EngineCoreAdapter
 from llm_otel.propagation import carrier_from_span, context_from_carrier, extract_carrier
 from llm_otel.semconv import attributes as A
 from llm_otel.signals import kv_source_for
 from llm_otel.signals.kv import KVSpec
 from llm_otel.telemetry import RequestRecord, Telemetry
+from llm_otel.telemetry.record import ChoiceGroup
+from llm_otel.telemetry.clock import EngineClock
 
 logger = logging.getLogger("llm_otel")
 
 PROVIDER = "vllm"
 MAX_LIVE_REQUESTS = 1_000_000  # records beyond this are not tracked (one warning)
+MAX_LORA_NAMES = 32  # distinct LoRA adapter names per process that get their own metric series
 
 # Operation of the LLM entry point on this thread/task ("chat" inside LLM.chat).
 _operation: contextvars.ContextVar[str | None] = contextvars.ContextVar("llm_otel_vllm_operation", default=None)
@@ -76,7 +80,7 @@ def engine_version() -> str:
 class _EngineState:
     """What we keep per vLLM OutputProcessor: engine facts and the live request records."""
 
-    __slots__ = ("model", "max_logprobs", "vocab_size", "records", "kv", "load_attached", "__weakref__")
+    __slots__ = ("model", "max_logprobs", "vocab_size", "records", "kv", "load_attached", "clock", "__weakref__")
 
     def __init__(self, model: str = "unknown", max_logprobs: int = 20) -> None:
         self.model = model
@@ -85,6 +89,7 @@ class _EngineState:
         self.records: dict[str, RequestRecord] = {}
         self.kv: KVSpec | None = None  # KV geometry from vllm_config (llm_otel.signals)
         self.load_attached = False  # occupancy source handed to the adaptive sampler
+        self.clock = EngineClock()  # the engine core's clock domain vs ours (telemetry/clock.py)
 
 
 class VLLMAdapter:
@@ -96,6 +101,10 @@ class VLLMAdapter:
         self.version = engine_version()
         self._states: weakref.WeakKeyDictionary[Any, _EngineState] = weakref.WeakKeyDictionary()
         self._warned_capacity = False
+        self._lora_names: set[str] = set()  # adapter names given a metric dimension of their own
+        self._warned_lora = False
+        # n > 1: vLLM's ParentRequest -> the ChoiceGroup its child requests' records share
+        self._choice_groups: weakref.WeakKeyDictionary[Any, ChoiceGroup] = weakref.WeakKeyDictionary()
         self.core = EngineCoreAdapter(telemetry)
         from llm_otel.instrumentation.vllm.worker import WorkerAdapter
 
@@ -189,6 +198,7 @@ class VLLMAdapter:
 
     def engine_core_client(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
+            serving_started()  # this process serves requests: its deferred Prometheus endpoint starts
             if self.settings.vllm_engine_events:
                 try:
                     bound = inspect.signature(wrapped).bind(*args, **kwargs)
@@ -347,8 +357,18 @@ class VLLMAdapter:
         user_logprobs = sp.logprobs
         attrs = _sampling_attributes(sp)
         n = getattr(parent_req, "n", None)
+        group = None
         if isinstance(n, int) and n != 1:
             attrs[A.GEN_AI_REQUEST_CHOICE_COUNT] = n
+            group = self._choice_groups.get(parent_req)
+            if group is None:
+                group = self._choice_groups[parent_req] = ChoiceGroup(n)
+        model = state.model
+        lora_name = getattr(getattr(request, "lora_request", None), "lora_name", None)
+        if lora_name:  # C22: the adapter is the model the client asked for; the base keeps its own attribute
+            model = str(lora_name)
+            attrs[A.LLM_LORA_NAME] = model
+            attrs[A.LLM_LORA_BASE_MODEL] = state.model
         inbound = _inbound.get()
         carrier = _engine_carrier.get() or (inbound.carrier if inbound is not None else None)
         if inbound is not None:
@@ -357,7 +377,7 @@ class VLLMAdapter:
         class_attrs, class_labels, tier = signals.classify(inbound.headers if inbound is not None else None, request)
         attrs.update(class_attrs)
         rec = self.telemetry.start_request(
-            rid, operation=_operation.get() or "text_completion", provider=PROVIDER, model=state.model,
+            rid, operation=_operation.get() or "text_completion", provider=PROVIDER, model=model,
             kind=SpanKind.SERVER if inbound is not None else SpanKind.INTERNAL,
             parent=context_from_carrier(carrier) if carrier else None,
             arrival_s=float(request.arrival_time), input_tokens=len(prompt_ids) if prompt_ids is not None else 0,
@@ -368,6 +388,10 @@ class VLLMAdapter:
             signals.admit(rec, class_labels, tier, state.kv)
         except Exception as exc:  # noqa: BLE001 - the record must still be tracked and ended
             self.telemetry.errors.report("signals.admit", exc)
+        if lora_name:  # metric dimensions: the adapter name bounded per process, and the base model
+            bounded = self._lora_metric_name(model)
+            rec.metric_attributes.update({A.GEN_AI_REQUEST_MODEL: bounded, A.GEN_AI_RESPONSE_MODEL: bounded,
+                                          A.LLM_LORA_BASE_MODEL: state.model})
         k = min(self.settings.logprobs_top_k, state.max_logprobs)
         user_asked = user_logprobs is not None or bool(getattr(sp, "logprob_token_ids", None))
         wanted = rec.recording and k > 0 and (user_asked or self._wants_logit_dist(rec))
@@ -402,7 +426,25 @@ class VLLMAdapter:
             request.sampling_params = ours
         if rec.recording and self.settings.capture_content:
             rec.output_state = output_processor.request_states.get(rid)
+        rec.engine_clock = state.clock
+        rec.choice_group = group
         state.records[rid] = rec
+        rec.on_handed()  # vLLM sends the request to the engine core right after add_request
+
+    def _lora_metric_name(self, name: str) -> str:
+        """``name`` if it is one of the first :data:`MAX_LORA_NAMES` adapters seen here, else
+        ``_OTHER`` (one warning): adapters can be loaded at run time, metric series must stay bounded."""
+        names = self._lora_names
+        if name in names:
+            return name
+        if len(names) < MAX_LORA_NAMES:
+            names.add(name)
+            return name
+        if not self._warned_lora:
+            self._warned_lora = True
+            logger.warning("llm-otel: more than %d LoRA adapters served; metrics of further ones are recorded "
+                           "as model _OTHER (spans keep their names)", MAX_LORA_NAMES)
+        return "_OTHER"
 
     def _wants_logit_dist(self, rec: RequestRecord) -> bool:
         """Whether to ask the engine for log-probs for this sampled request: the low 56 bits of
@@ -422,7 +464,11 @@ class VLLMAdapter:
             try:
                 outputs = args[0] if args else kwargs["engine_core_outputs"]
                 ts = args[1] if len(args) > 1 else kwargs.get("engine_core_timestamp")
-                pending = self._before_step(state, outputs, time.monotonic() if ts is None else ts)
+                if ts is None:
+                    ts = time.monotonic()
+                else:
+                    state.clock.observe_output(ts, time.monotonic())
+                pending = self._before_step(state, outputs, ts)
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
             result = wrapped(*args, **kwargs)
@@ -449,6 +495,8 @@ class VLLMAdapter:
                 for ev in events:
                     kind = _EVENT_KINDS.get(int(ev.type))
                     if kind is not None:
+                        if kind == "queued" and rec.queued_mono is None and rec.handed_mono is not None:
+                            state.clock.observe_queued(rec.handed_mono, ev.timestamp)
                         rec.on_event(kind, ev.timestamp)
             if rec.cached_tokens is None and out.prefill_stats is not None:
                 rec.cached_tokens = out.prefill_stats.num_cached_tokens

@@ -99,10 +99,11 @@ class EngineCoreAdapter:
         """Engine-state and GPU instruments, created on first use: only in the process that runs
         the scheduler (vLLM's engine core, or the frontend when the core runs in-process)."""
         if self.state_metrics is None:
+            from llm_otel.export.identity import vllm_dp_rank
             from llm_otel.gpu.metrics import register_gpu_metrics
 
             meter = self.telemetry.instruments.meter
-            self.state_metrics = EngineStateMetrics(meter)
+            self.state_metrics = EngineStateMetrics(meter, dp_rank=vllm_dp_rank())
             self.gpu_metrics = register_gpu_metrics(meter, self.phase_clock.phase)
         return self.state_metrics
 

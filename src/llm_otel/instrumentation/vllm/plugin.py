@@ -35,7 +35,9 @@ def process_role() -> str:
         return "engine_core"
     if "Worker" in name:
         return "worker"
-    return "frontend"
+    from llm_otel.export.identity import vllm_stack_role  # a Ray actor: vLLM's object loading us says
+
+    return vllm_stack_role() or "frontend"
 
 
 def unnamed_spawned_child() -> bool:
@@ -55,6 +57,9 @@ def register() -> None:
     try:
         if process_role() == "frontend":
             import llm_otel
+            from llm_otel.export.ports import defer_frontend_endpoints
+
+            defer_frontend_endpoints()  # vLLM's launcher may only start API servers: bind when serving
 
             llm_otel.instrument(engines=["vllm"])  # no-op if the application already did
             return
@@ -88,9 +93,9 @@ def engine_process_providers(role: str):
         prometheus_reader_from_env,
         span_exporter_from_env,
     )
-    from llm_otel.semconv import attributes as A
+    from llm_otel.export.identity import vllm_process_identity
 
-    resource = Resource.create({A.LLM_PROCESS_ROLE: role})
+    resource = Resource.create(vllm_process_identity(role))  # role, pid, host, ranks, instance id
     tracer_provider = TracerProvider(resource=resource, id_generator=SystemRandomIdGenerator(), shutdown_on_exit=False)
     exporter = span_exporter_from_env()
     if exporter is not None:

@@ -65,6 +65,28 @@ IDLE_FLUSH_S = 2.0
 MAX_STEPS_PER_REQUEST = 1 << 16
 
 
+def owns_sampling_result() -> bool:
+    """True in the worker whose sampler output vLLM returns: tensor-parallel rank 0 (and
+    prefill/decode-context-parallel rank 0) of its group - ``MultiprocExecutor._get_output_rank``
+    returns the first TP worker of the last PP stage, and only the last stage samples. Read from
+    vLLM's process groups (``vllm.distributed.parallel_state``), initialised before the first step;
+    True when they are not (a single-process engine) or cannot be read."""
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        if ps.get_tp_group().rank_in_group != 0:
+            return False
+    except Exception:  # noqa: BLE001 - no process groups: the only rank
+        return True
+    for name in ("get_pcp_group", "get_dcp_group"):  # newer context-parallel groups, when vLLM has them
+        try:
+            if getattr(ps, name)().rank_in_group != 0:
+                return False
+        except Exception:  # noqa: BLE001
+            continue
+    return True
+
+
 class _Stream:
     """One request's logit statistics so far: ``(step, row)`` pairs into the per-step arrays
     (one tuple per step and request on the engine's thread; stacked once, when the span is built)."""
@@ -128,6 +150,7 @@ class WorkerAdapter:
         self._flusher: threading.Thread | None = None
         self._open_steps: dict[int, Any] = {}  # id(model runner) -> StepContext awaiting sample_tokens
         self._torch_cuda: Any = False  # torch.cuda once known to be usable, None when not
+        self._owns_result: bool | None = None  # this rank returns the step's output (read once)
         # MRv2: Sampler -> {request-state slot: _Chosen}; weak, so a discarded runner takes its map
         self._chosen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sampler -> _Slots
 
@@ -237,6 +260,14 @@ class WorkerAdapter:
             self.telemetry.errors.report(hook, exc)
 
     # --- logit statistics: V1 runner ----------------------------------------------------------
+    def _owns_sampling(self) -> bool:
+        """Whether this worker computes logit statistics (:func:`owns_sampling_result`, read once:
+        vLLM's process groups exist by the first sampled step)."""
+        owns = self._owns_result
+        if owns is None:
+            owns = self._owns_result = owns_sampling_result()
+        return owns
+
     def sample(self, hook: str):
         """Wrapper for the V1 runner's ``GPUModelRunner._sample(logits, spec_decode_metadata)``."""
         def wrapper(wrapped, instance, args, kwargs):
@@ -244,7 +275,9 @@ class WorkerAdapter:
             try:
                 logits = args[0] if args else kwargs.get("logits")
                 spec = args[1] if len(args) > 1 else kwargs.get("spec_decode_metadata")
-                if logits is not None and spec is None:  # with speculative decoding rows != requests
+                # with speculative decoding rows != requests; with TP every rank samples the same
+                # rows, and only the rank whose output vLLM returns computes the statistics
+                if logits is not None and spec is None and self._owns_sampling():
                     plan = self._prepare(instance, logits)
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
@@ -312,7 +345,7 @@ class WorkerAdapter:
             plan = None
             sampler = vars(instance).get("sampler", instance) if hasattr(instance, "__dict__") else instance
             try:
-                if self._chosen.get(sampler):
+                if self._chosen.get(sampler) and self._owns_sampling():  # TP: the output rank only
                     logits = args[0] if args else kwargs.get("logits")
                     batch = args[1] if len(args) > 1 else kwargs.get("input_batch")
                     if logits is not None and batch is not None:
