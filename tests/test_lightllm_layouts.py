@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 
 import pytest
+from lightllm_layouts.layers import build_tree
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAYOUTS = os.path.join(HERE, "lightllm_layouts")
@@ -53,19 +53,6 @@ HEALTH = {"name": "health", "prompt": "h", "max_new_tokens": 1, "health": True}
 # call sites), so llm-otel finds none of them where it looks.
 RENAMED = {"unknown": {"add_req": "enqueue_group", "transfer_to_next_module": "_forward_group",
                        "abort": "cancel_group", "set_next_gen_token_id": "push_token"}}
-
-
-# the directories each stand-in tree is copied from, later ones over earlier ones: `main` holds the
-# modules main has and v1.0.x lacks (mode_backend/generic_post_process.py), so v1_0 never sees them
-LAYERS = {"main": ("common", "main"), "v1_0": ("common", "v1_0"), "pr965": ("common", "main", "pr965"),
-          "unknown": ("common", "main", "unknown")}
-
-
-def build_tree(layout: str, tree):
-    """Copy the stand-in of ``layout`` into the directory ``tree``; returns ``tree``."""
-    for layer in LAYERS[layout]:
-        shutil.copytree(os.path.join(LAYOUTS, layer), tree, dirs_exist_ok=True)
-    return tree
 
 
 def run_layout(layout: str, receiver, tmp_path_factory, requests: list, **extra_env: str) -> dict:

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
+
+from lightllm_layouts.layers import build_tree
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -149,9 +150,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def run(tmp_path) -> dict:
-    tree = tmp_path / "main"
-    shutil.copytree(os.path.join(HERE, "lightllm_layouts", "common"), tree)
-    shutil.copytree(os.path.join(HERE, "lightllm_layouts", "main"), tree, dirs_exist_ok=True)
+    tree = build_tree("main", tmp_path / "main")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree)] + [p for p in [os.environ.get("PYTHONPATH")] if p]), LLM_OTEL_ADAPTIVE_SAMPLING="off")
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
