@@ -36,6 +36,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 
 from llm_otel.config import Settings
+from llm_otel.export.identity import current_process_identity
 
 logger = logging.getLogger("llm_otel")
 
@@ -165,7 +166,7 @@ def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
 
     env = os.environ if env is None else env
     validate_exporter_env(env)
-    resource = Resource.create()  # OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES
+    resource = Resource.create(current_process_identity())  # + OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES
     sampler, poller = _adaptive_sampler(settings, env)
     tracer_provider = TracerProvider(resource=resource, id_generator=SystemRandomIdGenerator(), sampler=sampler)
     if poller is not None:

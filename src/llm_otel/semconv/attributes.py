@@ -68,6 +68,9 @@ GEN_AI_USAGE_INPUT_TOKENS = 'gen_ai.usage.input_tokens'
 GEN_AI_USAGE_OUTPUT_TOKENS = 'gen_ai.usage.output_tokens'
 """The number of tokens used in the GenAI response (completion). Type: int. Origin: official."""
 
+HOST_NAME = 'host.name'
+"""Name of the host. On Unix systems, it may contain what the hostname command returns, or the fully qualified hostname, or another name specified by the user. Type: string. Origin: official."""
+
 HW_ID = 'hw.id'
 """An identifier for the hardware component, unique within the monitored host; for GPUs llm-otel uses the NVML device index. Type: string. Origin: official."""
 
@@ -176,8 +179,29 @@ LLM_LOGIT_TOP_LOGPROBS = 'llm.logit.top_logprobs'
 LLM_LOGIT_TOP_TOKEN_IDS = 'llm.logit.top_token_ids'
 """Vocabulary ids of one step's top-k tokens, most likely first; only with content capture on. Type: int[]. Origin: llm-otel."""
 
+LLM_PROCESS_API_SERVER_INDEX = 'llm.process.api_server.index'
+"""Index of this API server among the frontend processes vLLM's launcher started (`vllm serve --api-server-count N`, process `ApiServer_<index>`, `client_index`); absent when the frontend is the only one (the launcher's own process). Type: int. Origin: llm-otel."""
+
+LLM_PROCESS_DATA_PARALLEL_RANK = 'llm.process.data_parallel.rank'
+"""Data-parallel rank of the engine core (and of its workers) this process belongs to, as vLLM's own `engine` metric label gives it (vLLM `ParallelConfig.data_parallel_rank`; 0 without data parallelism). Type: int. Origin: llm-otel."""
+
+LLM_PROCESS_INHERITED_INSTANCE_ID = 'llm.process.inherited_instance_id'
+"""The `service.instance.id` the process inherited from its environment (`OTEL_RESOURCE_ATTRIBUTES`, e.g. a Kubernetes pod's), shared by every process of the pod; each process's own `service.instance.id` is derived from it. Type: string. Origin: llm-otel."""
+
+LLM_PROCESS_NAME = 'llm.process.name'
+"""The engine's name for the process (vLLM's multiprocessing process name, or the Ray actor class and rank). Type: string. Origin: llm-otel."""
+
+LLM_PROCESS_PIPELINE_PARALLEL_RANK = 'llm.process.pipeline_parallel.rank'
+"""Pipeline-parallel rank (stage) of a model worker (vLLM worker rank divided by `tensor_parallel_size` x `prefill_context_parallel_size`). Type: int. Origin: llm-otel."""
+
+LLM_PROCESS_RAY = 'llm.process.ray'
+"""True when the process is a Ray actor (vLLM's Ray executor or Ray data-parallel backend), false otherwise. Type: boolean. Origin: llm-otel."""
+
 LLM_PROCESS_ROLE = 'llm.process.role'
 """Role of the engine process (a resource attribute of its providers). Type: enum (string). Origin: llm-otel."""
+
+LLM_PROCESS_TENSOR_PARALLEL_RANK = 'llm.process.tensor_parallel.rank'
+"""Tensor-parallel rank of a model worker (vLLM worker rank modulo `tensor_parallel_size`). Type: int. Origin: llm-otel."""
 
 LLM_REQUEST_CHOICE_INDEX = 'llm.request.choice.index'
 """Index of this choice among the `n` parallel samples of one request (0 when n=1). Type: int. Origin: llm-otel."""
@@ -320,11 +344,17 @@ LLM_VRAM_SOURCE = 'llm.vram.source'
 LLM_VRAM_USAGE = 'llm.vram.usage'
 """Memory usage fraction (0-1) that drives the pressure level. Type: double. Origin: llm-otel."""
 
+PROCESS_PID = 'process.pid'
+"""Process identifier (PID). Type: int. Origin: official."""
+
 SERVER_ADDRESS = 'server.address'
 """Server domain name if available without reverse DNS lookup; otherwise, IP address or Unix domain socket name. Type: string. Origin: official."""
 
 SERVER_PORT = 'server.port'
 """Server port number. Type: int. Origin: official."""
+
+SERVICE_INSTANCE_ID = 'service.instance.id'
+"""The string ID of the service instance; unique for each instance of the same service.namespace,service.name pair. llm-otel makes it unique per process (a UUID v4, or derived from the inherited one as `<inherited>/<role>[.api<i>][.dp<r>][.pp<r>][.tp<r>].<pid>`). Type: string. Origin: official."""
 
 
 class LlmEngineStepDeviceClockValues:
@@ -456,6 +486,7 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'gen_ai.usage.cache_read.input_tokens': 'int',
     'gen_ai.usage.input_tokens': 'int',
     'gen_ai.usage.output_tokens': 'int',
+    'host.name': 'string',
     'hw.id': 'string',
     'llm.engine.phase': 'string',
     'llm.engine.step.batch_size': 'int',
@@ -492,7 +523,14 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.logit.top_k': 'int',
     'llm.logit.top_logprobs': 'double[]',
     'llm.logit.top_token_ids': 'int[]',
+    'llm.process.api_server.index': 'int',
+    'llm.process.data_parallel.rank': 'int',
+    'llm.process.inherited_instance_id': 'string',
+    'llm.process.name': 'string',
+    'llm.process.pipeline_parallel.rank': 'int',
+    'llm.process.ray': 'boolean',
     'llm.process.role': 'string',
+    'llm.process.tensor_parallel.rank': 'int',
     'llm.request.choice.index': 'int',
     'llm.request.class.key': 'string',
     'llm.request.class.reason': 'string',
@@ -540,6 +578,8 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.vram.pressure.level': 'string',
     'llm.vram.source': 'string',
     'llm.vram.usage': 'double',
+    'process.pid': 'int',
     'server.address': 'string',
     'server.port': 'int',
+    'service.instance.id': 'string',
 }

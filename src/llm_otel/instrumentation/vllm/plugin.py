@@ -35,7 +35,9 @@ def process_role() -> str:
         return "engine_core"
     if "Worker" in name:
         return "worker"
-    return "frontend"
+    from llm_otel.export.identity import vllm_stack_role  # a Ray actor: vLLM's object loading us says
+
+    return vllm_stack_role() or "frontend"
 
 
 def unnamed_spawned_child() -> bool:
@@ -85,9 +87,9 @@ def engine_process_providers(role: str):
         prometheus_reader_from_env,
         span_exporter_from_env,
     )
-    from llm_otel.semconv import attributes as A
+    from llm_otel.export.identity import vllm_process_identity
 
-    resource = Resource.create({A.LLM_PROCESS_ROLE: role})
+    resource = Resource.create(vllm_process_identity(role))  # role, pid, host, ranks, instance id
     tracer_provider = TracerProvider(resource=resource, id_generator=SystemRandomIdGenerator(), shutdown_on_exit=False)
     exporter = span_exporter_from_env()
     if exporter is not None:

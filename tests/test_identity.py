@@ -1,0 +1,164 @@
+"""Process identity (issue 16, llm_otel.export.identity): every process of a vLLM topology gets a
+resource that tells it apart. The children here are started the way vLLM starts its own
+(``multiprocessing`` ``Process(name=..., kwargs=...)``, vllm/v1/engine/utils.py:284 for engine
+cores, vllm/v1/executor/multiproc_executor.py:745 for workers, vllm/v1/utils.py:248 for API
+servers) and the in-process/Ray path is driven through vLLM's real ``EngineCore`` /
+``WorkerWrapperBase`` classes."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import types
+
+import pytest
+
+from llm_otel.export import identity
+from llm_otel.export.identity import inherited_instance_id, process_identity, vllm_process_identity
+
+
+def _identity_of_child(name: str, kwargs: dict, method: str = "fork", env: dict | None = None) -> dict:
+    """The identity a child started like vLLM's (``Process(name=..., kwargs=...)``) reads of itself."""
+    ctx = multiprocessing.get_context(method)
+    queue = ctx.Queue()
+    saved = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        proc = ctx.Process(target=_child_with_kwargs, name=name, args=(queue,), kwargs=kwargs, daemon=True)
+        proc.start()
+        got = queue.get(timeout=120)
+        proc.join(30)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return got
+
+
+def _child_with_kwargs(queue, **_engine_kwargs):
+    queue.put(vllm_process_identity("frontend"))
+
+
+def _parallel(tp=1, pp=1, dp=1, dp_rank=0, pcp=1):
+    """Stand-in for ``VllmConfig`` with the fields the identity reads (vllm/config/parallel.py)."""
+    return types.SimpleNamespace(parallel_config=types.SimpleNamespace(
+        tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, data_parallel_rank=dp_rank,
+        prefill_context_parallel_size=pcp))
+
+
+def test_identity_has_role_pid_host_and_a_uuid_instance_id():
+    attrs = process_identity("engine_core", dp_rank=1, env={})
+    assert attrs["llm.process.role"] == "engine_core"
+    assert attrs["process.pid"] == os.getpid()
+    assert isinstance(attrs["host.name"], str) and attrs["host.name"]
+    assert len(attrs["service.instance.id"]) == 36  # uuid4 text form
+    assert attrs["llm.process.data_parallel.rank"] == 1
+    assert "llm.process.tensor_parallel.rank" not in attrs and "llm.process.inherited_instance_id" not in attrs
+    assert process_identity("engine_core", env={})["service.instance.id"] == attrs["service.instance.id"]  # per pid
+
+
+def test_inherited_instance_id_is_parsed_like_the_sdk():
+    env = {"OTEL_RESOURCE_ATTRIBUTES": "k8s.pod.name=p,service.instance.id=pod%2F7d9f ,x=y"}
+    assert inherited_instance_id(env) == "pod/7d9f"
+    assert inherited_instance_id({"OTEL_RESOURCE_ATTRIBUTES": "service.instance.id="}) is None
+    assert inherited_instance_id({}) is None
+
+
+def test_engine_core_children_get_their_dp_rank_and_distinct_instance_ids():
+    env = {"OTEL_RESOURCE_ATTRIBUTES": "service.instance.id=pod-7d9f"}
+    a = _identity_of_child("EngineCore_DP0", {"dp_rank": 0, "local_dp_rank": 0}, env=env)
+    b = _identity_of_child("EngineCore_DP1", {"dp_rank": 1, "local_dp_rank": 1}, env=env)
+    for got, rank in ((a, 0), (b, 1)):
+        assert got["llm.process.role"] == "engine_core"
+        assert got["llm.process.data_parallel.rank"] == rank
+        assert got["llm.process.name"] == f"EngineCore_DP{rank}"
+        assert got["llm.process.inherited_instance_id"] == "pod-7d9f"
+        assert got["service.instance.id"] == f"pod-7d9f/engine_core.dp{rank}.{got['process.pid']}"
+        assert got["llm.process.ray"] is False
+    assert a["service.instance.id"] != b["service.instance.id"] and a["process.pid"] != b["process.pid"]
+
+
+def test_engine_core_without_dp_is_rank_zero_like_vllms_engine_label():
+    got = _identity_of_child("EngineCore", {"dp_rank": 0, "local_dp_rank": 0})
+    assert got["llm.process.role"] == "engine_core" and got["llm.process.data_parallel.rank"] == 0
+
+
+def test_workers_get_tp_and_pp_rank_from_their_rank_and_the_parallel_config():
+    # TP=2 x PP=2 in DP rank 1: rank 3 is TP 1 of PP stage 1 (vllm/distributed/parallel_state.py layout)
+    got = _identity_of_child("VllmWorker-3", {"rank": 3, "local_rank": 3,
+                                              "vllm_config": _parallel(tp=2, pp=2, dp=2, dp_rank=1)})
+    assert got["llm.process.role"] == "worker"
+    assert (got["llm.process.tensor_parallel.rank"], got["llm.process.pipeline_parallel.rank"],
+            got["llm.process.data_parallel.rank"]) == (1, 1, 1)
+    assert got["llm.process.name"] == "VllmWorker-3"
+
+
+def test_worker_identity_survives_spawn():
+    """vLLM on CPU spawns: the child's Process object (and its kwargs) is unpickled from the parent's."""
+    got = _identity_of_child("VllmWorker-1", {"rank": 1, "vllm_config": _parallel(tp=2)}, method="spawn")
+    assert got["llm.process.role"] == "worker" and got["llm.process.tensor_parallel.rank"] == 1
+    assert got["llm.process.pipeline_parallel.rank"] == 0
+
+
+def test_api_servers_get_their_index():
+    got = _identity_of_child("ApiServer_1", {})
+    assert got["llm.process.role"] == "frontend" and got["llm.process.api_server.index"] == 1
+
+
+def test_unreadable_worker_config_leaves_ranks_out_with_one_log_line(caplog):
+    with caplog.at_level(logging.INFO, logger="llm_otel"):
+        got = _identity_of_child("VllmWorker-1", {"rank": 1})  # no vllm_config: layout unknown
+    assert got["llm.process.role"] == "worker" and "llm.process.tensor_parallel.rank" not in got
+    # the child logs; here the same path in-process (its log line is ours to read)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="llm_otel"):
+        got = identity._worker_ranks(1, None, why := [])
+    assert got == (None, None, None) and why == ["no vllm_config.parallel_config"]
+
+
+def test_main_process_frontend_has_no_index():
+    got = vllm_process_identity("frontend", env={})
+    assert got["llm.process.role"] == "frontend"
+    assert "llm.process.api_server.index" not in got and "llm.process.name" not in got
+
+
+vllm = pytest.importorskip("vllm")
+
+
+def test_ray_style_worker_found_through_vllms_worker_wrapper():
+    """A Ray actor's multiprocessing name is ``MainProcess``: the identity comes from vLLM's real
+    ``WorkerWrapperBase`` calling ``load_general_plugins`` from ``init_worker``."""
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    class Probe(WorkerWrapperBase):
+        def init_worker(self, all_kwargs):  # same locals as vLLM's (kwargs = all_kwargs[self.rpc_rank])
+            kwargs = all_kwargs[self.rpc_rank]
+            self.vllm_config = kwargs["vllm_config"]
+            return vllm_process_identity("frontend", env={})
+
+    wrapper = Probe(rpc_rank=0, global_rank=0)
+    got = wrapper.init_worker([{"rank": 5, "vllm_config": _parallel(tp=4, pp=2)}])
+    assert got["llm.process.role"] == "worker"
+    assert (got["llm.process.tensor_parallel.rank"], got["llm.process.pipeline_parallel.rank"]) == (1, 1)
+
+
+def test_ray_style_engine_core_found_through_vllms_engine_core():
+    from vllm.v1.engine.core import EngineCore
+
+    class Probe(EngineCore):
+        def __init__(self, vllm_config):  # EngineCore.__init__ loads the plugins first thing
+            self.vllm_config = vllm_config
+            self.got = vllm_process_identity("frontend", env={})
+
+    config = _parallel(dp=2, dp_rank=0)
+    config.parallel_config.data_parallel_index = 1  # EngineCoreActorMixin sets it before EngineCore.__init__
+    got = Probe(config).got
+    assert got["llm.process.role"] == "engine_core" and got["llm.process.data_parallel.rank"] == 1
+
+
+def test_identity_never_raises(monkeypatch, caplog):
+    monkeypatch.setattr(identity, "_vllm_process_identity", lambda *a: 1 / 0)
+    with caplog.at_level(logging.WARNING, logger="llm_otel"):
+        got = vllm_process_identity("worker", env={})
+    assert got["llm.process.role"] == "worker" and got["process.pid"] == os.getpid()
+    assert "process identity incomplete" in caplog.text
