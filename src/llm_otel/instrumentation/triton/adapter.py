@@ -986,7 +986,7 @@ class _AioResponses(wrapt.ObjectProxy):
     (a deadline cutting the stream short, the server going away) -> error spans with the gRPC code;
     ``cancel()`` or the consuming task being cancelled -> ``error.type=cancelled`` without an error
     status; abandoned (``break`` out of ``async for``, the iterator dropped) -> when it is
-    collected, each open request ends as ``abandoned`` (a finalizer: it holds the state, not the
+    collected, each open request ends as ``abandoned`` (a weakref callback: it holds the state, not the
     iterator).
     """
 
@@ -994,7 +994,9 @@ class _AioResponses(wrapt.ObjectProxy):
         super().__init__(responses)
         self._self_adapter = adapter
         self._self_state = state
-        self._self_finalizer = weakref.finalize(self, _abandon, adapter, state)
+        # a weakref callback, not weakref.finalize: the first finalize() registers weakref's atexit
+        # hook, which must not come before multiprocessing's (see export/providers.py)
+        _ABANDONED[weakref.ref(self, _collected)] = (adapter, state)
 
     def __aiter__(self):
         return self
@@ -1040,6 +1042,16 @@ class _AioResponses(wrapt.ObjectProxy):
         except Exception as exc:  # noqa: BLE001
             adapter.errors.report("triton.aio_stream", exc)
         return item
+
+
+# weakref to a live grpc.aio response iterator -> (adapter, its stream); one entry per iterator
+_ABANDONED: dict = {}
+
+
+def _collected(ref) -> None:
+    adapter, state = _ABANDONED.pop(ref, (None, None))
+    if state is not None:
+        _abandon(adapter, state)
 
 
 def _abandon(adapter: TritonAdapter, state: StreamState) -> None:
