@@ -163,6 +163,10 @@ def test_c01_request_span_tree_spans_three_processes_and_covers_the_request(main
     # one process each: HTTP worker (this test's child), router (its child), model-infer worker (grandchild)
     pids = {name: tree[name]["resource"]["process.pid"] for name in ("request", "llm.router.request", "llm.infer.request")}
     assert len(set(pids.values())) == 3
+    # and each process's resource has its own service.instance.id (export/identity.py)
+    instances = {tree[name]["resource"]["service.instance.id"] for name in ("request", "llm.router.request",
+                                                                           "llm.infer.request")}
+    assert len(instances) == 3
     prompt, stream, router, infer = (tree[n] for n in ("llm.prompt", "llm.token_stream", "llm.router.request",
                                                        "llm.infer.request"))
     # order of a request's life, across processes (one host clock)
