@@ -180,3 +180,21 @@ def finish_for(shm_req, k, token):
 
 def step_pause():
     time.sleep(STEP_S)
+
+
+VOCAB = 128
+
+
+def fake_logits(run_reqs):
+    """``(batch, VOCAB)`` logits whose greedy token and its log-prob are the fake model's: every
+    other token at c, the target at 0, so the log-softmax of the target is exactly its log-prob."""
+    import math
+
+    import torch
+
+    logits = torch.empty((len(run_reqs), VOCAB), dtype=torch.float32)
+    for i, req in enumerate(run_reqs):
+        token, logprob = FakeModel.next_token(req.shm_req.input_len, req.cur_output_len)
+        logits[i].fill_(math.log((math.exp(-logprob) - 1.0) / (VOCAB - 1)))
+        logits[i, token] = 0.0
+    return logits
