@@ -88,3 +88,69 @@ def test_alternative_layouts_of_one_function_warn_only_when_none_resolves(engine
     assert [r.getMessage().split(" hook target ")[1].split(" ")[0] for r in caplog.records] == [
         "fake_engine_layout.gone:Engine.step"]
     remove_hooks(applied)
+
+
+def test_a_missing_optional_dependency_is_one_debug_line_a_moved_target_one_warning(tmp_path, monkeypatch, caplog):
+    """A module of the engine that cannot load because another package is not installed (an
+    optional part, e.g. tritonclient without grpc) is not the engine moving a target: debug only.
+    A missing engine submodule or attribute is: one warning each, naming it."""
+    pkg = tmp_path / "fake_engine_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "needs_extra.py").write_text("import fake_absent_extra_dependency\n")
+    (pkg / "present.py").write_text("class Client:\n    def infer(self):\n        return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    hooks = [Hook("fake_engine_pkg.needs_extra", "Client.infer", "tracer", "x", "p"),
+             Hook("fake_engine_pkg.needs_extra", "Client.stream", "tracer", "x", "p"),
+             Hook("fake_engine_pkg.moved", "Client.infer", "tracer", "x", "p"),
+             Hook("fake_engine_pkg.present", "Client.gone", "tracer", "x", "p"),
+             Hook("fake_engine_pkg.present", "Client.infer", "tracer", "x", "p")]
+    with caplog.at_level(logging.DEBUG, logger="llm_otel"):
+        applied = apply_hooks(hooks, Adapter(), "FakeEngine")
+    try:
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+        assert [a.hook.target for a in applied] == ["Client.infer"]
+        assert len(warnings) == 2
+        assert "fake_engine_pkg.moved:Client.infer" in warnings[0] and "fake_engine_pkg.present:Client.gone" in warnings[1]
+        assert len(debug) == 1 and "fake_absent_extra_dependency is not installed" in debug[0]
+    finally:
+        remove_hooks(applied)
+        for name in [m for m in sys.modules if m.startswith("fake_engine_pkg")]:
+            del sys.modules[name]
+
+
+@pytest.mark.parametrize("path, package", [
+    ("llm_otel.instrumentation.vllm:VLLMInstrumentor", "vllm"),
+    ("llm_otel.instrumentation.triton:TritonClientInstrumentor", "tritonclient"),
+    ("llm_otel.instrumentation.lightllm:LightLLMInstrumentor", "lightllm"),
+])
+def test_an_instrumentor_whose_library_is_not_importable_is_silent(path, package, monkeypatch, caplog):
+    """``opentelemetry-instrument`` loads every installed instrumentor in every process (skipping
+    the dependency check): one whose library is absent logs one debug line and nothing else (it
+    was 14-38 'hook target not found' warnings each in every LightLLM process)."""
+    import importlib
+    import importlib.util
+
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.trace import TracerProvider
+
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):
+        if name == package or name.startswith(package + "."):
+            return None
+        return real_find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    module, _, name = path.partition(":")
+    inst = getattr(importlib.import_module(module), name)()
+    with caplog.at_level(logging.DEBUG, logger="llm_otel"):
+        inst.instrument(tracer_provider=TracerProvider(), meter_provider=MeterProvider(), skip_dep_check=True)
+    try:
+        records = [r for r in caplog.records if r.name.startswith("llm_otel")]
+        assert [r.levelno for r in records] == [logging.DEBUG], [r.getMessage() for r in records]
+        assert package in records[0].getMessage() and "not importable" in records[0].getMessage()
+        assert not getattr(inst, "_applied", [])
+    finally:
+        inst.uninstrument()

@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 
 import pytest
+from lightllm_layouts.layers import build_tree
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAYOUTS = os.path.join(HERE, "lightllm_layouts")
@@ -56,9 +56,7 @@ RENAMED = {"unknown": {"add_req": "enqueue_group", "transfer_to_next_module": "_
 
 
 def run_layout(layout: str, receiver, tmp_path_factory, requests: list, **extra_env: str) -> dict:
-    tree = tmp_path_factory.mktemp(layout)
-    shutil.copytree(os.path.join(LAYOUTS, "common"), tree, dirs_exist_ok=True)
-    shutil.copytree(os.path.join(LAYOUTS, layout), tree, dirs_exist_ok=True)
+    tree = build_tree(layout, tmp_path_factory.mktemp(layout))
     renames = RENAMED.get(layout, {})
     for path in (tree / "lightllm").rglob("*.py") if renames else ():
         text = path.read_text()
@@ -68,7 +66,7 @@ def run_layout(layout: str, receiver, tmp_path_factory, requests: list, **extra_
     service = f"lightllm-layout-{layout}-{os.getpid()}"
     env = dict(
         os.environ,
-        PYTHONPATH=str(tree),
+        PYTHONPATH=os.pathsep.join([str(tree)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
         OTEL_SERVICE_NAME=service,
         OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint,
         OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
@@ -144,8 +142,11 @@ def main_run(receiver, tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(receiver, tmp_path_factory, main_run):
     out = {"main": main_run}
-    for layout in ("v1_0", "pr965"):
-        out[layout] = run_layout(layout, receiver, tmp_path_factory, REQUESTS[:2])
+    # v1.0.x: logit distributions from its own post_process.sample; a step-span budget of one span
+    # per 1000 s leaves exactly the first burst token (capacity 1) for this run of dozens of steps
+    out["v1_0"] = run_layout("v1_0", receiver, tmp_path_factory, REQUESTS[:2] + [HEALTH],
+                             LLM_OTEL_LOGIT_DIST_RATIO="1", LLM_OTEL_STEP_SPANS_PER_S="0.001")
+    out["pr965"] = run_layout("pr965", receiver, tmp_path_factory, REQUESTS[:2] + [HEALTH])
     return out
 
 
@@ -162,6 +163,10 @@ def test_c01_request_span_tree_spans_three_processes_and_covers_the_request(main
     # one process each: HTTP worker (this test's child), router (its child), model-infer worker (grandchild)
     pids = {name: tree[name]["resource"]["process.pid"] for name in ("request", "llm.router.request", "llm.infer.request")}
     assert len(set(pids.values())) == 3
+    # and each process's resource has its own service.instance.id (export/identity.py)
+    instances = {tree[name]["resource"]["service.instance.id"] for name in ("request", "llm.router.request",
+                                                                           "llm.infer.request")}
+    assert len(instances) == 3
     prompt, stream, router, infer = (tree[n] for n in ("llm.prompt", "llm.token_stream", "llm.router.request",
                                                        "llm.infer.request"))
     # order of a request's life, across processes (one host clock)
@@ -277,10 +282,21 @@ def test_c02_a_consumer_closing_the_stream_ends_the_request_span_as_aborted(main
     assert tree["llm.infer.request"]["attributes"]["gen_ai.response.finish_reasons"] == ["stop"]
 
 
-def test_health_probes_are_not_traced(main_run):
-    assert main_run["results"]["health"]["tokens"][0][0] == -8  # it ran through every process
-    ids = {s["attributes"].get("llm.request.id") for s in main_run["spans"]}
-    assert not any(i is not None and i.startswith("-") for i in ids)
+@pytest.mark.parametrize("layout", ["main", "v1_0"])
+def test_health_probes_are_not_traced(runs, layout):
+    """LightLLM's own health check (GET /health) sends a probe through every process: main marks it
+    (is_health_req, a negative id); v1.0.x does not (an ordinary positive id from the same
+    generator), so only the health_check call site tells it apart. Neither becomes a trace."""
+    run = runs[layout]
+    assert run["results"]["health"]["healthy"] is True  # the probe came back through router and worker
+    served = {str(tokens[0] - tokens[0] % 8 + i) for r in run["results"].values() for tokens in r["tokens"][:1]
+              for i in range(8)}
+    ids = {s["attributes"].get("llm.request.id") for s in run["spans"]} - {None}
+    assert ids and ids <= served, ids - served  # every traced id is one of the clients' requests
+    assert not any(i.startswith("-") for i in ids)
+    names = {s["name"] for s in run["spans"]}
+    assert names <= {f"text_completion {MODEL}", f"chat {MODEL}", "llm.prompt", "llm.token_stream",
+                     "llm.router.request", "llm.infer.request", "llm.engine.step", "llm.logit_dist"}, names
 
 
 # --- C10: concurrent requests keep their own parents, no context errors ----------------------
@@ -314,10 +330,31 @@ def test_c06_each_known_layout_traces_the_full_tree_without_warnings(runs, layou
     assert bool(t.named("llm.engine.step")) == (layout != "pr965")
 
 
+def test_v1_0_logit_dist_from_its_post_process_sample(runs):
+    """v1.0.x has no mode_backend/generic_post_process.py: sample lives in
+    continues_batch/post_process.py, and the hook there gives the same llm.logit_dist."""
+    t = Trace(runs["v1_0"])
+    (req,) = t.requests(request_id(runs["v1_0"], "stop"))
+    (dist,) = t.children(req, "llm.logit_dist")
+    assert dist["attributes"]["llm.logit.steps"] == 4
+    steps = [e for e in dist["events"] if e["name"] == "llm.logit.step"]
+    assert [e["attributes"]["llm.logit.sampled_logprob"] for e in steps] == pytest.approx([-0.1, -0.2, -0.3, -0.4], abs=1e-5)
+
+
+def test_router_step_spans_honour_the_step_span_budget(runs):
+    """LLM_OTEL_STEP_SPANS_PER_S (the vLLM engine core's token bucket): with 0.001/s the v1.0 run's
+    router, which steps once per generated token (more than 9 steps here), emits one step span;
+    main's default (10/s) emits more than one."""
+    assert len(Trace(runs["v1_0"]).named("llm.engine.step")) == 1
+    assert len(Trace(runs["main"]).named("llm.engine.step")) > 1
+
+
 # --- C05: an unknown layout: one warning per process naming what is missing ------------------
 def test_c05_unknown_layout_warns_once_per_process_and_http_spans_still_work(receiver, tmp_path_factory):
     run = run_layout("unknown", receiver, tmp_path_factory, REQUESTS[:1])
-    warnings = [line for line in run["stderr"].splitlines() if "unknown layout" in line]
+    # an unrecognised module: one warning listing what it lacks; a module whose layout was
+    # recognised (infer_batch still looks like main) but lacks a target: one warning naming it
+    warnings = [line for line in run["stderr"].splitlines() if line.startswith("llm-otel: LightLLM module")]
     http = [w for w in warnings if "httpserver.manager" in w]
     router = [w for w in warnings if "router.manager" in w]
     infer = [w for w in warnings if "infer_batch" in w]
@@ -326,6 +363,8 @@ def test_c05_unknown_layout_warns_once_per_process_and_http_spans_still_work(rec
     # (which imports the worker module to spawn the worker) and the worker
     assert (len(http), len(router), len(infer)) == (1, 2, 2), run["stderr"][-3000:]
     assert len(warnings) == 5
+    # and nothing else from llm-otel (no other instrumentor's hook-target noise)
+    assert [line for line in run["stderr"].splitlines() if "llm-otel" in line] == warnings, run["stderr"][-3000:]
     assert "HttpServerManager.transfer_to_next_module" in http[0] and "HttpServerManager.abort" in http[0]
     assert "RouterManager.add_req" in router[0] and "RouterManager._add_req" in router[0]
     assert "InferReq.set_next_gen_token_id" in infer[0]

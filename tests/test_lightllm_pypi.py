@@ -37,7 +37,7 @@ def pypi_run(receiver, tiny_model):
     service = f"lightllm-pypi-{os.getpid()}"
     spec = {"model_dir": str(tiny_model), "prompt": "def main(): return 42", "max_new_tokens": 5,
             "traceparent": f"00-{TRACE_ID}-{PARENT}-01", "ports": free_ports(2)}
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(PYPI), OTEL_SERVICE_NAME=service,
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(PYPI)] + [p for p in [os.environ.get("PYTHONPATH")] if p]), OTEL_SERVICE_NAME=service,
                OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
                OTEL_TRACES_EXPORTER="otlp", OTEL_METRICS_EXPORTER="none", OTEL_BSP_SCHEDULE_DELAY="100",
                LLM_OTEL_ADAPTIVE_SAMPLING="off", LIGHTLLM_START_ARGS=json.dumps({"model_dir": str(tiny_model)}),

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
+
+from lightllm_layouts.layers import build_tree
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -73,13 +74,15 @@ SCRIPT = textwrap.dedent("""
     # an exception inside generate reaches the caller unchanged; the request span records it
     class Boom(Exception):
         pass
+    from lightllm.server.req_id_generator import ReqIDGenerator
     class Manager(HttpServerManager):
-        def __init__(self): self.next_id = 8; self.req_id_to_out_inf = {}
+        def __init__(self): self.req_id_to_out_inf = {}
     class DeadRouter:
         def put(self, obj): raise Boom("router down")
     from lightllm import _standin
     import multiprocessing
-    m = Manager(); m.shm_req_manager = _standin.ShmReqManager(_standin.new_shm(multiprocessing.get_context("spawn")))
+    raw = _standin.new_shm(multiprocessing.get_context("spawn"))
+    m = Manager(); m.shm_req_manager = _standin.ShmReqManager(raw); m.id_gen = ReqIDGenerator(raw)
     m.send_to_router = DeadRouter()
     async def consume(**kw):
         return [x async for x in m.generate("a b", SamplingParams(), MultimodalParams(), None, **kw)]
@@ -108,13 +111,23 @@ SCRIPT = textwrap.dedent("""
     m._encode = Manager._encode.__get__(m)
     pd_mm = MultimodalParams()
     pd_mm._llm_otel_carrier = {"traceparent": "00-" + "12" * 16 + "-" + "34" * 8 + "-01", "group_req_id": 1000}
-    sp = SamplingParams(); m.next_id = 48
+    sp = SamplingParams(); m.id_gen.current_id[:] = (48, 1 << 62)
     async def run_pd():
         return [x async for x in m.generate("a b", sp, pd_mm, None)]
     asyncio.run(run_pd())
     pd = [s for s in exporter.get_finished_spans() if s.name == "text_completion unknown"]
     out["pd_parent"] = [(format(s.parent.trace_id, "032x"), format(s.parent.span_id, "016x"), s.kind.name) for s in pd]
     out["pd_carrier_is_ours"] = pd_mm._llm_otel_carrier["traceparent"].split("-")[2] == format(pd[0].context.span_id, "016x")
+    exporter.clear()
+    # the model name is the one the HTTP worker's manager is built with, not the environment's at
+    # instrument time (there was none then)
+    late = HttpServerManager({"model_name": "late-model"}, m.send_to_router, raw)
+    late._wait_to_token_package = one_token.__get__(late)
+    late.id_gen.current_id[:] = (48, 1 << 62)
+    async def run_late():
+        return [x async for x in late.generate("a b", SamplingParams(), MultimodalParams(), None)]
+    asyncio.run(run_late())
+    out["late_model"] = sorted({s.name for s in exporter.get_finished_spans() if s.name.startswith("text_")})
     exporter.clear()
     # health probes (negative ids) are not traced
     try:
@@ -137,10 +150,8 @@ SCRIPT = textwrap.dedent("""
 
 
 def run(tmp_path) -> dict:
-    tree = tmp_path / "main"
-    shutil.copytree(os.path.join(HERE, "lightllm_layouts", "common"), tree)
-    shutil.copytree(os.path.join(HERE, "lightllm_layouts", "main"), tree, dirs_exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=str(tree), LLM_OTEL_ADAPTIVE_SAMPLING="off")
+    tree = build_tree("main", tmp_path / "main")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree)] + [p for p in [os.environ.get("PYTHONPATH")] if p]), LLM_OTEL_ADAPTIVE_SAMPLING="off")
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads([x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1][7:]) | {"stderr": done.stderr}
@@ -162,5 +173,6 @@ def test_lightllm_adapter_in_one_process(tmp_path):
     assert out["health_spans"] == 0
     assert out["pd_parent"] == [["12" * 16, "34" * 8, "INTERNAL"]]
     assert out["pd_carrier_is_ours"]
+    assert out["late_model"] == ["text_completion late-model"]
     assert out["setstate_removed"] and out["unwrapped"] and out["rewrapped"]
     assert "Traceback" not in out["stderr"]

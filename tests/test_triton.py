@@ -8,6 +8,7 @@ mutated, and nothing llm-otel does reaches the application.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
@@ -574,7 +575,9 @@ def test_entry_point_and_instrument_pick_up_the_triton_instrumentor():
             "print('OK')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none", "LLM_OTEL_CONSOLE": "off",
-                              "PATH": "/usr/bin:/bin"})
+                              "PATH": "/usr/bin:/bin",
+                              # this checkout's llm_otel when the caller points at one
+                              **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["OK"]
 
@@ -609,3 +612,202 @@ def test_no_span_parenting_leak_between_calls(triton, cap):
     (span,) = ours(cap, "text_completion text_echo")
     assert span.parent is None
     client.close()
+
+
+# --- C19: cancelled, abandoned and truncated streams; malformed responses ----------------------
+async def _long_requests(rid: str = "long", wait_s: float = 30.0):
+    yield {"model_name": "tok_stream", "inputs": text_inputs(grpcclient, max_tokens=200), "request_id": rid}
+    await asyncio.sleep(wait_s)  # keep the request side open: the stream ends only when we end it
+
+
+def _assert_cancelled(cap, end: str) -> None:
+    (span,) = ours(cap, "text_completion tok_stream")
+    assert span.attributes["error.type"] == "cancelled" and span.attributes["llm.stream.end"] == end
+    assert span.status.status_code is StatusCode.UNSET  # the application's choice, not a failure
+    assert 1 <= span.attributes["llm.stream.responses"] < 200
+    assert _token_stream(cap, span).status.status_code is StatusCode.UNSET
+    (stream,) = ours(cap, "llm.triton.stream")
+    assert stream.status.status_code is StatusCode.UNSET and stream.attributes["error.type"] == "cancelled"
+    assert stream.end_time is not None
+
+
+def test_c19_grpc_aio_cancel_ends_the_request_as_cancelled_without_error_status(triton, cap, errors):
+    before = dict(errors.counts)
+
+    async def main():
+        async with grpcaio.InferenceServerClient(triton.grpc_url) as client:
+            responses = client.stream_infer(_long_requests())
+            n = 0
+            with pytest.raises(asyncio.CancelledError):  # grpc.aio's own answer to cancel()
+                async for result, error in responses:
+                    n += 1
+                    if n == 2:
+                        assert responses.cancel() is True  # tritonclient's return value, unchanged
+            return n
+
+    assert asyncio.run(main()) == 2
+    _assert_cancelled(cap, "cancelled")
+    assert errors.counts == before
+
+
+def test_c19_grpc_aio_consumer_task_cancelled_ends_the_request_as_cancelled(triton, cap):
+    async def consume(client, first):
+        async for result, error in client.stream_infer(_long_requests()):
+            first.set()
+
+    async def main():
+        async with grpcaio.InferenceServerClient(triton.grpc_url) as client:
+            first = asyncio.Event()
+            task = asyncio.create_task(consume(client, first))
+            await asyncio.wait_for(first.wait(), 10)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(main())
+    _assert_cancelled(cap, "cancelled")
+
+
+def test_c19_grpc_aio_stream_abandoned_with_break_ends_its_open_spans(triton, cap, errors):
+    import gc
+
+    before = dict(errors.counts)
+
+    async def main():
+        async with grpcaio.InferenceServerClient(triton.grpc_url) as client:
+            async for result, error in client.stream_infer(_long_requests()):
+                assert result.get_response().id == "long"
+                break  # the application stops reading; the iterator is dropped here
+            gc.collect()
+            (span,) = ours(cap, "text_completion tok_stream")  # ended while the client is still open
+            return span
+
+    span = asyncio.run(main())
+    assert span.attributes["llm.stream.end"] == "abandoned" and span.attributes["error.type"] == "cancelled"
+    assert span.status.status_code is StatusCode.UNSET
+    assert span.attributes["llm.stream.responses"] >= 1
+    (stream,) = ours(cap, "llm.triton.stream")
+    assert stream.attributes["llm.triton.stream.requests"] == 1
+    assert errors.counts == before
+
+
+def test_c19_sync_stream_stop_with_cancel_has_no_error_status(triton, cap):
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    first = threading.Event()
+    client.start_stream(lambda result, error: first.set())
+    client.async_stream_infer("tok_stream", text_inputs(grpcclient, max_tokens=200), request_id="long")
+    assert first.wait(10)
+    client.stop_stream(cancel_requests=True)
+    _assert_cancelled(cap, "cancelled")
+    client.close()
+
+
+def test_c19_truncated_aio_stream_is_an_error_span_with_the_grpc_code(triton, cap, errors):
+    """A stream cut short (here by its deadline, mid-generation): the application gets grpc.aio's
+    own AioRpcError; the request and stream spans say DEADLINE_EXCEEDED."""
+    import grpc
+
+    before = dict(errors.counts)
+
+    async def main():
+        async with grpcaio.InferenceServerClient(triton.grpc_url) as client:
+            seen = 0
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for result, error in client.stream_infer(_long_requests(), stream_timeout=1.0):
+                    seen += 1
+            assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            return seen
+
+    seen = asyncio.run(main())
+    (span,) = ours(cap, "text_completion tok_stream")
+    assert span.attributes["error.type"] == "DEADLINE_EXCEEDED" and span.status.status_code is StatusCode.ERROR
+    assert span.attributes["llm.stream.end"] == "error" and span.attributes["llm.stream.responses"] == seen >= 1
+    (stream,) = ours(cap, "llm.triton.stream")
+    assert stream.attributes["error.type"] == "DEADLINE_EXCEEDED" and stream.status.status_code is StatusCode.ERROR
+    assert errors.counts == before
+
+
+def test_c19_truncated_sync_stream_is_an_error_span(triton, cap):
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    done, got = threading.Event(), []
+
+    def callback(result, error):
+        got.append((result, error))
+        if error is not None:
+            done.set()
+
+    client.start_stream(callback, stream_timeout=1.0)
+    client.async_stream_infer("tok_stream", text_inputs(grpcclient, max_tokens=200), request_id="long")
+    assert done.wait(10)
+    client.stop_stream()
+    (span,) = ours(cap, "text_completion tok_stream")
+    assert span.attributes["error.type"] == "DEADLINE_EXCEEDED" and span.status.status_code is StatusCode.ERROR
+    assert span.attributes["llm.stream.responses"] == len([r for r, e in got if r is not None]) >= 1
+    client.close()
+
+
+@pytest.mark.parametrize("flavour", ["http", "grpc", "grpc.aio", "http.aio", "grpc.async_infer"])
+@pytest.mark.parametrize("model, requested, problem", [
+    ("no_output", False, "response has no outputs"),
+    ("no_output", True, "response lacks requested output(s) text_output"),
+    ("wrong_dtype", False, "text_output is FP32, expected BYTES"),
+])
+def test_c19_malformed_response_is_a_clear_error_span_and_reaches_the_application(
+        triton, cap, errors, flavour, model, requested, problem):
+    """Triton passes these through as successes; the application gets tritonclient's result
+    unchanged, the span says what is wrong (output names and types only), nothing is raised."""
+    before = dict(errors.counts)
+    mod = {"http": httpclient, "http.aio": httpaio}.get(flavour, grpcclient)
+    kwargs = {"outputs": [mod.InferRequestedOutput("text_output")]} if requested else {}
+    if flavour in ("http", "grpc"):
+        client = mod.InferenceServerClient(triton.http_url if flavour == "http" else triton.grpc_url)
+        result = client.infer(model, text_inputs(mod), **kwargs)
+        client.close()
+    elif flavour == "grpc.async_infer":
+        client = grpcclient.InferenceServerClient(triton.grpc_url)
+        got, done = [], threading.Event()
+        client.async_infer(model, text_inputs(grpcclient), callback=lambda result, error: (got.append((result, error)), done.set()),
+                           **kwargs)
+        assert done.wait(10)
+        ((result, error),) = got
+        assert error is None
+        client.close()
+    else:
+        async def run():
+            aio = grpcaio if flavour == "grpc.aio" else httpaio
+            async with aio.InferenceServerClient(triton.grpc_url if flavour == "grpc.aio" else triton.http_url) as c:
+                return await c.infer(model, text_inputs(mod), **kwargs)
+
+        result = asyncio.run(run())
+    if model == "no_output":
+        assert result.as_numpy("text_output") is None
+    else:
+        assert result.as_numpy("text_output").dtype == np.float32
+    (span,) = ours(cap, f"text_completion {model}")
+    assert span.attributes["error.type"] == "malformed_response"
+    assert span.status.status_code is StatusCode.ERROR and span.status.description == problem
+    assert errors.counts == before
+
+
+def test_malformed_stream_response_and_unreadable_results_never_raise(_instrumented):
+    """A streamed response whose text_output is not BYTES marks its request; results that cannot be
+    read at all are findings, not exceptions (real tritonclient/protobuf types)."""
+    from tritonclient.grpc import InferResult, service_pb2
+
+    from llm_otel.instrumentation.triton.adapter import response_problem
+
+    adapter = _instrumented[1].adapter
+    response = service_pb2.ModelInferResponse(id="r1", model_name="m")
+    out = response.outputs.add()
+    out.name, out.datatype = "text_output", "INT32"
+    assert response_problem(response, (), streaming=True) == "text_output is INT32, expected BYTES"
+    assert response_problem(service_pb2.ModelInferResponse(), (), streaming=True) is None  # empty final marker
+    assert response_problem(service_pb2.ModelInferResponse(), (), streaming=False) == "response has no outputs"
+    assert response_problem({"outputs": [{"name": "text_output", "datatype": "BYTES"}]}, ("text_output",), False) is None
+    assert response_problem(object(), (), False) == "unreadable response (AttributeError)"
+    call = adapter._start_call("grpc", object(), "m", "", "r1", None, None, streaming=False)
+    assert str(adapter._malformed(call, object())) == "unreadable response (AttributeError)"
+    assert str(adapter._malformed(call, InferResult(response))) == "text_output is INT32, expected BYTES"
+    out.datatype = "BYTES"
+    assert adapter._malformed(call, InferResult(response)) is None
+    adapter.finish(call)

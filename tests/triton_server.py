@@ -11,6 +11,8 @@ Models (Python backend; ``text_input`` BYTES[1], optional ``max_tokens`` INT32[1
   the final flag on the last token (vLLM backend style); ``max_tokens < 0`` -> error.
 * ``tok_stream_empty_final`` - same, the final flag in an extra empty response (PyTriton style).
 * ``tok_err`` - decoupled: one token, then an error response.
+* ``no_output`` - a success response with no output tensor; ``wrong_dtype`` - ``text_output``
+  (declared BYTES) sent as FP32: malformed responses.
 
 The server exports its own OpenTelemetry spans (OTLP/HTTP JSON, hex ids) to ``otlp_url`` with
 rate 1 and level TIMESTAMPS.
@@ -60,9 +62,16 @@ class TritonPythonModel:
         self.mode = json.loads(args["model_config"])["parameters"]["mode"]["string_value"]
 
     def execute(self, requests):
-        if self.mode == "echo":
+        if self.mode in ("echo", "no_output", "wrong_dtype"):
             responses = []
             for request in requests:
+                if self.mode == "no_output":  # a success response without the declared output
+                    responses.append(pb_utils.InferenceResponse(output_tensors=[]))
+                    continue
+                if self.mode == "wrong_dtype":  # text_output is declared BYTES; this sends FP32
+                    responses.append(pb_utils.InferenceResponse(output_tensors=[
+                        pb_utils.Tensor("text_output", np.array([1.5], dtype=np.float32))]))
+                    continue
                 text = _text(request)
                 if text == "slow":
                     time.sleep(1.0)
@@ -81,6 +90,9 @@ class TritonPythonModel:
                 continue
             for i in range(n):
                 time.sleep(0.01)
+                if request.is_cancelled():  # the client cancelled or dropped the stream: stop generating
+                    sender.send(flags=FINAL)
+                    break
                 if self.mode == "err" and i == 1:
                     sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError("boom mid-stream")),
                                 flags=FINAL)
@@ -115,6 +127,8 @@ MODELS = {
     "tok_stream": ("final_on_last", True),
     "tok_stream_empty_final": ("empty_final", True),
     "tok_err": ("err", True),
+    "no_output": ("no_output", False),
+    "wrong_dtype": ("wrong_dtype", False),
 }
 
 

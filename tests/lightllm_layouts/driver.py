@@ -45,14 +45,14 @@ async def one(mgr, spec):
     from lightllm.server.core.objs import SamplingParams
     from lightllm.server.multimodal_params import MultimodalParams
 
+    if spec.get("health"):  # LightLLM's own probe (GET /health -> health_check(args, manager, None))
+        from lightllm.utils.health_check import health_check
+
+        return {"name": spec["name"], "tokens": [], "error": None, "healthy": await health_check(mgr.args, mgr, None)}
     sp = SamplingParams(n=spec.get("n", 1), max_new_tokens=spec.get("max_new_tokens", 16),
                         temperature=0.5, top_p=0.9, top_k=20)
     seen, error = [], None
-    kwargs = {}
-    if spec.get("health"):
-        sp.group_request_id = -8
-        kwargs["is_health_req"] = True
-    gen = mgr.generate(spec["prompt"], sp, MultimodalParams(), Request(spec, seen), **kwargs)
+    gen = mgr.generate(spec["prompt"], sp, MultimodalParams(), Request(spec, seen))
     try:
         async for sub_id, text, metadata, finish in gen:
             seen.append([sub_id, metadata["id"], metadata["count_output_tokens"], finish.get_finish_reason()])

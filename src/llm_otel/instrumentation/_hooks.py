@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import logging
 from typing import Any
 
@@ -59,8 +60,35 @@ def _resolve(hook: Hook) -> tuple[Any, str]:
     return owner, attribute
 
 
+def library_missing(package: str, what: str) -> bool:
+    """True (and one debug line) when the top-level ``package`` cannot be imported here.
+
+    ``opentelemetry-instrument`` loads every installed instrumentor in every process, skipping its
+    dependency check; an instrumentor whose library is absent must then do nothing, quietly.
+    """
+    try:
+        if importlib.util.find_spec(package) is not None:
+            return False
+    except (ImportError, ValueError):
+        pass
+    logger.debug("llm-otel: %s is not importable in this process; the %s instrumentation does nothing", package, what)
+    return True
+
+
+def _absent_dependency(hook: Hook, exc: BaseException) -> bool:
+    """Whether ``exc`` says a package outside the engine's own tree is not installed (an optional
+    extra such as tritonclient's grpc or http part), rather than that the engine moved the target."""
+    name = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+    if not name:
+        return False
+    top = hook.module.split(".")[0]
+    return name == top or name.split(".")[0] != top  # the engine itself, or another package
+
+
 def apply_hooks(hooks: list[Hook], adapter: Any, engine: str) -> list[AppliedHook]:
-    """Wrap every resolvable target; a missing one gets one warning and is skipped, never raised."""
+    """Wrap every resolvable target; a missing one gets one warning naming it and is skipped, never
+    raised. A target whose module cannot be imported because a package outside the engine is not
+    installed (an optional part of the library) gets one debug line instead."""
     applied: list[AppliedHook] = []
     missing: list[tuple[Hook, BaseException]] = []
     for hook in hooks:
@@ -80,9 +108,16 @@ def apply_hooks(hooks: list[Hook], adapter: Any, engine: str) -> list[AppliedHoo
             continue
         applied.append(AppliedHook(hook, owner, attribute, original))
     resolved_groups = {a.hook.group for a in applied if a.hook.group}
+    absent: set[str] = set()
     for hook, exc in missing:
         if hook.group and hook.group in resolved_groups:
             continue  # another layout's target for the same function resolved
+        if _absent_dependency(hook, exc):
+            if exc.name not in absent:  # type: ignore[attr-defined]
+                absent.add(exc.name)  # type: ignore[attr-defined]
+                logger.debug("llm-otel: %s: %s is not installed; the hooks in modules that need it are skipped",
+                             engine, exc.name)  # type: ignore[attr-defined]
+            continue
         logger.warning("llm-otel: %s hook target %s not found (%s: %s); this hook is skipped, "
                        "the others keep working", engine, hook.qualname, type(exc).__name__, exc)
     return applied

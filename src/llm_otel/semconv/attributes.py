@@ -458,6 +458,7 @@ class LlmStreamEndValues:
     STREAM_END = 'stream_end'
     ERROR = 'error'
     CANCELLED = 'cancelled'
+    ABANDONED = 'abandoned'
 
 
 class LlmTritonClientValues:

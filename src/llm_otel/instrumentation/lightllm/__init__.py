@@ -34,6 +34,7 @@ Configuration
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import threading
 from typing import Any, Collection
@@ -67,11 +68,17 @@ class LightLLMInstrumentor(BaseInstrumentor):
     _lock = threading.Lock()
 
     def instrumentation_dependencies(self) -> Collection[str]:
+        """Empty (see package.py): LightLLM runs from source checkouts, so a distribution requirement
+        would make ``instrument()`` skip it silently; the hooks detect the layout from the code."""
         return _instruments
 
     def _instrument(self, **kwargs: Any) -> None:
         from llm_otel._setup import ensure_providers
 
+        if importlib.util.find_spec("lightllm") is None:
+            # the post-import hooks are still registered (a directory added to sys.path later,
+            # e.g. the working directory of `python -m lightllm...`, can still provide it)
+            logger.debug("llm-otel: lightllm is not importable here; its hooks wait for an import of it")
         settings = kwargs.get("settings") or Settings.from_env()
         tracer_provider, meter_provider = kwargs.get("tracer_provider"), kwargs.get("meter_provider")
         if tracer_provider is None and meter_provider is None:
@@ -110,7 +117,12 @@ class LightLLMInstrumentor(BaseInstrumentor):
         self._applied.extend(apply_hooks(found, self.adapter, "LightLLM"))
         groups = {h.group for h in found if h.group}
         report = [h.target for h in missing if expected(h, layout) and not (h.group and h.group in groups)]
-        if report:
+        if report and layout is not None:
+            # a known layout that lacks one of its targets: one warning per target, naming it
+            for target in report:
+                logger.warning("llm-otel: LightLLM module %s (layout %s) has no %s; that stage is not traced, "
+                               "the others keep working", name, layout, target)
+        elif report:
             logger.warning("llm-otel: LightLLM module %s has an unknown layout (known: main, v1.0, pr965, 2024): "
                            "%s not found; those stages are not traced, the others keep working",
                            name, ", ".join(report))

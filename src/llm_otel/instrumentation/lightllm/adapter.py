@@ -36,9 +36,11 @@ failures are counted in ``llm_otel.instrumentation.errors`` and never reach Ligh
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import json
 import math
+import operator
 import os
 import time
 from array import array
@@ -49,6 +51,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from llm_otel.instrumentation.lightllm import carrier as C
+from llm_otel.instrumentation.vllm.engine_core import StepSpanBudget
 from llm_otel.propagation import TRACEPARENT, TRACESTATE, carrier_from_span, context_from_carrier, extract_carrier
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import spans as S
@@ -58,6 +61,28 @@ from llm_otel.telemetry.spans import emit_logit_dist
 PROVIDER = "lightllm"
 _STATE_KEY = otel_context.create_key("llm_otel.lightllm.http_request")
 MAX_LIVE = 100_000  # per-process cap on tracked requests (aborted/lost ones cannot leak past it)
+
+
+# set while LightLLM's own health check (lightllm/utils/health_check.py health_check) runs: the
+# generate() it calls is a probe, not a request. v1.0.x probes have no is_health_req flag and a
+# positive id from the ordinary id generator, so the call site is the only thing that tells them apart.
+_HEALTH_PROBE: contextvars.ContextVar[bool] = contextvars.ContextVar("llm_otel_lightllm_health_probe", default=False)
+
+
+def request_id(value: Any) -> int | None:
+    """A LightLLM request id as a Python int, or None when ``value`` is not an integer.
+
+    LightLLM's ids are ``numpy.int64``: ``ReqIDGenerator.generate_id()`` reads them from a numpy
+    array in shared memory (``lightllm/server/req_id_generator.py``), and ``group_request_id + i``
+    stays one; ids read back from a ctypes ``Req`` struct are Python ints. Any integer type is
+    accepted (``operator.index``); ``bool`` is not an id.
+    """
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _bind(wrapped, args, kwargs) -> dict:
@@ -87,18 +112,29 @@ def _finish_info(finish_status: Any) -> tuple[bool, bool, str | None]:
     return finished, aborted, reason if isinstance(reason, str) else None
 
 
-def model_name(env: dict | None = None) -> str:
-    """Served model name from ``LIGHTLLM_START_ARGS`` (the JSON args every LightLLM process inherits)."""
-    env = os.environ if env is None else env
-    try:
-        args = json.loads(env.get("LIGHTLLM_START_ARGS") or "{}")
-    except ValueError:
-        return "unknown"
-    name = args.get("model_name")
-    if isinstance(name, str) and name and name != "default_model_name":
-        return name
-    model_dir = args.get("model_dir")
-    return os.path.basename(str(model_dir).rstrip("/")) if model_dir else "unknown"
+def model_name(env: dict | None = None, args: Any = None) -> str:
+    """Served model name: ``args.model_name`` unless it is LightLLM's default
+    (``"default_model_name"``), else the last part of ``args.model_dir``; "unknown" without either.
+
+    ``args`` is the start-args object ``HttpServerManager`` is built with (an attribute object or a
+    mapping); without it (or when it names no model) the JSON in ``LIGHTLLM_START_ARGS`` that every
+    LightLLM process inherits is read, from ``env`` (default ``os.environ``) at call time.
+    """
+    for source in (args, None):
+        if source is None:
+            env = os.environ if env is None else env
+            try:
+                source = json.loads(env.get("LIGHTLLM_START_ARGS") or "{}")
+            except ValueError:
+                return "unknown"
+        get = source.get if isinstance(source, dict) else (lambda key, s=source: getattr(s, key, None))
+        name = get("model_name")
+        if isinstance(name, str) and name and name != "default_model_name":
+            return name
+        model_dir = get("model_dir")
+        if isinstance(model_dir, str) and model_dir.rstrip("/"):
+            return os.path.basename(model_dir.rstrip("/"))
+    return "unknown"
 
 
 def engine_version() -> str:
@@ -135,9 +171,46 @@ class _HttpRequest:
 class HttpAdapter:
     def __init__(self, telemetry: Telemetry) -> None:
         self.telemetry = telemetry
-        self.model = model_name()
+        self._model: str | None = None  # set when HttpServerManager is built (init hook)
         self.version = engine_version()
         self.live: dict[int, _HttpRequest] = {}
+
+    @property
+    def model(self) -> str:
+        """The served model: from the args ``HttpServerManager`` was built with, else (an application
+        that calls generate on a manager built before instrumenting) from the environment now."""
+        return self._model if self._model is not None else model_name()
+
+    def init(self, hook: str):
+        """``HttpServerManager.__init__(self, args, ...)``: the model name of this HTTP worker."""
+
+        def wrapper(wrapped, instance, args, kwargs):
+            result = wrapped(*args, **kwargs)
+            try:
+                name = model_name(args=_bind(wrapped, args, kwargs).get("args"))
+                if name != "unknown" or self._model is None:
+                    self._model = name
+            except Exception as exc:  # noqa: BLE001
+                self.telemetry.errors.report(hook, exc)
+            return result
+
+        return wrapper
+
+    def health_check(self, hook: str):
+        """``lightllm.utils.health_check.health_check(args, httpserver_manager, request)``: the
+        ``generate`` calls made while it runs are health probes (no spans, no request metrics)."""
+
+        def wrapper(wrapped, instance, args, kwargs):
+            async def probe():
+                token = _HEALTH_PROBE.set(True)
+                try:
+                    return await wrapped(*args, **kwargs)
+                finally:
+                    _HEALTH_PROBE.reset(token)
+
+            return probe()
+
+        return wrapper
 
     # wrapper factories
     def generate(self, hook: str):
@@ -162,8 +235,9 @@ class HttpAdapter:
                     objs = bound.get("group_req_objs")
                     if objs is not None:
                         reqs = list(getattr(objs, "shm_req_objs", None) or ())
-                        self._start(state, int(objs.group_req_id), getattr(objs, "multimodal_params", None),
-                                    max(1, len(reqs)), reqs)
+                        gid = request_id(objs.group_req_id)
+                        if gid is not None:
+                            self._start(state, gid, getattr(objs, "multimodal_params", None), max(1, len(reqs)), reqs)
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
             return wrapped(*args, **kwargs)
@@ -173,8 +247,8 @@ class HttpAdapter:
     def abort(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
             try:
-                gid = _bind(wrapped, args, kwargs).get("group_req_id", args[0] if args else None)
-                state = self.live.get(gid) if isinstance(gid, int) else None
+                gid = request_id(_bind(wrapped, args, kwargs).get("group_req_id", args[0] if args else None))
+                state = self.live.get(gid) if gid is not None else None
                 if state is not None:
                     state.aborted = True
             except Exception as exc:  # noqa: BLE001
@@ -185,11 +259,13 @@ class HttpAdapter:
 
     # request life
     def _begin(self, wrapped, args, kwargs) -> _HttpRequest | None:
+        if _HEALTH_PROBE.get():
+            return None
         bound = _bind(wrapped, args, kwargs)
         if bound.get("is_health_req"):
             return None
-        gid = bound.get("group_request_id")  # 2024 layout: the id is an argument
-        if isinstance(gid, int) and gid < 0:
+        gid = request_id(bound.get("group_request_id"))  # 2024 layout: the id is an argument
+        if gid is not None and gid < 0:
             return None
         if len(self.live) >= MAX_LIVE:
             return None
@@ -227,7 +303,7 @@ class HttpAdapter:
             attrs[A.GEN_AI_REQUEST_CHOICE_COUNT] = n
         state = _HttpRequest(time.time(), parent, kind, operation, attrs)
         state.context = otel_context.set_value(_STATE_KEY, state, parent)
-        if isinstance(gid, int):  # 2024 layout: start now, the carrier must be on the object before it is sent
+        if gid is not None:  # 2024 layout: start now, the carrier must be on the object before it is sent
             choices = n if isinstance(n, int) and n > 0 else 1
             self._start(state, gid, bound.get("multimodal_params"), choices, [])
         return state
@@ -304,6 +380,9 @@ class HttpAdapter:
 
     def _on_item(self, state: _HttpRequest, item) -> None:
         sub_id, _text, metadata, finish_status = item
+        sub_id = request_id(sub_id)
+        if sub_id is None:
+            return
         now = time.monotonic()
         if state.group_id is None:  # no transfer hook in this layout: start at the first output
             self._start(state, C.group_of(sub_id), None, 1, [])
@@ -376,6 +455,9 @@ class RouterAdapter:
     def __init__(self, telemetry: Telemetry) -> None:
         self.telemetry = telemetry
         self.reqs: dict[int, _RouterReq] = {}
+        # LLM_OTEL_STEP_SPANS_PER_S: the same token bucket as vLLM's engine core (one router = one
+        # engine loop); a step serving no sampled request takes nothing from it
+        self.budget = StepSpanBudget(telemetry.settings.step_spans_per_s)
 
     def add_req(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
@@ -399,7 +481,8 @@ class RouterAdapter:
             sp = bound.get("sampling_params")
             n = getattr(sp, "n", None) or getattr(sp, "best_of", None) or 1
             time_mark = bound.get("start_time")
-        if not isinstance(gid, int) or gid < 0 or len(self.reqs) >= MAX_LIVE:
+        gid = request_id(gid)
+        if gid is None or gid < 0 or len(self.reqs) >= MAX_LIVE:
             return
         carrier = C.carrier_for(mm, gid)
         if carrier is None:
@@ -418,7 +501,7 @@ class RouterAdapter:
                 if batch is not None and self.reqs:
                     now = time.time_ns()
                     for req in getattr(batch, "reqs", None) or ():
-                        st = self.reqs.get(getattr(req, "request_id", None))
+                        st = self.reqs.get(request_id(getattr(req, "request_id", None)))
                         if st is not None and st.scheduled_ns is None:
                             st.scheduled_ns = now
                             st.input_len = getattr(req, "input_len", None)
@@ -430,7 +513,7 @@ class RouterAdapter:
 
     def decode_batch(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
-            if not self.reqs:
+            if not self.reqs or not self.budget.ready():
                 return wrapped(*args, **kwargs)
             try:
                 batch = _bind(wrapped, args, kwargs).get("batch") or getattr(instance, "running_batch", None)
@@ -448,8 +531,10 @@ class RouterAdapter:
             return await coro
         finally:
             try:
-                links = [st.link for st in (self.reqs.get(getattr(r, "request_id", None)) for r in reqs) if st]
+                links = [st.link for st in (self.reqs.get(request_id(getattr(r, "request_id", None))) for r in reqs)
+                         if st]
                 if links:
+                    self.budget.take()
                     span = self.telemetry.tracer.start_span(
                         S.LLM_ENGINE_STEP, kind=SpanKind.INTERNAL, links=links, start_time=start_ns,
                         attributes={A.LLM_ENGINE_STEP_BATCH_SIZE: len(reqs)})
@@ -464,7 +549,7 @@ class RouterAdapter:
             snapshot = {}
             try:
                 for req in list(getattr(instance, "reqs", None) or ()):
-                    rid = getattr(req, "request_id", None)
+                    rid = request_id(getattr(req, "request_id", None))
                     if rid in self.reqs:
                         snapshot[rid] = self._read(req)
             except Exception as exc:  # noqa: BLE001
@@ -472,7 +557,7 @@ class RouterAdapter:
             result = wrapped(*args, **kwargs)
             try:
                 if snapshot:
-                    left = {getattr(r, "request_id", None) for r in getattr(instance, "reqs", None) or ()}
+                    left = {request_id(getattr(r, "request_id", None)) for r in getattr(instance, "reqs", None) or ()}
                     for rid, facts in snapshot.items():
                         if rid not in left:
                             self._released(rid, facts)
@@ -580,8 +665,8 @@ class WorkerAdapter:
             return
         now = time.time_ns()
         for item in _bind(wrapped, args, kwargs).get("requests") or ():
-            rid, mm = item[0], item[2]
-            if not isinstance(rid, int) or rid < 0:
+            rid, mm = request_id(item[0]), item[2]
+            if rid is None or rid < 0:
                 continue
             st = self.reqs.get(rid)
             if st is not None:  # paused and resumed
@@ -601,7 +686,7 @@ class WorkerAdapter:
         def wrapper(wrapped, instance, args, kwargs):
             if self.reqs:
                 try:
-                    st = self.reqs.get(instance.req_id)
+                    st = self.reqs.get(request_id(instance.req_id))
                     if st is not None:
                         now = time.time_ns()
                         token_id = args[0] if args else kwargs.get("next_token_id")
@@ -646,7 +731,7 @@ class WorkerAdapter:
         reqs = args[1] if len(args) > 1 else kwargs.get("reqs")
         rows, members, k = [], [], 0
         for i, req in enumerate(reqs or ()):
-            st = self.reqs.get(getattr(req, "req_id", None))
+            st = self.reqs.get(request_id(getattr(req, "req_id", None)))
             if st is not None and st.top_k and len(st.logits) < MAX_LOGIT_STEPS:
                 rows.append(i)
                 members.append(st)
@@ -684,7 +769,7 @@ class WorkerAdapter:
                 try:
                     ids = _bind(wrapped, args, kwargs).get("finished_request_ids") or ()
                     mapping = getattr(instance, "requests_mapping", None) or {}
-                    for rid in ids:
+                    for rid in map(request_id, ids):
                         if rid in self.reqs:
                             ended.append((rid, self._read(mapping.get(rid))))
                 except Exception as exc:  # noqa: BLE001

@@ -33,6 +33,11 @@ SETSTATE = Hook(MULTIMODAL, "MultimodalParams.__setstate__", "carrier_setstate",
 
 HOOKS: list[Hook] = [
     # --- HTTP worker (gunicorn): the request span ----------------------------------------------
+    Hook(HTTP, "HttpServerManager.__init__", "http.init", ALL,
+         "the served model name, from the start args the HTTP worker's manager is built with"),
+    Hook("lightllm.utils.health_check", "health_check", "http.health_check", "main, v1.0, pr965",
+         "generate() calls made by LightLLM's own health check are probes, not requests (v1.0.x "
+         "probes have no is_health_req flag and a positive id)"),
     Hook(HTTP, "HttpServerManager.generate", "http.generate", ALL,
          "request span (SERVER when a Request is given): headers, sampling params, every yielded "
          "(sub_req_id, text, metadata, finish_status); client disconnect; health probes skipped"),
@@ -54,6 +59,10 @@ HOOKS: list[Hook] = [
          "the same, --disable_chunked_prefill"),
     Hook(f"{QUEUE}.chunked_prefill.beam_impl", "ChunkedBeamContinuesBatchQueue.generate_new_batch",
          "router.admit", "main, pr965", "the same, diverse (beam) mode"),
+    Hook(f"{QUEUE}.continues_batch.beam_impl", "BeamContinuesBatchQueue.generate_new_batch",
+         "router.admit", "v1.0", "the same, diverse (beam) mode"),
+    Hook(f"{QUEUE}.continues_batch.pd_decode_impl", "ContinuesBatchQueueForPDDecode.generate_new_batch",
+         "router.admit", "v1.0", "the same, P/D decode node"),
     Hook(f"{QUEUE}.chunked_prefill.impl_for_pd_prefill", "QueueForPDChunkedPrefill.generate_new_batch",
          "router.admit", "main, pr965", "the same, P/D prefill node"),
     Hook(f"{QUEUE}.continues_batch.impl_for_pd_decode", "QueueForPDDecode.generate_new_batch",
@@ -70,9 +79,12 @@ HOOKS: list[Hook] = [
          "every generated token: id and sampled log-prob; the first one ends prefill"),
     Hook(INFER, "InferenceContext.filter", "worker.filter", SHM,
          "finished requests: finish_status, shm_req.{input_len, prompt_cache_len, router_aborted}"),
-    Hook(f"{INFER.rsplit('.', 1)[0]}.mode_backend.generic_post_process", "sample", "worker.sample", SHM,
-         "(batch, vocab) logits before sampling (modified in place by it) -> llm.logit_dist for chosen "
-         "requests; wrapped when the module is imported, before the backends import it by name"),
+    Hook(f"{INFER.rsplit('.', 1)[0]}.mode_backend.generic_post_process", "sample", "worker.sample",
+         "main, pr965", "(batch, vocab) logits before sampling (modified in place by it) -> llm.logit_dist "
+         "for chosen requests; wrapped when the module is imported, before the backends import it by name",
+         group="worker.sample"),
+    Hook(f"{INFER.rsplit('.', 1)[0]}.mode_backend.continues_batch.post_process", "sample", "worker.sample",
+         "v1.0", "the same in v1.0.x (every backend imports it from here)", group="worker.sample"),
 ]
 
 MODULES = sorted({h.module for h in HOOKS} | {MULTIMODAL})

@@ -42,7 +42,7 @@ from typing import Any, Collection
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 from llm_otel.config import Settings
-from llm_otel.instrumentation._hooks import AppliedHook, apply_hooks, remove_hooks
+from llm_otel.instrumentation._hooks import AppliedHook, apply_hooks, library_missing, remove_hooks
 from llm_otel.instrumentation.triton.adapter import TritonAdapter
 from llm_otel.instrumentation.triton.hooks import HOOKS
 from llm_otel.instrumentation.triton.package import _instruments
@@ -68,6 +68,8 @@ class TritonClientInstrumentor(BaseInstrumentor):
     def _instrument(self, **kwargs: Any) -> None:
         from llm_otel._setup import ensure_providers
 
+        if library_missing("tritonclient", "Triton client"):
+            return
         settings = kwargs.get("settings") or Settings.from_env()
         tracer_provider = kwargs.get("tracer_provider")
         meter_provider = kwargs.get("meter_provider")

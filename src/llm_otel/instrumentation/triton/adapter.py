@@ -15,6 +15,7 @@ seconds mapped to epoch ns once per call (:func:`llm_otel.telemetry.record.mono_
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import logging
@@ -99,9 +100,12 @@ class Call:
     """
 
     __slots__ = ("span", "recording", "request_id", "metric_attrs", "start_mono", "offset_ns",
-                 "times", "streaming", "finished", "end_reason", "lock")
+                 "times", "streaming", "finished", "end_reason", "lock", "expected", "problem")
 
-    def __init__(self, span, request_id: str, metric_attrs: dict, streaming: bool) -> None:
+    def __init__(self, span, request_id: str, metric_attrs: dict, streaming: bool,
+                 expected: tuple[str, ...] = ()) -> None:
+        self.expected = expected  # output names the caller requested (``outputs=``)
+        self.problem: str | None = None  # first malformed-response finding of a stream request
         self.span = span
         self.recording = span.is_recording()
         self.request_id = request_id
@@ -169,7 +173,16 @@ class StreamState:
 
 def _error_type(exc: BaseException) -> str:
     """``InferenceServerException.status()`` when it has one (``StatusCode.UNAVAILABLE``, ``400``),
-    else the exception's class name."""
+    a gRPC error's ``code()`` name (``DEADLINE_EXCEEDED``: grpc.aio raises ``AioRpcError``),
+    ``cancelled`` for a cancellation, else the exception's class name."""
+    if isinstance(exc, asyncio.CancelledError):
+        return CANCELLED
+    try:
+        code = exc.code() if callable(getattr(exc, "code", None)) else None
+        if code is not None and isinstance(getattr(code, "name", None), str):
+            return code.name
+    except Exception:  # noqa: BLE001
+        pass
     status = None
     try:
         status = exc.status() if callable(getattr(exc, "status", None)) else None
@@ -180,6 +193,64 @@ def _error_type(exc: BaseException) -> str:
     if status is not None and not isinstance(status, str):
         return str(status)
     return type(exc).__qualname__
+
+
+CANCELLED = "cancelled"
+
+
+class _Malformed(Exception):
+    """A success response that does not have what the call asked for (description in the message:
+    output names and data types only, never content)."""
+
+    def status(self) -> str:
+        return "malformed_response"
+
+
+def _outputs(response: Any) -> list[tuple[str, str]]:
+    """``(name, datatype)`` of a response's outputs: a gRPC ``ModelInferResponse`` or the JSON
+    dict of an HTTP ``InferResult.get_response()``."""
+    outputs = response.get("outputs") if isinstance(response, dict) else response.outputs
+    out = []
+    for item in outputs or ():
+        if isinstance(item, dict):
+            out.append((str(item.get("name")), str(item.get("datatype"))))
+        else:
+            out.append((item.name, item.datatype))
+    return out
+
+
+def response_problem(response: Any, expected: tuple[str, ...], streaming: bool) -> str | None:
+    """What is wrong with a success response, or None: no outputs at all (a unary call), a
+    requested output missing, or ``text_output`` (the LLM backends' text) not BYTES. A response
+    that cannot be read at all is itself the problem. Never raises."""
+    try:
+        outputs = _outputs(response)
+    except Exception as exc:  # noqa: BLE001
+        return f"unreadable response ({type(exc).__name__})"
+    names = dict(outputs)
+    if streaming and not outputs:
+        return None  # an empty response carrying only the final flag
+    missing = [n for n in expected if n not in names]
+    if missing:
+        return "response lacks requested output(s) " + ", ".join(missing)
+    if not outputs:
+        return "response has no outputs"
+    dtype = names.get("text_output")
+    if dtype is not None and dtype != "BYTES":
+        return f"text_output is {dtype}, expected BYTES"
+    return None
+
+
+def _expected(outputs: Any) -> tuple[str, ...]:
+    names = []
+    for out in outputs or ():
+        try:
+            name = out.name()
+        except Exception:  # noqa: BLE001
+            continue
+        if isinstance(name, str):
+            names.append(name)
+    return tuple(names)
 
 
 def _first_value(inp: Any) -> Any:
@@ -335,7 +406,7 @@ class TritonAdapter:
 
     def _start_call(self, flavour: str, client: Any, model: Any, version: Any, request_id: Any,
                     inputs: Any, parameters: Any, streaming: bool, parent=None,
-                    links: list | None = None) -> Call:
+                    links: list | None = None, outputs: Any = None) -> Call:
         llm, req_attrs = request_attributes(inputs, parameters)
         operation = "text_completion" if llm else "infer"
         model = str(model)
@@ -358,7 +429,7 @@ class TritonAdapter:
                                       attributes=attrs, links=links)
         metric_attrs = {A.GEN_AI_OPERATION_NAME: operation, A.GEN_AI_PROVIDER_NAME: PROVIDER,
                         A.GEN_AI_REQUEST_MODEL: model, **server}
-        return Call(span, str(request_id or ""), metric_attrs, streaming)
+        return Call(span, str(request_id or ""), metric_attrs, streaming, _expected(outputs))
 
     @staticmethod
     def _headers_with_context(headers: Any, span) -> dict:
@@ -368,6 +439,17 @@ class TritonAdapter:
             del out[key]
         _W3C.inject(out, context=trace.set_span_in_context(span))
         return out
+
+    def _malformed(self, call: Call, result: Any) -> _Malformed | None:
+        """The finding of :func:`response_problem` on a unary call's ``InferResult``, or None."""
+        if result is None:
+            return None
+        try:
+            response = result.get_response()
+        except Exception as exc:  # noqa: BLE001
+            return _Malformed(f"unreadable response ({type(exc).__name__})")
+        problem = response_problem(response, call.expected, streaming=False)
+        return _Malformed(problem) if problem else None
 
     def _on_response(self, call: Call, now: float | None = None) -> None:
         """Hot path: one response arrived (monotonic seconds)."""
@@ -381,6 +463,8 @@ class TritonAdapter:
                 return
             call.finished = True
         try:
+            if error is None and call.problem is not None:
+                error = _Malformed(call.problem)
             end = time.monotonic() if end_mono is None else end_mono
             end_ns = call.epoch_ns(end)
             error_type = _error_type(error) if error is not None else None
@@ -416,9 +500,12 @@ class TritonAdapter:
                 self._token_stream(call, start_ns, end_ns, error_type)
         if error_type is not None:
             span.set_attribute(A.ERROR_TYPE, error_type)
-            # server messages can quote the request's input: the text only with content capture on
-            detail = self.telemetry.truncate(str(error)) if self.settings.capture_content else error_type
-            span.set_status(Status(StatusCode.ERROR, detail))
+            if error_type != CANCELLED:  # cancelling is the application's choice, not a failure
+                # server messages can quote the request's input: the text only with content capture
+                # on; a malformed-response finding names outputs and data types only
+                detail = self.telemetry.truncate(str(error)) \
+                    if self.settings.capture_content or isinstance(error, _Malformed) else error_type
+                span.set_status(Status(StatusCode.ERROR, detail))
         span.end(end_time=end_ns)
 
     def _token_stream(self, call: Call, start_ns: int, end_ns: int, error_type: str | None) -> None:
@@ -445,7 +532,7 @@ class TritonAdapter:
             span.add_event(S.EVENT_LLM_STREAM_RESPONSE,
                            {A.LLM_STREAM_RESPONSE_INDEX: i, A.LLM_STREAM_RESPONSE_GAP: float(gaps[i])},
                            timestamp=clamp(call.epoch_ns(times[i])))
-        if error_type is not None:
+        if error_type is not None and error_type != CANCELLED:
             span.set_status(Status(StatusCode.ERROR, error_type))
         span.end(end_time=last_ns)
 
@@ -464,7 +551,8 @@ class TritonAdapter:
             return None
         a = bound.arguments
         call = self._start_call(flavour, instance, a.get("model_name"), a.get("model_version"),
-                                a.get("request_id"), a.get("inputs"), a.get("parameters"), streaming)
+                                a.get("request_id"), a.get("inputs"), a.get("parameters"), streaming,
+                                outputs=a.get("outputs"))
         a["headers"] = self._headers_with_context(a.get("headers"), call.span)
         return call, bound
 
@@ -487,7 +575,7 @@ class TritonAdapter:
             except BaseException as exc:
                 self.finish(call, error=exc)
                 raise
-            self.finish(call)
+            self.finish(call, error=self._malformed(call, result))
             return result
 
         return wrapper
@@ -507,7 +595,7 @@ class TritonAdapter:
             except BaseException as exc:
                 self.finish(call, error=exc)
                 raise
-            self.finish(call)
+            self.finish(call, error=self._malformed(call, result))
             return result
 
         def wrapper(wrapped, instance, args, kwargs):
@@ -550,7 +638,7 @@ class TritonAdapter:
                 raise
             if call is not None:
                 self._forget(instance)
-                self.finish(call)
+                self.finish(call, error=self._malformed(call, result))
             return result
 
         return wrapper
@@ -578,6 +666,8 @@ class TritonAdapter:
             def callback(*cb_args, **cb_kwargs):
                 # gRPC's callback thread: end the span first, then the user's callback, exactly once
                 error = cb_kwargs.get("error", cb_args[1] if len(cb_args) > 1 else None)
+                if error is None:
+                    error = self._malformed(call, cb_kwargs.get("result", cb_args[0] if cb_args else None))
                 self.finish(call, error=error)
                 return user_callback(*cb_args, **cb_kwargs)
 
@@ -665,6 +755,8 @@ class TritonAdapter:
         empty = len(response.outputs) == 0
         if not empty:
             self._on_response(call, now)
+            if call.problem is None:
+                call.problem = response_problem(response, call.expected, streaming=True)
         if final:
             state.remove(call)
             self.finish(call, end_reason="empty_final" if empty else "final_flag", end_mono=now)
@@ -685,7 +777,9 @@ class TritonAdapter:
                 self.finish(call, error=error, end_reason="stream_end", end_mono=end)
         span = state.span
         span.set_attribute(A.LLM_TRITON_STREAM_REQUESTS, state.requests)
-        if error is not None:
+        if cancelled:
+            span.set_attribute(A.ERROR_TYPE, CANCELLED)  # no error status: the application's choice
+        elif error is not None:
             error_type = _error_type(error)
             span.set_attribute(A.ERROR_TYPE, error_type)
             span.set_status(Status(StatusCode.ERROR, error_type))
@@ -886,15 +980,39 @@ class _PeekAioIterator:
 
 class _AioResponses(wrapt.ObjectProxy):
     """tritonclient.grpc.aio's response iterator: yields the same ``(result, error)`` pairs, and
-    attributes each to its request; the stream span ends when the iteration ends."""
+    attributes each to its request; the stream span ends when the iteration ends.
+
+    How it ends: exhausted -> each open request ends with the stream (``stream_end``); a gRPC error
+    (a deadline cutting the stream short, the server going away) -> error spans with the gRPC code;
+    ``cancel()`` or the consuming task being cancelled -> ``error.type=cancelled`` without an error
+    status; abandoned (``break`` out of ``async for``, the iterator dropped) -> when it is
+    collected, each open request ends as ``abandoned`` (a weakref callback: it holds the state, not the
+    iterator).
+    """
 
     def __init__(self, responses, adapter: TritonAdapter, state: StreamState) -> None:
         super().__init__(responses)
         self._self_adapter = adapter
         self._self_state = state
+        # a weakref callback, not weakref.finalize: the first finalize() registers weakref's atexit
+        # hook, which must not come before multiprocessing's (see export/providers.py)
+        _ABANDONED[weakref.ref(self, _collected)] = (adapter, state)
 
     def __aiter__(self):
         return self
+
+    def cancel(self):
+        """tritonclient's ``cancel()`` (cancels the gRPC call); the open requests and the stream
+        end now, as cancelled."""
+        state = self._self_state
+        state.cancelling = True
+        try:
+            return self.__wrapped__.cancel()
+        finally:
+            try:
+                self._self_adapter._end_stream(state, cancelled=True)
+            except Exception as exc:  # noqa: BLE001
+                self._self_adapter.errors.report("triton.aio_stream", exc)
 
     async def __anext__(self):
         adapter, state = self._self_adapter, self._self_state
@@ -902,6 +1020,13 @@ class _AioResponses(wrapt.ObjectProxy):
             item = await self.__wrapped__.__anext__()
         except StopAsyncIteration:
             adapter._end_stream(state)
+            raise
+        except asyncio.CancelledError:
+            try:
+                state.cancelling = True
+                adapter._end_stream(state, cancelled=True)
+            except Exception as inner:  # noqa: BLE001
+                adapter.errors.report("triton.aio_stream", inner)
             raise
         except BaseException as exc:
             try:
@@ -917,3 +1042,31 @@ class _AioResponses(wrapt.ObjectProxy):
         except Exception as exc:  # noqa: BLE001
             adapter.errors.report("triton.aio_stream", exc)
         return item
+
+
+# weakref to a live grpc.aio response iterator -> (adapter, its stream); one entry per iterator
+_ABANDONED: dict = {}
+
+
+def _collected(ref) -> None:
+    adapter, state = _ABANDONED.pop(ref, (None, None))
+    if state is not None:
+        _abandon(adapter, state)
+
+
+def _abandon(adapter: TritonAdapter, state: StreamState) -> None:
+    """Finalizer of a grpc.aio response iterator collected before its stream ended."""
+    if state.closed:
+        return
+    try:
+        state.closed = True
+        now = time.monotonic()
+        for call in state.drain():
+            adapter.finish(call, error=_Cancelled("the response iterator was dropped"), end_reason="abandoned",
+                           end_mono=now)
+        span = state.span
+        span.set_attribute(A.LLM_TRITON_STREAM_REQUESTS, state.requests)
+        span.set_attribute(A.ERROR_TYPE, CANCELLED)
+        span.end()
+    except Exception as exc:  # noqa: BLE001 - runs from the garbage collector
+        adapter.errors.report("triton.aio_stream_abandoned", exc)

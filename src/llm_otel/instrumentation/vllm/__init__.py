@@ -44,7 +44,7 @@ from opentelemetry.instrumentation.dependencies import get_dependency_conflicts
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 from llm_otel.config import Settings
-from llm_otel.instrumentation._hooks import AppliedHook, apply_hooks, remove_hooks
+from llm_otel.instrumentation._hooks import AppliedHook, apply_hooks, library_missing, remove_hooks
 from llm_otel.instrumentation.vllm.adapter import VLLMAdapter
 from llm_otel.instrumentation.vllm.hooks import HOOKS
 from llm_otel.instrumentation.vllm.package import _instruments, _instruments_any
@@ -76,6 +76,8 @@ class VLLMInstrumentor(BaseInstrumentor):
     def _instrument(self, **kwargs: Any) -> None:
         from llm_otel.instrumentation.vllm import plugin
 
+        if library_missing("vllm", "vLLM"):
+            return
         if kwargs.get("tracer_provider") is None and kwargs.get("meter_provider") is None \
                 and plugin.unnamed_spawned_child():
             # `opentelemetry-instrument` runs in vLLM's spawned engine processes before they know

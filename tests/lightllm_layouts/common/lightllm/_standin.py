@@ -4,7 +4,9 @@ request structs, the fake model and the pipes between processes.
 Real LightLLM keeps each request in a ctypes ``Req`` struct in shared memory
 (``lightllm/server/core/objs/req.py`` @ fc72ffab) that the HTTP worker, the router and the
 model-infer workers all map; here it is a ``multiprocessing.RawArray`` handed to the spawned
-router and worker at start. The fake model answers a prompt of ``L`` tokens with tokens
+router and worker at start. The same block holds the request-id counter that
+``lightllm/server/req_id_generator.py`` reads as a numpy int64 array (LightLLM: its own named
+shared-memory ``ShmArray``), so ids are ``numpy.int64`` as LightLLM's are. The fake model answers a prompt of ``L`` tokens with tokens
 ``100, 101, ...`` and the end-of-sequence id 2 as its ``L``-th output token (index ``L - 1``),
 unless ``max_new_tokens`` stops it first; the log-prob of output token ``k`` is ``-0.1 * (k + 1)``.
 """
@@ -36,49 +38,63 @@ class FinishStatus:
         return {FINISHED_STOP: "stop", FINISHED_LENGTH: "length"}.get(self.status)
 
 
-class Req(ctypes.Structure):
-    """Fields of lightllm/server/core/objs/req.py Req @ fc72ffab that the stand-in uses."""
+def make_req(id_ctype):
+    """The ``Req`` struct of lightllm/server/core/objs/req.py with LightLLM's id field type
+    ``id_ctype`` (``request_id`` / ``group_req_id``: ``c_int64`` on main, ``c_int`` in v1.0.x); the
+    fields the stand-in uses, with the real ones' names and types where the adapter reads them."""
 
-    _fields_ = [
-        ("index_in_shm_mem", ctypes.c_int32),
-        ("in_use", ctypes.c_bool),
-        ("request_id", ctypes.c_int64),
-        ("group_req_id", ctypes.c_int64),
-        ("input_len", ctypes.c_int32),
-        ("max_new_tokens", ctypes.c_int32),
-        ("shm_cur_output_len", ctypes.c_int32),
-        ("shm_cur_kv_len", ctypes.c_int32),
-        ("prompt_cache_len", ctypes.c_int32),
-        ("is_aborted", ctypes.c_bool),
-        ("router_aborted", ctypes.c_bool),
-        ("shm_infer_released", ctypes.c_bool),
-        ("_finish", ctypes.c_int32),
-        ("prompt_ids", ctypes.c_int32 * MAX_LEN),
-        ("out_ids", ctypes.c_int32 * MAX_LEN),
-        ("logprobs", ctypes.c_float * MAX_LEN),
-        ("out_finish", ctypes.c_int32 * MAX_LEN),
-    ]
+    class Req(ctypes.Structure):
+        _fields_ = [
+            ("index_in_shm_mem", ctypes.c_int),
+            ("in_use", ctypes.c_bool),
+            ("request_id", id_ctype),
+            ("group_req_id", id_ctype),
+            ("input_len", ctypes.c_int),
+            ("max_new_tokens", ctypes.c_int32),
+            ("shm_cur_output_len", ctypes.c_int),
+            ("shm_cur_kv_len", ctypes.c_int),
+            ("prompt_cache_len", ctypes.c_int),
+            ("is_aborted", ctypes.c_bool),
+            ("router_aborted", ctypes.c_bool),
+            ("shm_infer_released", ctypes.c_bool),
+            ("_finish", ctypes.c_int32),
+            ("prompt_ids", ctypes.c_int32 * MAX_LEN),
+            ("out_ids", ctypes.c_int32 * MAX_LEN),
+            ("logprobs", ctypes.c_float * MAX_LEN),
+            ("out_finish", ctypes.c_int32 * MAX_LEN),
+        ]
 
-    @property
-    def finish_status(self):
-        return FinishStatus(self._finish)
+        @property
+        def finish_status(self):
+            return FinishStatus(self._finish)
 
-    def init(self, request_id, prompt_ids, sampling_params, tokenizer=None, chunked_prefill_size=0):
-        self.request_id = request_id
-        self.group_req_id = request_id - request_id % 8 if request_id >= 0 else request_id
-        self.input_len = len(prompt_ids)
-        self.max_new_tokens = sampling_params.max_new_tokens
-        self.shm_cur_output_len = self.shm_cur_kv_len = self.prompt_cache_len = 0
-        self.is_aborted = self.router_aborted = self.shm_infer_released = False
-        self._finish = NO_FINISH
-        for i, t in enumerate(prompt_ids):
-            self.prompt_ids[i] = t
+        def init(self, request_id, prompt_ids, sampling_params, tokenizer=None, chunked_prefill_size=0):
+            self.request_id = request_id  # LightLLM passes group_request_id + i: a numpy.int64
+            self.group_req_id = request_id - request_id % 8 if request_id >= 0 else request_id
+            self.input_len = len(prompt_ids)
+            self.max_new_tokens = sampling_params.max_new_tokens
+            self.shm_cur_output_len = self.shm_cur_kv_len = self.prompt_cache_len = 0
+            self.is_aborted = self.router_aborted = self.shm_infer_released = False
+            self._finish = NO_FINISH
+            for i, t in enumerate(prompt_ids):
+                self.prompt_ids[i] = t
 
-    def to_router_rpc_obj(self):
-        return (self.request_id, self.index_in_shm_mem, self.multimodal_params, 0)
+        def to_router_rpc_obj(self):
+            return (self.request_id, self.index_in_shm_mem, self.multimodal_params, 0)
 
-    def get_prompt_ids(self):
-        return list(self.prompt_ids[: self.input_len])
+        def get_prompt_ids(self):
+            return list(self.prompt_ids[: self.input_len])
+
+    return Req
+
+
+def _req_class():
+    from lightllm.server.core.objs.req import Req  # the layout's struct (id field type)
+
+    return Req
+
+
+ID_SLOTS = 2  # the id generator's int64 array lives after the request structs
 
 
 class ShmReqManager:
@@ -86,7 +102,8 @@ class ShmReqManager:
 
     def __init__(self, raw):
         self.raw = raw
-        self.reqs = [Req.from_buffer(raw, i * ctypes.sizeof(Req)) for i in range(SLOTS)]
+        req = _req_class()
+        self.reqs = [req.from_buffer(raw, i * ctypes.sizeof(req)) for i in range(SLOTS)]
 
     def alloc_req_index(self):
         # slots are never reused within one stand-in run (LightLLM recycles them once the router,
@@ -110,8 +127,13 @@ class ShmReqManager:
         return
 
 
+def ids_offset():
+    """Byte offset of the id generator's counters in the shared block (8-byte aligned)."""
+    return -(-SLOTS * ctypes.sizeof(_req_class()) // 8) * 8
+
+
 def new_shm(ctx):
-    raw = ctx.RawArray(ctypes.c_char, SLOTS * ctypes.sizeof(Req))
+    raw = ctx.RawArray(ctypes.c_char, ids_offset() + 8 * ID_SLOTS)
     for i, req in enumerate(ShmReqManager(raw).reqs):
         req.index_in_shm_mem = i
     return raw
@@ -158,3 +180,21 @@ def finish_for(shm_req, k, token):
 
 def step_pause():
     time.sleep(STEP_S)
+
+
+VOCAB = 128
+
+
+def fake_logits(run_reqs):
+    """``(batch, VOCAB)`` logits whose greedy token and its log-prob are the fake model's: every
+    other token at c, the target at 0, so the log-softmax of the target is exactly its log-prob."""
+    import math
+
+    import torch
+
+    logits = torch.empty((len(run_reqs), VOCAB), dtype=torch.float32)
+    for i, req in enumerate(run_reqs):
+        token, logprob = FakeModel.next_token(req.shm_req.input_len, req.cur_output_len)
+        logits[i].fill_(math.log((math.exp(-logprob) - 1.0) / (VOCAB - 1)))
+        logits[i, token] = 0.0
+    return logits

@@ -9,6 +9,7 @@ import time
 from lightllm import _standin
 from lightllm.server.core.objs import FinishStatus
 from lightllm.server.core.objs.io_objs import GroupReqObjs
+from lightllm.server.req_id_generator import ReqIDGenerator
 
 
 class ReqStatus:
@@ -21,13 +22,13 @@ class HttpServerManager:
         self.args = args
         self.send_to_router = send_to_router
         self.shm_req_manager = _standin.ShmReqManager(shm_raw)
-        self.next_id = 8
+        self.id_gen = ReqIDGenerator(shm_raw)  # numpy.int64 ids from shared memory, as LightLLM's
         self.req_id_to_out_inf = {}
 
     def alloc_req_id(self, sampling_params, is_health_req: bool = False):
         if is_health_req:
             return sampling_params.group_request_id
-        group_request_id, self.next_id = self.next_id, self.next_id + 8
+        group_request_id = self.id_gen.generate_id()
         sampling_params.group_request_id = group_request_id
         return group_request_id
 

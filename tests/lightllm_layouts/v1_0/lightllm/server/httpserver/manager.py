@@ -1,6 +1,7 @@
-# Shape of lightllm/server/httpserver/manager.py HttpServerManager @ v1.0.0 (2d768aac): generate l.128
-# (no is_health_req; the id is generated inline), transfer_to_next_module_or_node l.409,
-# transfer_to_next_module l.446, _wait_to_token_package, abort l.587. The router is a spawned
+# Shape of lightllm/server/httpserver/manager.py HttpServerManager @ v1.0.1 (b418bdf0): alloc_req_id
+# l.181 (no is_health_req), generate l.196 (no is_health_req: health probes get an ordinary id),
+# transfer_to_next_module_or_node l.348, transfer_to_next_module l.381, _wait_to_token_package l.423,
+# abort l.512. The router is a spawned
 # process fed with pickled GroupReqIndexes (zmq PUSH there, a multiprocessing queue here); tokens
 # come back through the shared-memory Req (LightLLM: detokenization process -> shm queue).
 import asyncio
@@ -9,6 +10,7 @@ import time
 from lightllm import _standin
 from lightllm.server.core.objs import FinishStatus
 from lightllm.server.core.objs.io_objs import GroupReqObjs
+from lightllm.server.req_id_generator import ReqIDGenerator
 
 
 class ReqStatus:
@@ -21,13 +23,11 @@ class HttpServerManager:
         self.args = args
         self.send_to_router = send_to_router
         self.shm_req_manager = _standin.ShmReqManager(shm_raw)
-        self.next_id = 8
+        self.id_gen = ReqIDGenerator(shm_raw)  # numpy.int64 ids from shared memory, as LightLLM's
         self.req_id_to_out_inf = {}
 
-    def alloc_req_id(self, sampling_params, is_health_req: bool = False):
-        if is_health_req:
-            return sampling_params.group_request_id
-        group_request_id, self.next_id = self.next_id, self.next_id + 8
+    def alloc_req_id(self, sampling_params):
+        group_request_id = self.id_gen.generate_id()
         sampling_params.group_request_id = group_request_id
         return group_request_id
 
@@ -36,8 +36,7 @@ class HttpServerManager:
 
     async def generate(self, prompt, sampling_params, multimodal_params, request):
         start_time = time.time()
-        group_request_id, self.next_id = self.next_id, self.next_id + 8
-        sampling_params.group_request_id = group_request_id
+        group_request_id = self.alloc_req_id(sampling_params)
         try:
             prompt_ids = await self._encode(prompt, multimodal_params, sampling_params)
             req_objs = []

@@ -1,5 +1,6 @@
-# Shape of lightllm/server/router/manager.py RouterManager @ v1.0.0 (2d768aac): add_req l.188,
-# _prefill_batch(batch) l.316, _decode_batch(batch) l.332 (the batch is an argument here). Requests arrive pickled (GroupReqIndexes)
+# Shape of lightllm/server/router/manager.py RouterManager @ v1.0.1 (b418bdf0): add_req l.203,
+# generate_new_batch l.279, _prefill_batch(batch) l.341, _decode_batch(batch) l.357 (the batch is an
+# argument here). Requests arrive pickled (GroupReqIndexes)
 # from the HTTP process; the worker is a spawned child.
 import asyncio
 import multiprocessing
@@ -41,7 +42,7 @@ class RouterManager:
 
     def generate_new_batch(self):
         new_batch = self.req_queue.generate_new_batch(
-            Batch.merge_two_batch(self.running_batch, self.schedule_new_batch))
+            Batch.merge_two_batch(self.running_batch, self.schedule_new_batch), None)
         self.schedule_new_batch = Batch.merge_two_batch(self.schedule_new_batch, new_batch)
 
     async def _step(self):

@@ -1,5 +1,6 @@
 # lightllm/server/core/objs/__init__.py @ fc72ffab exports Req, FinishStatus, SamplingParams, ShmReqManager
-from lightllm._standin import FinishStatus, Req, ShmReqManager  # noqa: F401
+from lightllm._standin import ShmReqManager  # noqa: F401
+from lightllm.server.core.objs.req import FinishStatus, Req  # noqa: F401
 
 
 class SamplingParams:

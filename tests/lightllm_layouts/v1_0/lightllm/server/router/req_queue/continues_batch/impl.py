@@ -1,7 +1,7 @@
-# Shape of lightllm/server/router/req_queue/continues_batch/impl.py ContinuesBatchQueue @ v1.0.0 (2d768aac; limit_router_queue_length came in v1.0.1).
+# Shape of lightllm/server/router/req_queue/continues_batch/impl.py ContinuesBatchQueue @ v1.0.1 (b418bdf0).
 from ..base_queue import BaseQueue
 
 
 class ContinuesBatchQueue(BaseQueue):
-    def generate_new_batch(self, current_batch):
-        return self._admit(current_batch, None)
+    def generate_new_batch(self, current_batch, limit_router_queue_length: int = None):
+        return self._admit(current_batch, limit_router_queue_length)

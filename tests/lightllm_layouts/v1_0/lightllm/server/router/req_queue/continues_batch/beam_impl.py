@@ -1,0 +1,7 @@
+# Shape of lightllm/server/router/req_queue/continues_batch/beam_impl.py BeamContinuesBatchQueue @ v1.0.1 (b418bdf0).
+from ..base_queue import BaseQueue
+
+
+class BeamContinuesBatchQueue(BaseQueue):
+    def generate_new_batch(self, current_batch, limit_router_queue_length: int = None):
+        return self._admit(current_batch, limit_router_queue_length)
