@@ -37,6 +37,7 @@ import logging
 import multiprocessing
 import multiprocessing.util
 import os
+import sys
 import threading
 import time
 import weakref
@@ -169,10 +170,20 @@ class ProcessLifecycle:
             if self._reported:
                 return
             self._reported = True
-        logger.warning("llm-otel: final flush of the %s process (pid %d) %s; not delivered: %s",
-                       self.role, os.getpid(),
-                       f"gave up after {self.deadline_s:g} s (LLM_OTEL_FLUSH_DEADLINE_S)" if not done
-                       else "finished with export errors", self._undelivered())
+        message = "llm-otel: final flush of the %s process (pid %d) %s; not delivered: %s" % (
+            self.role, os.getpid(),
+            f"gave up after {self.deadline_s:g} s (LLM_OTEL_FLUSH_DEADLINE_S)" if not done
+            else "finished with export errors", self._undelivered())
+        if logger.hasHandlers():
+            logger.warning(message)
+        else:
+            # Python's last-resort handler writes to the *current* sys.stderr, which servers replace
+            # (vLLM prefixes its processes' output) and may have torn down by interpreter exit
+            try:
+                sys.__stderr__.write(message + "\n")
+                sys.__stderr__.flush()
+            except (AttributeError, OSError, ValueError):
+                pass
 
     def flush(self) -> bool:
         """Run the callbacks, then shut the providers down within what is left of the deadline.
@@ -186,6 +197,7 @@ class ProcessLifecycle:
                 self._deadline_at = time.monotonic() + self.deadline_s
                 self._snapshot_failures()
         start = time.monotonic()
+        logger.debug("llm-otel: final flush of the %s process (pid %d) starts", self.role, os.getpid())
         early = self._early
         if early is not None:  # its callbacks must not run twice nor concurrently with ours
             early.join(max(0.0, self._deadline_at - time.monotonic()))
@@ -210,6 +222,8 @@ class ProcessLifecycle:
             done = not worker.is_alive()
         self.flush_seconds = time.monotonic() - start
         self.complete = done and not self._failures() and not self._reported
+        logger.debug("llm-otel: final flush of the %s process done=%s complete=%s in %.3f s", self.role, done,
+                     self.complete, time.monotonic() - start)
         _mark("flushed")
         if not self.complete:
             self._report(done)
