@@ -286,3 +286,37 @@ def test_a_process_that_may_be_killed_at_its_deadline_reports_before_it(tmp_path
         assert len([r for r in caplog.records if "final flush" in r.getMessage()]) == 1
     finally:
         hole.close()
+
+
+def test_a_large_prompt_and_completion_are_both_shortened_and_keep_their_structure():
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from llm_otel.export.exporters import shrink_span
+    from llm_otel.semconv import attributes as A
+
+    tracer = TracerProvider().get_tracer("t")
+    prompt = json.dumps([{"role": "user", "parts": [{"type": "text", "content": "p" * 5_000_000}]}])
+    completion = json.dumps([{"role": "assistant", "parts": [{"type": "text", "content": "c" * 3_000_000}]}])
+    span = tracer.start_span("s", attributes={A.GEN_AI_INPUT_MESSAGES: prompt, A.GEN_AI_OUTPUT_MESSAGES: completion})
+    span.end()
+    small = shrink_span(span, 3 * 1024 * 1024)
+    assert estimate_span_bytes(small) <= 3 * 1024 * 1024
+    inp = json.loads(small.attributes[A.GEN_AI_INPUT_MESSAGES])
+    out = json.loads(small.attributes[A.GEN_AI_OUTPUT_MESSAGES])
+    assert inp[0]["role"] == "user" and out[0]["role"] == "assistant"
+    kept_in, kept_out = len(inp[0]["parts"][0]["content"]), len(out[0]["parts"][0]["content"])
+    assert kept_in > 1_000_000 and kept_out > 600_000  # both keep a share, in proportion
+    assert abs(kept_in / 5_000_000 - kept_out / 3_000_000) < 0.05
+
+
+def test_flush_directory_is_never_taken_from_a_users_variable(tmp_path, monkeypatch):
+    from llm_otel.export import lifecycle as L
+
+    monkeypatch.setenv(L.FLUSH_DIR_ENV, str(tmp_path))  # not one llm-otel made
+    monkeypatch.setattr(L, "_owned_dir", None)
+    made = L.create_flush_dir()
+    try:
+        assert made != str(tmp_path) and os.path.basename(made).startswith("llm-otel-flush-")
+        assert os.environ[L.FLUSH_DIR_ENV] == made and L.create_flush_dir() == made
+    finally:
+        os.rmdir(made)

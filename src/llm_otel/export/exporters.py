@@ -316,19 +316,19 @@ def shrink_span(span: ReadableSpan, max_bytes: int) -> ReadableSpan:
     size is under ``max_bytes``. Captured GenAI messages stay valid JSON; other strings are cut."""
     attributes = dict(span.attributes or {})
     excess = estimate_span_bytes(span) - max_bytes + 1024
-    for key in sorted((k for k, v in attributes.items() if isinstance(v, str)),
-                      key=lambda k: -len(attributes[k])):
-        if excess <= 0:
+    # every long string gives up the same fraction (a 5 MB prompt and a 3 MB completion both keep
+    # their start), rather than the longest one all of it
+    big = {k: _value_bytes(v) for k, v in attributes.items() if isinstance(v, str) and len(v) > 1024}
+    total = sum(big.values())
+    for key, before in big.items():
+        if excess <= 0 or not total:
             break
+        budget = max(0, before - int(excess * before / total) - 64)
         value = attributes[key]
-        before = _value_bytes(value)
-        budget = max(0, before - excess)
         if key in _MESSAGE_ATTRIBUTES:
             attributes[key] = _shorten_message_json(value, budget)
         else:
-            cut = value.encode("utf-8", "surrogatepass")[:budget].decode("utf-8", "ignore")
-            attributes[key] = cut
-        excess -= before - _value_bytes(attributes[key])
+            attributes[key] = value.encode("utf-8", "surrogatepass")[:budget].decode("utf-8", "ignore")
     return ReadableSpan(
         name=span.name, context=span.context, parent=span.parent, resource=span.resource,
         attributes=attributes, events=span.events, links=span.links, kind=span.kind, status=span.status,

@@ -343,7 +343,11 @@ def create_flush_dir() -> str | None:
     ``LLM_OTEL_FLUSH_DIR`` that they inherit; removed at this process's exit."""
     global _owned_dir, _owner_pid
     current = os.environ.get(FLUSH_DIR_ENV)
-    if current and os.path.isdir(current):
+    # only a directory an ancestor llm-otel process made (private, ours to write): anything else in
+    # the variable - a user's directory, one that is read-only, a stale one - would let the marks
+    # of other processes or failed writes stop the wait early
+    if current and os.path.basename(current).startswith("llm-otel-flush-") and os.path.isdir(current) \
+            and os.access(current, os.W_OK | os.X_OK):
         return current
     import shutil
     import tempfile
@@ -355,7 +359,8 @@ def create_flush_dir() -> str | None:
         return None
     os.environ[FLUSH_DIR_ENV] = _owned_dir
     owner = _owner_pid = os.getpid()
-    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(_owned_dir, ignore_errors=True))
+    made = _owned_dir
+    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(made, ignore_errors=True))
     return _owned_dir
 
 
