@@ -137,8 +137,9 @@ class ProcessLifecycle:
             self._early = _start_thread(self._early_flush, "llm-otel-early-flush")
 
     def _run_callbacks(self, early: bool) -> None:
+        """The early callbacks (``early``), or those not run yet (the final flush)."""
         for callback, is_early in self._before:
-            if early and not is_early:
+            if (early and not is_early) or (not early and is_early and self._early_done):
                 continue
             try:
                 callback()
@@ -205,14 +206,7 @@ class ProcessLifecycle:
                 # the early flush delivered in time; what ended since (vLLM's teardown can outlast
                 # the deadline) gets a deadline of its own: the exit waits for it, not for teardown
                 self._deadline_at = time.monotonic() + self.deadline_s
-        for callback, is_early in self._before:
-            if is_early and self._early_done:
-                continue
-            try:
-                callback()
-            except Exception as exc:  # noqa: BLE001 - never raise out of an exit path
-                logger.warning("llm-otel: completing pending telemetry at exit failed (%s: %s)",
-                               type(exc).__name__, exc)
+        self._run_callbacks(early=False)
         worker = _start_thread(self._shutdown_providers, "llm-otel-final-flush")
         if worker is None:  # no new threads (interpreter shutdown): bounded calls inline
             self._shutdown_providers()

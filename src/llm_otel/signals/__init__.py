@@ -344,20 +344,20 @@ class Signals:
     def abandon_inherited(self) -> None:
         """In a forked process that replaces this object (a vLLM engine process): stop without
         waiting for threads that only existed in the parent."""
-        self._stop.set()
-        if self._own_poller and self.poller is not None:
-            self.poller.stop()
-        if self.health_server is not None:
-            self.health_server.close_inherited()
-            self.health_server = None
+        self.stop(inherited=True)
 
-    def stop(self) -> None:
-        """Stop the thread, the health endpoint and a poller this object started (idempotent)."""
+    def stop(self, inherited: bool = False) -> None:
+        """Stop the thread, the health endpoint and a poller this object started (idempotent).
+        ``inherited``: in a forked child, where the endpoint's serving thread does not exist -
+        only this process's copy of its socket is closed."""
         self._stop.set()
         if self._own_poller and self.poller is not None:
             self.poller.stop()
         if self.health_server is not None:
-            self.health_server.stop()
+            if inherited:
+                self.health_server.close_inherited()
+            else:
+                self.health_server.stop()
             self.health_server = None
 
     def _loop(self) -> None:
