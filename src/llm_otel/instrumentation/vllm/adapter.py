@@ -180,13 +180,9 @@ class VLLMAdapter:
         class name; True if there was any. The exception's message is not recorded (it can quote
         the prompt)."""
         try:
-            state = self._states.get(getattr(engine, "output_processor", None))
-            if state is None or not state.records:
+            if not self._end_in_flight(self._states.get(getattr(engine, "output_processor", None)),
+                                       type(error).__name__):
                 return False
-            for rid in list(state.records):
-                rec = state.records.pop(rid)
-                rec.error_type = type(error).__name__
-                self.telemetry.finish(rec)
             try:
                 error._llm_otel_reported = True
             except Exception:  # noqa: BLE001 - exceptions with __slots__
@@ -545,12 +541,8 @@ class VLLMAdapter:
         def wrapper(wrapped, instance, args, kwargs):
             try:
                 error = kwargs.get("e", args[0] if args else None)
-                state = self._states.get(instance)
-                if state is not None and state.records and isinstance(error, BaseException):
-                    for rid in list(state.records):
-                        rec = state.records.pop(rid)
-                        rec.error_type = type(error).__name__
-                        self.telemetry.finish(rec)
+                if isinstance(error, BaseException):
+                    self._end_in_flight(self._states.get(instance), type(error).__name__)
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
             return wrapped(*args, **kwargs)
@@ -560,14 +552,21 @@ class VLLMAdapter:
     def fail_in_flight_at_exit(self) -> int:
         """End every request still tracked when this process exits (``error.type=shutdown``):
         vLLM will never finish them, and their spans and metrics would otherwise be lost."""
+        return sum(self._end_in_flight(state, "shutdown", "the process exited before the request finished")
+                   for state in list(self._states.values()))
+
+    def _end_in_flight(self, state: _EngineState | None, error_type: str, message: str | None = None) -> int:
+        """End every request ``state`` still tracks with ``error_type``; returns how many."""
+        if state is None:
+            return 0
         n = 0
-        for state in list(self._states.values()):
-            for rid in list(state.records):
-                rec = state.records.pop(rid)
-                rec.error_type = "shutdown"
-                rec.error_message = "the process exited before the request finished"
-                self.telemetry.finish(rec)
-                n += 1
+        for rid in list(state.records):
+            rec = state.records.pop(rid)
+            rec.error_type = error_type
+            if message is not None:
+                rec.error_message = message
+            self.telemetry.finish(rec)
+            n += 1
         return n
 
     def process_shutdown(self, hook: str):
