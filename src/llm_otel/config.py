@@ -67,6 +67,18 @@ class Settings:
             adaptive sampler (``auto`` and ``on``; never with ``off``), following NVML GPU
             utilisation, or engine occupancy (:class:`llm_otel.sampling.EngineOccupancy`) where NVML
             sees no GPU; ``OTEL_TRACES_SAMPLER``, when set, wins.
+        traces_per_s: ``LLM_OTEL_TRACES_PER_S`` (10). Budget of the adaptive sampler in kept root
+            traces per second and process (:class:`llm_otel.sampling.TraceBudget`): the root
+            probability is the lower of the utilisation policy's and the budget's, per decision, so
+            a burst or an offline batch reaching an idle engine is not traced at 100 % (expected
+            kept roots over any W seconds <= max(1, budget) + budget x W). The probability used is
+            recorded in ``ot=th`` (adjusted counts stay unbiased) and a root it lowered carries
+            ``llm.sampling.reason=budget``. Children of a sampled parent (a router that traced the
+            request) are not subject to it. 0 (or ``inf``) = no budget, the policy alone decides;
+            ``OTEL_TRACES_SAMPLER=always_on`` has none either. Why 10: with a traced request
+            costing the frontend about 1.3 ms of CPU (docs/performance.md), 10 a second is about
+            1.3 % of one core at any request rate, and 36,000 traces an hour per process is plenty
+            to debug from.
         gpu_steps: ``LLM_OTEL_GPU_STEPS`` (auto). Device timing of engine steps (docs/gpu.md): a ring
             buffer written on the engine's CUDA stream (``cupy``), the host clock (``numpy``), the
             first that works (``auto``: CuPy with a GPU, else NumPy) or ``off``.
@@ -102,6 +114,7 @@ class Settings:
     outlier_ttft_s: float | None = None
     outlier_e2e_s: float | None = None
     adaptive_sampling: str = "auto"
+    traces_per_s: float = 10.0
     vllm_engine_events: bool = True
     console: str = "auto"
     gpu_steps: str = "auto"
@@ -130,6 +143,7 @@ class Settings:
             outlier_ttft_s=_optional_float(env, "LLM_OTEL_OUTLIER_TTFT_S"),
             outlier_e2e_s=_optional_float(env, "LLM_OTEL_OUTLIER_E2E_S"),
             adaptive_sampling=_choice(env, "LLM_OTEL_ADAPTIVE_SAMPLING", "auto", {"auto", "on", "off"}),
+            traces_per_s=_float(env, "LLM_OTEL_TRACES_PER_S", 10.0, lo=0.0),
             console=_choice(env, "LLM_OTEL_CONSOLE", "auto", {"auto", "tree", "json", "off"}),
             gpu_steps=_choice(env, "LLM_OTEL_GPU_STEPS", "auto", {"auto", "cupy", "numpy", "off"}),
             gpu_ring_capacity=_int(env, "LLM_OTEL_GPU_RING_CAPACITY", 4096, lo=16, hi=1 << 24),
