@@ -44,12 +44,28 @@ class Settings:
         logprobs_top_k: ``LLM_OTEL_LOGPROBS_TOP_K`` (5). Top-k log-probs per step for ``llm.logit_dist``;
             0 disables the span. For sampled requests that did not ask for log-probs, the
             instrumentation asks the engine for k of them and strips them from the user's output.
-        logit_dist_ratio: ``LLM_OTEL_LOGIT_DIST_RATIO`` (0.0). Fraction of sampled requests, chosen
-            by trace id, that get ``llm.logit_dist`` without having asked for log-probs (requests
-            that asked always get it). On the tiny CPU benchmark model (64 concurrent requests,
-            sampling dominates a step) ratio 1 costs 14 % throughput with the worker path and 13 %
-            with the log-probs path (vLLM then computes log-probs batch-wide: 4.5 % already at
-            0.1), hence off by default.
+        logit_dist_ratio: ``LLM_OTEL_LOGIT_DIST_RATIO`` (0.05). Fraction of sampled requests, chosen
+            by trace id (the random low 56 bits, so every process of a trace chooses alike), that
+            get ``llm.logit_dist`` without having asked for log-probs (requests that asked always
+            get it); vLLM and LightLLM read it, the Triton client has no logit path. How 0.05 was
+            derived (benchmarks/overhead.py offline, 5 rounds, 2026-12-01, configuration c = 100 %
+            sampling + ratio 1 against g = 100 % sampling + ratio 0, CPU per 1,000 output tokens):
+            a chosen 64-token request costs the engine processes 6.6 ms of CPU (the worker reduces
+            its 2,048-wide logit row every step, about 0.1 ms a row) and the frontend 0.43 ms,
+            i.e. +13 % of what the engine spends on that request (c read 946 vs g 842 engine CPU
+            ms per 1k tokens; throughput 0.90-0.95 of g). It grows with the chosen rows (ratio
+            0.1 read within the run's noise of g, as a linear cost predicts); on a GPU a step with
+            a chosen row also waits for one small device-to-host copy. So the default costs
+            ``0.13 x traced fraction x ratio`` of engine work: with the trace budget an offline
+            256-prompt batch traces about 11 requests (0.13 x 0.045 x 0.05 = 0.03 %), and even a
+            host below the budget, where every request is traced, pays 0.13 x 0.05 = 0.65 % -
+            leaving defaults (b >= 0.99) and 100 % sampling (g >= 0.98) within issue 19's
+            targets, while a process at its trace budget (10/s) still emits one ``llm.logit_dist``
+            every 2 s (1,800 an hour). 1 is configuration c: every step's statistics, about 13 %
+            of engine CPU on this model (sampling dominates its step). With
+            ``LLM_OTEL_VLLM_WORKER_LOGITS=false`` a chosen request makes vLLM compute log-probs for
+            its whole batch (4.5 % throughput at ratio 0.1 in an earlier run): lower the ratio
+            there. LightLLM's path was not measured on this machine (no LightLLM engine on CPU).
         vllm_worker_logits: ``LLM_OTEL_VLLM_WORKER_LOGITS`` (true). ``llm.logit_dist`` is computed
             by vLLM's worker from the full-vocabulary logits of the chosen requests' rows only
             (needs llm-otel in the worker process: ``instrument()`` arranges it through the
@@ -108,7 +124,7 @@ class Settings:
     max_stall_events: int = 16
     stall_factor: float = 4.0
     logprobs_top_k: int = 5
-    logit_dist_ratio: float = 0.0
+    logit_dist_ratio: float = 0.05
     logit_events: int = 8
     vllm_worker_logits: bool = True
     outlier_ttft_s: float | None = None
@@ -136,7 +152,7 @@ class Settings:
             max_stall_events=_int(env, "LLM_OTEL_MAX_STALL_EVENTS", 16, lo=0, hi=10_000),
             stall_factor=_float(env, "LLM_OTEL_STALL_FACTOR", 4.0, lo=1.0),
             logprobs_top_k=_int(env, "LLM_OTEL_LOGPROBS_TOP_K", 5, lo=0, hi=20),
-            logit_dist_ratio=_float(env, "LLM_OTEL_LOGIT_DIST_RATIO", 0.0, lo=0.0, hi=1.0),
+            logit_dist_ratio=_float(env, "LLM_OTEL_LOGIT_DIST_RATIO", 0.05, lo=0.0, hi=1.0),
             logit_events=_int(env, "LLM_OTEL_LOGIT_EVENTS", 8, lo=0, hi=10_000),
             vllm_engine_events=_bool(env, "LLM_OTEL_VLLM_ENGINE_EVENTS", True),
             vllm_worker_logits=_bool(env, "LLM_OTEL_VLLM_WORKER_LOGITS", True),
