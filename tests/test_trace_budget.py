@@ -313,3 +313,18 @@ def test_the_budgets_threshold_is_quantize_threshold_of_its_probability():
         budget._state = (0.0, rate - 1.0 / budget.tau, p * rate * budget.horizon)  # makes budget p = p
         threshold, lowered = budget.limit(0, now=0.0)
         assert threshold == quantize_threshold(p) and lowered == (threshold > 0), p
+
+
+def test_the_probability_gauge_reads_the_budget_without_spending_it():
+    clock = Clock()
+    budget = TraceBudget(10.0, clock=clock)
+    sampler = adaptive_sampler(UtilizationPolicy(), poller=idle_poller(), budget=budget)
+    assert sampler.root.current_probability() == 1.0
+    for _ in range(100):  # a burst: the budget is spent
+        sampler.should_sample(None, random.getrandbits(128), "root")
+    state = budget._state
+    p = sampler.root.current_probability()
+    assert p < 0.05 and budget._state == state  # read, not recorded
+    assert p == p_of(budget.limit(0)[0])  # what the next decision gets
+    clock.now += 60.0
+    assert sampler.root.current_probability() == 1.0

@@ -108,7 +108,22 @@ class TraceBudget:
     def limit(self, policy_threshold: int, now: float | None = None) -> tuple[int, bool]:
         """``(threshold, lowered)`` for one root decision: the threshold to use (>= the policy's)
         and whether the budget raised it. Records the decision (rate, credit)."""
-        now = self.clock() if now is None else now
+        last, rate, credit, budget_threshold = self._advance(self.clock() if now is None else now)
+        threshold, lowered = policy_threshold, False
+        if budget_threshold > policy_threshold:
+            threshold, lowered = budget_threshold, True
+        credit -= (MAX_THRESHOLD - threshold) / MAX_THRESHOLD
+        self._state = (last, rate, credit)
+        return threshold, lowered
+
+    def probability(self, now: float | None = None) -> float:
+        """The budget's probability for a root decided at ``now`` (default: the clock), without
+        recording one: for the ``llm_otel.sampling.probability`` gauge."""
+        return (MAX_THRESHOLD - self._advance(self.clock() if now is None else now)[3]) / MAX_THRESHOLD
+
+    def _advance(self, now: float) -> tuple[float, float, float, int]:
+        """State at ``now`` with one more decision counted: ``(last, rate, credit, threshold)``,
+        the threshold being the budget's own (0 when it does not limit)."""
         last, rate, credit = self._state
         if last is None or now <= last:
             dt = 0.0
@@ -118,18 +133,13 @@ class TraceBudget:
             last = now
         rate = rate * math.exp(-dt / self.tau) + 1.0 / self.tau
         credit = min(self.capacity, credit + self.traces_per_s * dt)
-        threshold, lowered = policy_threshold, False
         budget_p = credit / (rate * self.horizon)
-        if budget_p < 1.0:
-            # quantize_threshold(budget_p) without its general checks (p is in (0, 1) here): the
-            # threshold rounded down to a multiple of 2**44, at least one step below MAX_THRESHOLD
-            steps = -(-round(budget_p * _SCALE) >> _STEP_BITS) if budget_p > 0 else 1
-            budget_threshold = MAX_THRESHOLD - (max(1, steps) << _STEP_BITS)
-            if budget_threshold > policy_threshold:
-                threshold, lowered = budget_threshold, True
-        credit -= (MAX_THRESHOLD - threshold) / MAX_THRESHOLD
-        self._state = (last, rate, credit)
-        return threshold, lowered
+        if budget_p >= 1.0:
+            return last, rate, credit, 0
+        # quantize_threshold(budget_p) without its general checks (p < 1 here): the threshold
+        # rounded down to a multiple of 2**44, at least one step below MAX_THRESHOLD
+        steps = -(-round(budget_p * _SCALE) >> _STEP_BITS) if budget_p > 0 else 1
+        return last, rate, credit, MAX_THRESHOLD - (max(1, steps) << _STEP_BITS)
 
     @property
     def credit(self) -> float:
@@ -372,8 +382,8 @@ class AdaptiveRootSampler(ComposableSampler):
         self._next_update = 0.0
         self._lock = threading.Lock()
 
-    def current_probability(self) -> float:
-        """The effective probability now (re-evaluated at most every 100 ms)."""
+    def _policy_now(self) -> None:
+        """Re-evaluate the policy threshold and reason (``_state``) when 100 ms have passed."""
         now = time.monotonic()
         if now >= self._next_update:
             with self._lock:
@@ -385,7 +395,13 @@ class AdaptiveRootSampler(ComposableSampler):
                     # threshold and reason change together (one tuple, swapped atomically)
                     self._state = (quantize_threshold(p),
                                    {A.LLM_SAMPLING_REASON: "drift_boost" if boosting else "head"})
-        return (MAX_THRESHOLD - self._state[0]) / MAX_THRESHOLD
+
+    def current_probability(self) -> float:
+        """The probability a root decided now would get: the policy's (or the drift boost's),
+        re-evaluated at most every 100 ms, lowered by the trace budget's (read, not recorded)."""
+        self._policy_now()
+        policy = (MAX_THRESHOLD - self._state[0]) / MAX_THRESHOLD
+        return policy if self.budget is None else min(policy, self.budget.probability())
 
     def _utilization(self) -> float | None:
         if self.poller is None:
@@ -408,7 +424,7 @@ class AdaptiveRootSampler(ComposableSampler):
     def sampling_intent(self, parent_ctx, name, span_kind, attributes, links, trace_state=None) -> SamplingIntent:
         if attributes and attributes.get(A.LLM_SAMPLING_REASON) == "outlier":
             return SamplingIntent(threshold=0, threshold_reliable=False)  # kept, no `th`: no count bias
-        self.current_probability()
+        self._policy_now()
         threshold, attrs = self._state
         if self.budget is not None:
             threshold, lowered = self.budget.limit(threshold)
