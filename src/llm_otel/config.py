@@ -53,15 +53,21 @@ class Settings:
             a chosen 64-token request costs the engine processes 6.6 ms of CPU (the worker reduces
             its 2,048-wide logit row every step, about 0.1 ms a row) and the frontend 0.43 ms,
             i.e. +13 % of what the engine spends on that request (c read 946 vs g 842 engine CPU
-            ms per 1k tokens; throughput 0.90-0.95 of g). It grows with the chosen rows (ratio
-            0.1 read within the run's noise of g, as a linear cost predicts); on a GPU a step with
-            a chosen row also waits for one small device-to-host copy. So the default costs
+            ms per 1k tokens; throughput 0.90-0.95 of g). Part of it is per step: a step with any
+            chosen row pays about 0.17 ms for the reduction's dispatch at this vocabulary
+            (``benchmarks/micro.py --only logits``: one row of 256, vocab 2,048; one row costs
+            0.36 ms at 32k and 1.1 ms at 128k on one CPU thread), and on a GPU it waits for one
+            small device-to-host copy; the rest grows with the chosen rows (ratio 0.1 and the
+            default read within their runs' noise of g). So the default costs about
             ``0.13 x traced fraction x ratio`` of engine work: with the trace budget an offline
             256-prompt batch traces about 11 requests (0.13 x 0.045 x 0.05 = 0.03 %), and even a
             host below the budget, where every request is traced, pays 0.13 x 0.05 = 0.65 % -
             leaving defaults (b >= 0.99) and 100 % sampling (g >= 0.98) within issue 19's
             targets, while a process at its trace budget (10/s) still emits one ``llm.logit_dist``
-            every 2 s (1,800 an hour). 1 is configuration c: every step's statistics, about 13 %
+            every 2 s (1,800 an hour). Measured with the new defaults (same benchmark, 5 rounds,
+            a noisy shared machine): b (trace budget + 0.05) read 0.990 of uninstrumented (ratio of
+            medians; 1.025 median paired), and g with 0.05 read 0.99 of g with 0 (noise ±10 %
+            per round). 1 is configuration c: every step's statistics, about 13 %
             of engine CPU on this model (sampling dominates its step). With
             ``LLM_OTEL_VLLM_WORKER_LOGITS=false`` a chosen request makes vLLM compute log-probs for
             its whole batch (4.5 % throughput at ratio 0.1 in an earlier run): lower the ratio
