@@ -9,7 +9,8 @@ and printed per operation:
   provider whose exporter drops the spans; also unsampled (metrics only);
 * ``sampler``: one root decision of the adaptive sampler vs the SDK's ``ParentBased(TraceIdRatio)``;
 * ``logits``: full-vocabulary logit statistics (log-sum-exp, entropy, top-5) for batch 64/256 x vocab
-  32k/128k, NumPy float32 and torch CPU float32 (torch only if installed);
+  32k/128k, NumPy float32 and torch CPU float32 (torch only if installed); and the vLLM worker's
+  chosen-rows path: 1 or 8 rows of a 256-row step, vocab 2,048 (the tiny benchmark model), 32k, 128k;
 * ``ring``: device ring buffer record + drain on the NumPy backend (when ``llm_otel.gpu.ring`` exists).
 
     .venv/bin/python benchmarks/micro.py [--only token,request,...] [--json out.json]
@@ -125,6 +126,16 @@ def bench_logits(rounds: int) -> dict:
                 tx = torch.from_numpy(x)
                 out[f"torch_b{batch}_v{vocab // 1000}k_ms"] = best_per_op(
                     lambda: TorchLogitStats(tx, 5).to_host(), 3, rounds) * 1e3
+    if torch is not None:
+        # the vLLM worker's path: only the rows of requests chosen for llm.logit_dist
+        # (LLM_OTEL_LOGIT_DIST_RATIO) are gathered from a 256-row step and reduced
+        for vocab in (2048, 32_000, 128_000):
+            tx = torch.from_numpy(rng.standard_normal((256, vocab), dtype=np.float32))
+            for rows in (1, 8):
+                pick = list(range(rows))
+                ids = torch.zeros(rows, dtype=torch.long)
+                out[f"torch_chosen{rows}_of256_v{vocab}_ms"] = best_per_op(
+                    lambda: TorchLogitStats(tx[pick], 5).to_host(ids), 20, rounds) * 1e3
     return out
 
 

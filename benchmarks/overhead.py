@@ -10,14 +10,16 @@ drifts during the run). All traced configurations export to the same local OTLP 
 Configurations:
   a  uninstrumented
   b  llm-otel defaults (``llm_otel.instrument()`` / ``opentelemetry-instrument``): the adaptive
-     sampler, which follows GPU utilisation, or engine occupancy on a host without NVML
+     sampler, which follows GPU utilisation, or engine occupancy on a host without NVML, within its
+     trace budget (``LLM_OTEL_TRACES_PER_S``, 10/s: a pass's 256 prompts arrive within 0.2 s, so
+     about 11 are traced); ``llm.logit_dist`` for 5 % of sampled requests
   c  llm-otel, 100 % sampling and ``llm.logit_dist`` for every request (logit statistics every step)
   d  vLLM's native tracing (``otlp_traces_endpoint`` / ``--otlp-traces-endpoint``, log stats on)
   e  OpenLIT's vLLM instrumentation (needs ``openlit``: ``bash benchmarks/setup.sh`` makes
      ``.venv-bench`` with it; skipped, and said so, without it)
   f  b with ``--set f:KEY=VALUE`` (an experiment)
-  g  llm-otel defaults at 100 % head sampling (``OTEL_TRACES_SAMPLER=always_on``): b on a host
-     whose engine never fills its batch
+  g  llm-otel defaults at 100 % head sampling (``OTEL_TRACES_SAMPLER=always_on``, no trace budget;
+     ``llm.logit_dist`` for the default 5 %)
 
 Workloads (``_workload.py``): ``offline`` = ``LLM.generate`` of 256 mixed-length prompts x 64 output
 tokens; ``server`` = the OpenAI server, the same requests streamed by 16 concurrent clients.

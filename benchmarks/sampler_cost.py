@@ -1,4 +1,5 @@
-"""Decision cost of llm-otel's adaptive sampler vs the SDK's TraceIdRatioBased (root spans).
+"""Decision cost of llm-otel's adaptive sampler (with and without its trace budget) vs the SDK's
+TraceIdRatioBased (root spans).
 
     .venv/bin/python benchmarks/sampler_cost.py [--n 200000]
 
@@ -14,7 +15,7 @@ import time
 from opentelemetry.sdk.trace.sampling import ParentBasedTraceIdRatio
 
 from llm_otel.gpu.nvml import UtilizationPoller
-from llm_otel.sampling import UtilizationPolicy, adaptive_sampler
+from llm_otel.sampling import TraceBudget, UtilizationPolicy, adaptive_sampler
 
 
 class _Fixed:
@@ -31,6 +32,12 @@ def main() -> None:
     samplers = {
         "sdk ParentBased(TraceIdRatioBased(0.25))": ParentBasedTraceIdRatio(0.25),
         "llm_otel adaptive": adaptive_sampler(UtilizationPolicy(floor=0.25, ceiling=0.25), poller=poller),
+        # the trace budget on every root decision: not binding (a huge budget) and binding (10/s
+        # at hundreds of thousands of decisions a second: a threshold computed per decision)
+        "llm_otel adaptive + budget, not binding": adaptive_sampler(
+            UtilizationPolicy(floor=0.25, ceiling=0.25), poller=poller, budget=TraceBudget(1e12)),
+        "llm_otel adaptive + budget 10/s, binding": adaptive_sampler(
+            UtilizationPolicy(floor=0.25, ceiling=0.25), poller=poller, budget=TraceBudget(10.0)),
     }
     ids = [random.getrandbits(128) for _ in range(args.n)]
     attrs = {"gen_ai.operation.name": "chat", "gen_ai.request.model": "m"}
@@ -44,7 +51,9 @@ def main() -> None:
     for name, ns in best.items():
         print(f"{name:45s} {ns:8.0f} ns/decision")
     base = best["sdk ParentBased(TraceIdRatioBased(0.25))"]
-    print(f"ratio adaptive/sdk: {best['llm_otel adaptive'] / base:.2f}")
+    for name in samplers:
+        if name.startswith("llm_otel"):
+            print(f"ratio {name}/sdk: {best[name] / base:.2f}")
 
 
 if __name__ == "__main__":

@@ -125,6 +125,9 @@ VLLM_ENV = {
     # inter-token-latency observation for every token gap (not one in 16)
     "LLM_OTEL_STEP_SPANS_PER_S": "inf",
     "LLM_OTEL_ITL_SAMPLE_EVERY": "1",
+    # tests count every request's tree, sent a handful at once: no trace budget (a burst from idle
+    # keeps only its first 7-8 roots whole); tests/test_trace_budget.py tests the budget itself
+    "LLM_OTEL_TRACES_PER_S": "inf",
 }
 # The same for the in-process telemetry of unit tests (make_captured without settings).
 EXACT = {k: VLLM_ENV[k] for k in ("LLM_OTEL_STEP_SPANS_PER_S", "LLM_OTEL_ITL_SAMPLE_EVERY")}

@@ -44,12 +44,34 @@ class Settings:
         logprobs_top_k: ``LLM_OTEL_LOGPROBS_TOP_K`` (5). Top-k log-probs per step for ``llm.logit_dist``;
             0 disables the span. For sampled requests that did not ask for log-probs, the
             instrumentation asks the engine for k of them and strips them from the user's output.
-        logit_dist_ratio: ``LLM_OTEL_LOGIT_DIST_RATIO`` (0.0). Fraction of sampled requests, chosen
-            by trace id, that get ``llm.logit_dist`` without having asked for log-probs (requests
-            that asked always get it). On the tiny CPU benchmark model (64 concurrent requests,
-            sampling dominates a step) ratio 1 costs 14 % throughput with the worker path and 13 %
-            with the log-probs path (vLLM then computes log-probs batch-wide: 4.5 % already at
-            0.1), hence off by default.
+        logit_dist_ratio: ``LLM_OTEL_LOGIT_DIST_RATIO`` (0.05). Fraction of sampled requests, chosen
+            by trace id (the random low 56 bits, so every process of a trace chooses alike), that
+            get ``llm.logit_dist`` without having asked for log-probs (requests that asked always
+            get it); vLLM and LightLLM read it, the Triton client has no logit path. How 0.05 was
+            derived (benchmarks/overhead.py offline, 5 rounds, 2026-12-01, configuration c = 100 %
+            sampling + ratio 1 against g = 100 % sampling + ratio 0, CPU per 1,000 output tokens):
+            a chosen 64-token request costs the engine processes 6.6 ms of CPU (the worker reduces
+            its 2,048-wide logit row every step, about 0.1 ms a row) and the frontend 0.43 ms,
+            i.e. +13 % of what the engine spends on that request (c read 946 vs g 842 engine CPU
+            ms per 1k tokens; throughput 0.90-0.95 of g). Part of it is per step: a step with any
+            chosen row pays about 0.17 ms for the reduction's dispatch at this vocabulary
+            (``benchmarks/micro.py --only logits``: one row of 256, vocab 2,048; one row costs
+            0.36 ms at 32k and 1.1 ms at 128k on one CPU thread), and on a GPU it waits for one
+            small device-to-host copy; the rest grows with the chosen rows (ratio 0.1 and the
+            default read within their runs' noise of g). So the default costs about
+            ``0.13 x traced fraction x ratio`` of engine work: with the trace budget an offline
+            256-prompt batch traces about 11 requests (0.13 x 0.045 x 0.05 = 0.03 %), and even a
+            host below the budget, where every request is traced, pays 0.13 x 0.05 = 0.65 % -
+            leaving defaults (b >= 0.99) and 100 % sampling (g >= 0.98) within issue 19's
+            targets, while a process at its trace budget (10/s) still emits one ``llm.logit_dist``
+            every 2 s (1,800 an hour). Measured with the new defaults (same benchmark, 5 rounds,
+            a noisy shared machine): b (trace budget + 0.05) read 0.990 of uninstrumented (ratio of
+            medians; 1.025 median paired), and g with 0.05 read 0.99 of g with 0 (noise ±10 %
+            per round). 1 is configuration c: every step's statistics, about 13 %
+            of engine CPU on this model (sampling dominates its step). With
+            ``LLM_OTEL_VLLM_WORKER_LOGITS=false`` a chosen request makes vLLM compute log-probs for
+            its whole batch (4.5 % throughput at ratio 0.1 in an earlier run): lower the ratio
+            there. LightLLM's path was not measured on this machine (no LightLLM engine on CPU).
         vllm_worker_logits: ``LLM_OTEL_VLLM_WORKER_LOGITS`` (true). ``llm.logit_dist`` is computed
             by vLLM's worker from the full-vocabulary logits of the chosen requests' rows only
             (needs llm-otel in the worker process: ``instrument()`` arranges it through the
@@ -67,6 +89,18 @@ class Settings:
             adaptive sampler (``auto`` and ``on``; never with ``off``), following NVML GPU
             utilisation, or engine occupancy (:class:`llm_otel.sampling.EngineOccupancy`) where NVML
             sees no GPU; ``OTEL_TRACES_SAMPLER``, when set, wins.
+        traces_per_s: ``LLM_OTEL_TRACES_PER_S`` (10). Budget of the adaptive sampler in kept root
+            traces per second and process (:class:`llm_otel.sampling.TraceBudget`): the root
+            probability is the lower of the utilisation policy's and the budget's, per decision, so
+            a burst or an offline batch reaching an idle engine is not traced at 100 % (expected
+            kept roots over any W seconds <= max(1, budget) + budget x W). The probability used is
+            recorded in ``ot=th`` (adjusted counts stay unbiased) and a root it lowered carries
+            ``llm.sampling.reason=budget``. Children of a sampled parent (a router that traced the
+            request) are not subject to it. 0 (or ``inf``) = no budget, the policy alone decides;
+            ``OTEL_TRACES_SAMPLER=always_on`` has none either. Why 10: with a traced request
+            costing the frontend about 1.3 ms of CPU (docs/performance.md), 10 a second is about
+            1.3 % of one core at any request rate, and 36,000 traces an hour per process is plenty
+            to debug from.
         gpu_steps: ``LLM_OTEL_GPU_STEPS`` (auto). Device timing of engine steps (docs/gpu.md): a ring
             buffer written on the engine's CUDA stream (``cupy``), the host clock (``numpy``), the
             first that works (``auto``: CuPy with a GPU, else NumPy) or ``off``.
@@ -96,12 +130,13 @@ class Settings:
     max_stall_events: int = 16
     stall_factor: float = 4.0
     logprobs_top_k: int = 5
-    logit_dist_ratio: float = 0.0
+    logit_dist_ratio: float = 0.05
     logit_events: int = 8
     vllm_worker_logits: bool = True
     outlier_ttft_s: float | None = None
     outlier_e2e_s: float | None = None
     adaptive_sampling: str = "auto"
+    traces_per_s: float = 10.0
     vllm_engine_events: bool = True
     console: str = "auto"
     gpu_steps: str = "auto"
@@ -123,13 +158,14 @@ class Settings:
             max_stall_events=_int(env, "LLM_OTEL_MAX_STALL_EVENTS", 16, lo=0, hi=10_000),
             stall_factor=_float(env, "LLM_OTEL_STALL_FACTOR", 4.0, lo=1.0),
             logprobs_top_k=_int(env, "LLM_OTEL_LOGPROBS_TOP_K", 5, lo=0, hi=20),
-            logit_dist_ratio=_float(env, "LLM_OTEL_LOGIT_DIST_RATIO", 0.0, lo=0.0, hi=1.0),
+            logit_dist_ratio=_float(env, "LLM_OTEL_LOGIT_DIST_RATIO", 0.05, lo=0.0, hi=1.0),
             logit_events=_int(env, "LLM_OTEL_LOGIT_EVENTS", 8, lo=0, hi=10_000),
             vllm_engine_events=_bool(env, "LLM_OTEL_VLLM_ENGINE_EVENTS", True),
             vllm_worker_logits=_bool(env, "LLM_OTEL_VLLM_WORKER_LOGITS", True),
             outlier_ttft_s=_optional_float(env, "LLM_OTEL_OUTLIER_TTFT_S"),
             outlier_e2e_s=_optional_float(env, "LLM_OTEL_OUTLIER_E2E_S"),
             adaptive_sampling=_choice(env, "LLM_OTEL_ADAPTIVE_SAMPLING", "auto", {"auto", "on", "off"}),
+            traces_per_s=_float(env, "LLM_OTEL_TRACES_PER_S", 10.0, lo=0.0),
             console=_choice(env, "LLM_OTEL_CONSOLE", "auto", {"auto", "tree", "json", "off"}),
             gpu_steps=_choice(env, "LLM_OTEL_GPU_STEPS", "auto", {"auto", "cupy", "numpy", "off"}),
             gpu_ring_capacity=_int(env, "LLM_OTEL_GPU_RING_CAPACITY", 4096, lo=16, hi=1 << 24),

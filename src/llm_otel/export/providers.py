@@ -223,17 +223,18 @@ def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
 def _adaptive_sampler(settings: Settings, env: Mapping[str, str]):
     """llm-otel's adaptive sampler and its poller when configured (``LLM_OTEL_ADAPTIVE_SAMPLING``
     ``auto``/``on``, and ``OTEL_TRACES_SAMPLER`` unset or ``llm_otel_adaptive``); else (None, None).
-    The poller follows NVML GPU utilisation, or engine occupancy where NVML sees no GPU."""
+    The poller follows NVML GPU utilisation, or engine occupancy where NVML sees no GPU; the trace
+    budget is ``settings.traces_per_s`` (``LLM_OTEL_TRACES_PER_S``) either way."""
     if (env.get("OTEL_TRACES_SAMPLER") or "").strip().lower() == "llm_otel_adaptive":
         from llm_otel.sampling import traces_sampler_factory
 
-        sampler = traces_sampler_factory(env.get("OTEL_TRACES_SAMPLER_ARG"))
+        sampler = traces_sampler_factory(env.get("OTEL_TRACES_SAMPLER_ARG"), settings.traces_per_s)
         return sampler, sampler.root.poller
     if env.get("OTEL_TRACES_SAMPLER") or settings.adaptive_sampling == "off":
         return None, None
-    from llm_otel.sampling import adaptive_sampler
+    from llm_otel.sampling import adaptive_sampler, trace_budget
 
-    sampler = adaptive_sampler()
+    sampler = adaptive_sampler(budget=trace_budget(settings.traces_per_s))
     return sampler, sampler.root.poller
 
 

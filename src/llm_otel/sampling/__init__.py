@@ -7,6 +7,9 @@ threshold. The threshold comes from :class:`UtilizationPolicy` (high utilisation
 probability, floor/ceiling, hysteresis, bounded change per interval, quantised) and is raised to
 1 by :class:`DriftDetector` while P99 latency drifts upward. It never depends on the trace's
 randomness, so traces stay whole across processes and adjusted counts (1/p) stay unbiased.
+:class:`TraceBudget` lowers the root probability further, per decision, so that the kept-trace rate
+stays within ``LLM_OTEL_TRACES_PER_S`` even for a burst that reaches an idle engine (where the
+utilisation policy still says 1); the probability used is the one recorded in ``ot=th``.
 Children reuse the parent's threshold. Spans started with ``llm.sampling.reason=outlier`` (a
 request the head decision dropped that ended in error or breached an SLO) are kept without a
 threshold, so they do not bias adjusted counts.
@@ -36,8 +39,8 @@ from opentelemetry.sdk.trace.sampling import Sampler, SamplingResult
 
 from llm_otel.semconv import attributes as A
 
-__all__ = ["UtilizationPolicy", "DriftDetector", "AdaptiveRootSampler", "EngineOccupancy", "adaptive_sampler",
-           "traces_sampler_factory", "quantize_threshold"]
+__all__ = ["UtilizationPolicy", "DriftDetector", "AdaptiveRootSampler", "EngineOccupancy", "TraceBudget",
+           "adaptive_sampler", "trace_budget", "traces_sampler_factory", "quantize_threshold"]
 
 logger = logging.getLogger("llm_otel")
 
@@ -54,6 +57,95 @@ def quantize_threshold(probability: float) -> int:
     if p > 0 and threshold >= MAX_THRESHOLD:
         threshold = MAX_THRESHOLD - step
     return threshold
+
+
+_STEP_BITS = 56 - QUANT_BITS  # a quantised threshold is a multiple of 2**_STEP_BITS
+_SCALE = float(MAX_THRESHOLD)
+
+
+class TraceBudget:
+    """Keeps the expected kept-root rate within ``traces_per_s`` (``LLM_OTEL_TRACES_PER_S``).
+
+    Per root decision (kept or not) at monotonic time ``now`` (seconds), O(1), no lock:
+
+    * ``rate``: exponentially decayed count of root decisions over ``time_constant_s`` (tau), i.e.
+      ``rate = rate * exp(-dt / tau) + 1 / tau``, decisions per second including this one;
+    * ``credit``: a token bucket of expected kept traces, refilled at ``traces_per_s`` up to
+      ``capacity = max(1, traces_per_s * burst_s)`` and debited by the probability each decision used
+      (its expectation of kept traces, not whether it kept - so the threshold depends only on the
+      arrival times, never on any trace's randomness);
+    * budget probability ``p_b = min(1, credit / (rate * horizon))``: spend the credit left over the
+      next ``horizon`` seconds at the arrival rate seen now. While credit is full and decisions
+      come at fewer than ``capacity / horizon`` per second, ``p_b = 1``; at a steady rate ``r`` above
+      the budget the credit settles at ``traces_per_s * horizon`` and ``p_b = traces_per_s / r``; a
+      burst from idle meets a falling credit with a rising rate: its first ``2/3 * capacity`` or
+      so requests are kept (``horizon = tau / 2``; 7-8 at the default 10/s), then the probability
+      falls steeply, and the whole burst spends at most the bucket plus its refill.
+      ``horizon = min(horizon_s, capacity * tau)`` so that one request after a quiet spell (rate
+      ``1 / tau``) always reads ``p_b = 1``.
+
+    :meth:`limit` returns the larger of the policy's threshold and ``quantize_threshold(p_b)`` (the
+    probability actually used is never above either); with no credit left the probability is the
+    quantisation's minimum ``2**-12``. Guarantee: the expected number of kept roots over any W
+    seconds is at most ``capacity + traces_per_s * W`` plus ``2**-12`` per decision made without
+    credit. Threads racing on one decision may lose one update (the state is one tuple swapped
+    whole); that shifts the rate by one decision and never the consistency of a threshold.
+
+    Raises ValueError unless ``traces_per_s > 0`` and the times are positive.
+    """
+
+    def __init__(self, traces_per_s: float, burst_s: float = 1.0, time_constant_s: float = 0.25,
+                 horizon_s: float = 0.125, clock: Callable[[], float] = time.monotonic) -> None:
+        if not (traces_per_s > 0 and burst_s > 0 and time_constant_s > 0 and horizon_s > 0):
+            raise ValueError("need traces_per_s > 0, burst_s > 0, time_constant_s > 0, horizon_s > 0")
+        self.traces_per_s = float(traces_per_s)
+        self.capacity = max(1.0, self.traces_per_s * burst_s)
+        self.tau = float(time_constant_s)
+        self.horizon = min(float(horizon_s), self.capacity * self.tau)
+        self.clock = clock
+        self._state: tuple[float | None, float, float] = (None, 0.0, self.capacity)  # (last, rate, credit)
+
+    def limit(self, policy_threshold: int, now: float | None = None) -> tuple[int, bool]:
+        """``(threshold, lowered)`` for one root decision: the threshold to use (>= the policy's)
+        and whether the budget raised it. Records the decision (rate, credit)."""
+        last, rate, credit, budget_threshold = self._advance(self.clock() if now is None else now)
+        threshold, lowered = policy_threshold, False
+        if budget_threshold > policy_threshold:
+            threshold, lowered = budget_threshold, True
+        credit -= (MAX_THRESHOLD - threshold) / MAX_THRESHOLD
+        self._state = (last, rate, credit)
+        return threshold, lowered
+
+    def probability(self, now: float | None = None) -> float:
+        """The budget's probability for a root decided at ``now`` (default: the clock), without
+        recording one: for the ``llm_otel.sampling.probability`` gauge."""
+        return (MAX_THRESHOLD - self._advance(self.clock() if now is None else now)[3]) / MAX_THRESHOLD
+
+    def _advance(self, now: float) -> tuple[float, float, float, int]:
+        """State at ``now`` with one more decision counted: ``(last, rate, credit, threshold)``,
+        the threshold being the budget's own (0 when it does not limit)."""
+        last, rate, credit = self._state
+        if last is None or now <= last:
+            dt = 0.0
+            last = now if last is None else last
+        else:
+            dt = now - last
+            last = now
+        rate = rate * math.exp(-dt / self.tau) + 1.0 / self.tau
+        credit = min(self.capacity, credit + self.traces_per_s * dt)
+        budget_p = credit / (rate * self.horizon)
+        if budget_p >= 1.0:
+            return last, rate, credit, 0
+        # quantize_threshold(budget_p) without its general checks (p < 1 here): the threshold
+        # rounded down to a multiple of 2**44, at least one step below MAX_THRESHOLD
+        steps = -(-round(budget_p * _SCALE) >> _STEP_BITS) if budget_p > 0 else 1
+        return last, rate, credit, MAX_THRESHOLD - (max(1, steps) << _STEP_BITS)
+
+    @property
+    def credit(self) -> float:
+        """Expected kept traces the bucket holds after the last decision (may dip below 0 by the
+        minimum probabilities spent without credit)."""
+        return self._state[2]
 
 
 class UtilizationPolicy:
@@ -274,12 +366,15 @@ class AdaptiveRootSampler(ComposableSampler):
     at most every 100 ms), a bare ``SignalSource`` (wrapped in a started ``UtilizationPoller``, see
     :attr:`poller`), or None (base rate). Raises TypeError for anything else. A utilisation that
     cannot be read or is not a finite number counts as None (logged once); nothing raises out of a
-    sampling decision.
+    sampling decision. ``budget``: a :class:`TraceBudget` applied to every root decision after the
+    policy (and the drift boost): the threshold used is the larger of the two, and a root the
+    budget lowered carries ``llm.sampling.reason=budget``. None: no budget.
     """
 
     def __init__(self, policy: UtilizationPolicy | None = None, poller=None,
-                 drift: DriftDetector | None = None) -> None:
+                 drift: DriftDetector | None = None, budget: TraceBudget | None = None) -> None:
         self.policy = policy or UtilizationPolicy()
+        self.budget = budget
         self.poller = _as_poller(poller)
         self._bad_utilization_logged = False
         self.drift = drift or DriftDetector()
@@ -287,8 +382,8 @@ class AdaptiveRootSampler(ComposableSampler):
         self._next_update = 0.0
         self._lock = threading.Lock()
 
-    def current_probability(self) -> float:
-        """The effective probability now (re-evaluated at most every 100 ms)."""
+    def _policy_now(self) -> None:
+        """Re-evaluate the policy threshold and reason (``_state``) when 100 ms have passed."""
         now = time.monotonic()
         if now >= self._next_update:
             with self._lock:
@@ -300,7 +395,13 @@ class AdaptiveRootSampler(ComposableSampler):
                     # threshold and reason change together (one tuple, swapped atomically)
                     self._state = (quantize_threshold(p),
                                    {A.LLM_SAMPLING_REASON: "drift_boost" if boosting else "head"})
-        return (MAX_THRESHOLD - self._state[0]) / MAX_THRESHOLD
+
+    def current_probability(self) -> float:
+        """The probability a root decided now would get: the policy's (or the drift boost's),
+        re-evaluated at most every 100 ms, lowered by the trace budget's (read, not recorded)."""
+        self._policy_now()
+        policy = (MAX_THRESHOLD - self._state[0]) / MAX_THRESHOLD
+        return policy if self.budget is None else min(policy, self.budget.probability())
 
     def _utilization(self) -> float | None:
         if self.poller is None:
@@ -323,17 +424,29 @@ class AdaptiveRootSampler(ComposableSampler):
     def sampling_intent(self, parent_ctx, name, span_kind, attributes, links, trace_state=None) -> SamplingIntent:
         if attributes and attributes.get(A.LLM_SAMPLING_REASON) == "outlier":
             return SamplingIntent(threshold=0, threshold_reliable=False)  # kept, no `th`: no count bias
-        self.current_probability()
+        self._policy_now()
         threshold, attrs = self._state
+        if self.budget is not None:
+            threshold, lowered = self.budget.limit(threshold)
+            if lowered:
+                attrs = _BUDGET_REASON
         return SamplingIntent(threshold=threshold, attributes=attrs)
 
     def get_description(self) -> str:
-        return f"LlmOtelAdaptive{{floor={self.policy.floor},ceiling={self.policy.ceiling}}}"
+        budget = "" if self.budget is None else f",traces_per_s={self.budget.traces_per_s:g}"
+        return f"LlmOtelAdaptive{{floor={self.policy.floor},ceiling={self.policy.ceiling}{budget}}}"
+
+
+_BUDGET_REASON = {A.LLM_SAMPLING_REASON: A.LlmSamplingReasonValues.BUDGET}
 
 
 def adaptive_sampler(policy: UtilizationPolicy | None = None, poller=None,
-                     drift: DriftDetector | None = None) -> Sampler:
+                     drift: DriftDetector | None = None, budget: TraceBudget | None = None) -> Sampler:
     """A complete SDK sampler: parent threshold for children, :class:`AdaptiveRootSampler` for roots.
+
+    ``budget`` (a :class:`TraceBudget`, or None for none) limits the kept-root rate; it applies to
+    root decisions only - a child of a sampled parent (e.g. a request a router already traced)
+    reuses the parent's threshold and is never subject to it.
 
     ``poller`` defaults to :func:`default_poller`: NVML GPU utilisation, or without NVML
     :class:`EngineOccupancy` (the vLLM adapter attaches its engines; polled from the first). A ``UtilizationPoller``
@@ -343,7 +456,7 @@ def adaptive_sampler(policy: UtilizationPolicy | None = None, poller=None,
     """
     if poller is None:
         poller = default_poller()
-    return _AdaptiveSampler(AdaptiveRootSampler(policy, poller, drift))
+    return _AdaptiveSampler(AdaptiveRootSampler(policy, poller, drift, budget))
 
 
 class _AdaptiveSampler(Sampler):
@@ -373,11 +486,23 @@ class _AdaptiveSampler(Sampler):
         return self._inner.get_description()
 
 
-def traces_sampler_factory(arg: str | None = None) -> Sampler:
+def trace_budget(traces_per_s: float) -> TraceBudget | None:
+    """The :class:`TraceBudget` for ``LLM_OTEL_TRACES_PER_S``: None (no budget) for 0 or infinity."""
+    if traces_per_s <= 0 or math.isinf(traces_per_s):
+        return None
+    return TraceBudget(traces_per_s)
+
+
+def traces_sampler_factory(arg: str | None = None, traces_per_s: float | None = None) -> Sampler:
     """``opentelemetry_traces_sampler`` entry point (``OTEL_TRACES_SAMPLER=llm_otel_adaptive``).
 
-    ``OTEL_TRACES_SAMPLER_ARG``: ``floor[,ceiling]`` probabilities, e.g. ``0.01,1``.
+    ``OTEL_TRACES_SAMPLER_ARG``: ``floor[,ceiling]`` probabilities, e.g. ``0.01,1``. The trace
+    budget is ``traces_per_s`` (llm-otel's providers pass their settings'), else
+    ``LLM_OTEL_TRACES_PER_S`` from the environment (the SDK configurator passes only ``arg``).
+    Raises ConfigError for a bad argument or budget.
     """
+    from llm_otel.config import ConfigError, Settings
+
     floor, ceiling = 0.01, 1.0
     if arg:
         parts: Sequence[str] = [p for p in arg.split(",") if p.strip()]
@@ -388,8 +513,9 @@ def traces_sampler_factory(arg: str | None = None) -> Sampler:
         except ValueError:
             floor = math.nan
     if not 0 < floor <= ceiling <= 1:
-        from llm_otel.config import ConfigError
-
         raise ConfigError(f"OTEL_TRACES_SAMPLER_ARG={arg!r}: expected 'floor[,ceiling]' with "
                           "0 < floor <= ceiling <= 1")
-    return adaptive_sampler(UtilizationPolicy(floor=floor, ceiling=ceiling))
+    if traces_per_s is None:
+        traces_per_s = Settings.from_env().traces_per_s
+    budget = trace_budget(traces_per_s)
+    return adaptive_sampler(UtilizationPolicy(floor=floor, ceiling=ceiling), budget=budget)

@@ -434,6 +434,7 @@ class LlmSamplingReasonValues:
     """Values of llm.sampling.reason."""
     HEAD = 'head'
     DRIFT_BOOST = 'drift_boost'
+    BUDGET = 'budget'
     OUTLIER = 'outlier'
 
 

@@ -27,7 +27,7 @@ Configuration
 -------------
 ``OTEL_*`` (exporters, service name, sampler), ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT``
 (false; LightLLM prompts and completions are not captured by this adapter in any case),
-``LLM_OTEL_TOKEN_EVENTS`` (4), ``LLM_OTEL_LOGIT_DIST_RATIO`` (0: share of sampled requests that get
+``LLM_OTEL_TOKEN_EVENTS`` (4), ``LLM_OTEL_LOGIT_DIST_RATIO`` (0.05: share of sampled requests that get
 ``llm.logit_dist`` from the worker's logits), ``LLM_OTEL_LOGPROBS_TOP_K`` (5),
 ``LLM_OTEL_LOGIT_EVENTS`` (8) - see :class:`llm_otel.config.Settings`.
 """

@@ -29,7 +29,7 @@ Configuration
 -------------
 ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT`` (false), ``LLM_OTEL_TOKEN_EVENTS`` (4),
 ``LLM_OTEL_MAX_STALL_EVENTS`` (16), ``LLM_OTEL_STALL_FACTOR`` (4.0), ``LLM_OTEL_LOGPROBS_TOP_K`` (5),
-``LLM_OTEL_LOGIT_DIST_RATIO`` (0), ``LLM_OTEL_LOGIT_EVENTS`` (8), ``LLM_OTEL_VLLM_ENGINE_EVENTS`` (true) - see :class:`llm_otel.config.Settings`.
+``LLM_OTEL_LOGIT_DIST_RATIO`` (0.05), ``LLM_OTEL_LOGIT_EVENTS`` (8), ``LLM_OTEL_VLLM_ENGINE_EVENTS`` (true) - see :class:`llm_otel.config.Settings`.
 ``OTEL_METRICS_EXPORTER=prometheus`` with ``OTEL_EXPORTER_PROMETHEUS_PORT`` (9464): the frontend
 serves per-request metrics on that port, the engine core engine-state and GPU metrics on port + 1
 (docs/operations.md).
