@@ -145,8 +145,13 @@ class Server(overhead.ServerRunner):
         cmd = overhead.server_command(config, sys.executable, model, sink, self.port)
         if args.server_cpus:
             cmd = ["taskset", "-c", args.server_cpus] + cmd
+        env = overhead.config_env(config, sink)
+        # vLLM's benchmark keeps idle connections 60 s (aiohttp keepalive_timeout), uvicorn closes
+        # them after VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s): a request sent on a connection as the
+        # server closes it fails with ServerDisconnectedError in any configuration. Server > client.
+        env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] = "120"
         self.log = open(Path(args.log_dir) / f"serving-{label}.log", "w")
-        self.proc = subprocess.Popen(cmd, env=overhead.config_env(config, sink), stdout=self.log,
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
 
