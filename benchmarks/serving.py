@@ -184,16 +184,16 @@ def bench(server: Server, model: str, rate: float, num_prompts: int, out: Path, 
 
 
 def run_cell(server: Server, label: str, model: str, rate: float, sink: overhead.Sink, result_dir: Path,
-             args) -> dict:
+             args, repeat: int = 0) -> dict:
     num_prompts = max(10, math.ceil(rate * args.duration)) if rate != math.inf else args.inf_prompts
     spans0 = sink.counts()["spans"]
     t = time.perf_counter()
-    res = bench(server, model, rate, num_prompts, result_dir / f"{label}-rate{rate:g}.json", args)
+    res = bench(server, model, rate, num_prompts, result_dir / f"{label}-rate{rate:g}-{repeat}.json", args)
     wall = time.perf_counter() - t
     cpu = res["cpu_s"]
     time.sleep(0.5)  # let the exporters' last batch arrive (the sink count is informative only)
     out_tokens = res["total_output_tokens"]
-    cell = {"label": label, "config": config_of(label), "rate": rate, "num_prompts": num_prompts,
+    cell = {"label": label, "config": config_of(label), "rate": rate, "repeat": repeat, "num_prompts": num_prompts,
             "completed": res["completed"], "failed": res.get("failed", 0), "duration_s": res["duration"],
             "wall_s_with_setup": wall, "p99_e2el_ms": res.get("p99_e2el_ms"), "output_tokens": out_tokens,
             "output_throughput": res["output_throughput"], "request_throughput": res["request_throughput"],
@@ -251,11 +251,13 @@ def matrix(model: str, sink: overhead.Sink, rates: list[float], result_dir: Path
         aff = affinities(server.proc.pid)
         try:
             warm_up(server, label, model, result_dir, args)
-            # alternate the order of the rates from one server to the next
-            for rate in (rates if len(cells) // max(1, len(rates)) % 2 == 0 else rates[::-1]):
-                cell = run_cell(server, label, model, rate, sink, result_dir, args)
-                cell["affinity"] = aff
-                cells.append(cell)
+            # alternate the order of the rates from one server (and one repeat) to the next
+            flip = len(cells) // max(1, len(rates)) % 2
+            for repeat in range(args.repeat):
+                for rate in (rates if (flip + repeat) % 2 == 0 else rates[::-1]):
+                    cell = run_cell(server, label, model, rate, sink, result_dir, args, repeat)
+                    cell["affinity"] = aff
+                    cells.append(cell)
         except Exception as exc:  # noqa: BLE001
             print(f"[serving] {label} failed: {exc}", file=sys.stderr, flush=True)
             cells.append({"label": label, "config": config_of(label), "error": str(exc)})
@@ -270,17 +272,40 @@ def _ratio_text(value: float | None, ref: float | None) -> str:
     return f"{value / ref:.3f}"
 
 
+def per_run(cells: list[dict], rate: float, keys: list[str]) -> list[dict]:
+    """The cells of each run label at ``rate`` folded into one row: the median of its ``--repeat``
+    cells for every figure in ``keys`` and for CPU per 1k tokens, the sums of requests and spans."""
+    rows: dict[str, dict] = {}
+    for c in cells:
+        if c.get("rate") == rate and "error" not in c:
+            rows.setdefault(c["label"], []).append(c)
+    out = []
+    for label, group in rows.items():
+        row = {"label": label, "config": group[0]["config"], "cells": len(group),
+               "completed": sum(c["completed"] for c in group), "failed": sum(c["failed"] for c in group),
+               "spans": sum(c["spans"] for c in group),
+               "cpu_ms_per_1k_tokens": {k: statistics.median(c["cpu_ms_per_1k_tokens"].get(k, 0.0) for c in group)
+                                        for k in ("frontend", "engine_core", "worker")}}
+        for k in keys:
+            vals = [c[k] for c in group if c.get(k) is not None]
+            row[k] = statistics.median(vals) if vals else None
+        out.append(row)
+    return out
+
+
 def markdown(cells: list[dict], rates: list[float], args) -> str:
     """One table per rate: absolute figures of a (mean of its runs), then every configuration as a
-    ratio to that mean; a's own runs give its spread."""
+    ratio to that mean; a's own runs give its spread. With ``--repeat`` > 1 a run's figure is the
+    median of its cells."""
     cols = [f"{m.upper()} {'p50' if s == 'median' else s}" for m, s in METRICS] + ["out tok/s"]
     keys = [f"{s}_{m}_ms" for m, s in METRICS] + ["output_throughput"]
     lines = [f"vLLM serving benchmark (`vllm/benchmarks/serve.py`), random dataset {args.input_len} in / "
              f"{args.output_len} out tokens (range ratio {args.range_ratio}), seed {args.seed}, Poisson arrivals, "
-             f"about {args.duration:g} s per cell; server order {args.order!r}; load generator on CPUs "
+             f"about {args.duration:g} s per cell, {args.repeat} cell(s) per server and rate (median); "
+             f"server order {args.order!r}; load generator on CPUs "
              f"{args.loadgen_cpus or 'any'}.", ""]
     for rate in rates:
-        ok = [c for c in cells if c.get("rate") == rate and "error" not in c]
+        ok = per_run(cells, rate, keys)
         a_runs = [c for c in ok if c["config"] == "a"]
         ref = {k: statistics.mean(c[k] for c in a_runs if c.get(k) is not None) if a_runs else None for k in keys}
         lines += [f"**{rate:g} requests/s**" + (f" — a (mean of {len(a_runs)} runs): " + ", ".join(
@@ -307,13 +332,13 @@ def markdown(cells: list[dict], rates: list[float], args) -> str:
 
 def saturation_markdown(cells: list[dict]) -> str:
     lines = ["| offered rate (req/s) | achieved req/s | out tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) "
-             "| CPU ms / 1k tokens: frontend, engine core, worker |", "|---|---|---|---|---|---|"]
+             "| CPU ms / 1k tokens: frontend, engine core, worker | completed/failed |", "|---|---|---|---|---|---|---|"]
     for c in cells:
         cpu = c["cpu_ms_per_1k_tokens"]
         lines.append(f"| {c['rate']:g} | {c['request_throughput']:.2f} | {c['output_throughput']:.0f} | "
                      f"{c['median_ttft_ms']:.0f} / {c['p99_ttft_ms']:.0f} | {c['median_itl_ms']:.1f} / "
                      f"{c['p99_itl_ms']:.1f} | {cpu.get('frontend', 0):.0f}, {cpu.get('engine_core', 0):.0f}, "
-                     f"{cpu.get('worker', 0):.0f} |")
+                     f"{cpu.get('worker', 0):.0f} | {c['completed']}/{c['failed']} |")
     return "\n".join(lines)
 
 
@@ -323,6 +348,8 @@ def main() -> None:
     parser.add_argument("--order", default="a b g a2 c d a3",
                         help="run labels in order; a label is a configuration letter (abgcd) plus an optional number")
     parser.add_argument("--duration", type=float, default=45, help="seconds of arrivals per cell (num-prompts = rate x this)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="cells per server and rate (a run's figure is their median; a's spread shrinks)")
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--range-ratio", type=float, default=0.0)
@@ -336,7 +363,16 @@ def main() -> None:
     parser.add_argument("--result-dir", default=None, help="vLLM's per-cell result JSON files (default: a temp dir)")
     parser.add_argument("--json", default=None, help="summary of every cell")
     parser.add_argument("--log-dir", default="/tmp")
+    parser.add_argument("--from-json", default=None, help="print the tables of an earlier --json run, run nothing")
     args = parser.parse_args()
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        old = argparse.Namespace(**{"repeat": 1, **saved["args"]})
+        if old.find_saturation:
+            print(saturation_markdown(saved["cells"]))
+        else:
+            print(markdown(saved["cells"], [float(r) for r in old.rates.split(",")], old))
+        return
     labels = args.order.split()
     bad = [lb for lb in labels if config_of(lb) not in CONFIGS]
     if bad:
