@@ -150,7 +150,11 @@ def soak_engine(n: int, batch: int, instrumented: bool = True, trace_malloc: boo
         llm_otel.uninstrument()
     out = {"instrumented": instrumented, "requests": done, "seconds": time.perf_counter() - t0,
            "spans_exported": drop.exported, "rss_first_kib": points[0][1], "rss_last_kib": points[-1][1],
-           "slope_kib_per_1k_requests": slope(points)}
+           "slope_kib_per_1k_requests": slope(points),
+           # bounded windows fill early in a run (the health score's 4,096 samples): the second half
+           # shows what keeps growing
+           "slope_second_half_kib_per_1k_requests": slope(points[len(points) // 2:]),
+           "points": points}
     if growth:
         out["tracemalloc"] = growth
     return out
