@@ -74,7 +74,7 @@ class HealthScore:
         self.utilization = utilization
         self.clock = clock
         self.started = clock()
-        # Preallocated rings (finish time, value), oldest overwritten: a fixed 4 x 32 KiB at the
+        # Preallocated rings (finish time, value), oldest overwritten: a fixed 100 KiB at the
         # default size from the start. Deques of (float, float) tuples held the same samples in
         # about 175 bytes per request, growing for the first 4,096 requests of every process (the
         # engine soak's "+38 bytes per request", docs/performance.md#memory).
