@@ -62,7 +62,8 @@ def base_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", VLLM_LOGGING_LEVEL="ERROR",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=str(HERE))
+               # this checkout's llm_otel (not whichever one the venv was installed from), and _workload
+               PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{HERE}")
     return env
 
 
@@ -168,23 +169,31 @@ class OfflineRunner:
         self.proc.wait(timeout=120)
 
 
+def server_command(config: str, python: str, model: str, sink: str, port: int) -> list[str]:
+    """The command line that starts vLLM's OpenAI server on ``port`` instrumented as ``config`` says
+    (zero-code ``opentelemetry-instrument`` for llm-otel, ``--otlp-traces-endpoint`` for vLLM's own
+    tracing, ``openlit-instrument`` for OpenLIT); its environment is ``config_env(config, sink)``."""
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", "--max-model-len", str(_workload.MAX_MODEL_LEN), "--block-size", "32",
+           "--seed", "0"]
+    bindir = Path(python).parent
+    if config in ("b", "c", "f", "g"):
+        cmd = [str(bindir / "opentelemetry-instrument")] + cmd
+    elif config == "d":
+        cmd += ["--otlp-traces-endpoint", sink]
+    elif config == "e":
+        cmd = [str(bindir / "openlit-instrument"), "--otlp_endpoint", sink] + cmd
+    return cmd
+
+
 class ServerRunner:
     """One OpenAI server per configuration, loaded by concurrent streaming clients."""
 
     def __init__(self, config: str, python: str, model: str, sink: str, args) -> None:
         self.port = free_port()
         self.args = args
-        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-               "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(self.port),
-               "--dtype", "float32", "--max-model-len", str(_workload.MAX_MODEL_LEN), "--block-size", "32",
-               "--seed", "0"]
-        bindir = Path(python).parent
-        if config in ("b", "c", "f", "g"):
-            cmd = [str(bindir / "opentelemetry-instrument")] + cmd
-        elif config == "d":
-            cmd += ["--otlp-traces-endpoint", sink]
-        elif config == "e":
-            cmd = [str(bindir / "openlit-instrument"), "--otlp_endpoint", sink] + cmd
+        cmd = server_command(config, python, model, sink, self.port)
         self.log = open(Path(args.log_dir) / f"server-{config}.log", "w")
         self.proc = subprocess.Popen(cmd, env=config_env(config, sink), stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)

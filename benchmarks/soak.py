@@ -95,9 +95,21 @@ def soak_core(n: int) -> dict:
             "slope_kib_per_1k_requests": slope(points)}
 
 
-def soak_engine(n: int, batch: int, instrumented: bool = True) -> dict:
+def top_growth(first, last, limit: int = 15) -> list[dict]:
+    """The allocation sites (file:line) whose live Python memory grew most between two tracemalloc
+    snapshots: bytes and block counts, largest growth first."""
+    stats = last.compare_to(first, "lineno")
+    return [{"site": str(st.traceback[0]), "size_diff_b": st.size_diff, "count_diff": st.count_diff,
+             "size_b": st.size} for st in stats[:limit]]
+
+
+def soak_engine(n: int, batch: int, instrumented: bool = True, trace_malloc: bool = False) -> dict:
     """``instrumented=False``: the same engine and workload without llm-otel, the baseline for the
-    slope (vLLM's own caches grow too)."""
+    slope (vLLM's own caches grow too). ``trace_malloc``: also trace Python allocations of this
+    process (the one ``LLM`` runs in) from the first reading to the end and report the sites that
+    grew (slower: tracemalloc records every allocation)."""
+    import tracemalloc
+
     from vllm import LLM, SamplingParams
 
     import llm_otel
@@ -120,12 +132,32 @@ def soak_engine(n: int, batch: int, instrumented: bool = True) -> dict:
         if done > n // 10:
             gc.collect()
             points.append((done, rss_kib()))
+            if trace_malloc and len(points) == 1:
+                tracemalloc.start(1)
+                first = tracemalloc.take_snapshot()
+                first_done = done
     tp.force_flush()
+    growth = None
+    if trace_malloc:
+        gc.collect()
+        last = tracemalloc.take_snapshot()
+        traced = sum(st.size for st in last.statistics("filename")) - sum(
+            st.size for st in first.statistics("filename"))
+        growth = {"requests": done - first_done, "traced_growth_b": traced,
+                  "bytes_per_request": traced / max(1, done - first_done), "top": top_growth(first, last)}
+        tracemalloc.stop()
     if instrumented:
         llm_otel.uninstrument()
-    return {"instrumented": instrumented, "requests": done, "seconds": time.perf_counter() - t0, "spans_exported": drop.exported,
-            "rss_first_kib": points[0][1], "rss_last_kib": points[-1][1],
-            "slope_kib_per_1k_requests": slope(points)}
+    out = {"instrumented": instrumented, "requests": done, "seconds": time.perf_counter() - t0,
+           "spans_exported": drop.exported, "rss_first_kib": points[0][1], "rss_last_kib": points[-1][1],
+           "slope_kib_per_1k_requests": slope(points),
+           # bounded windows fill early in a run (the health score's 4,096 samples): the second half
+           # shows what keeps growing
+           "slope_second_half_kib_per_1k_requests": slope(points[len(points) // 2:]),
+           "points": points}
+    if growth:
+        out["tracemalloc"] = growth
+    return out
 
 
 def main() -> None:
@@ -136,6 +168,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=500)
     parser.add_argument("--uninstrumented", action="store_true",
                         help="engine mode without llm-otel: the baseline slope of vLLM itself")
+    parser.add_argument("--tracemalloc", action="store_true",
+                        help="engine mode: Python allocation sites that grew from the first reading to the end")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     out = {}
@@ -143,7 +177,8 @@ def main() -> None:
         out["core"] = soak_core(args.requests)
         print("core  ", json.dumps(out["core"]), flush=True)
     if args.mode in ("engine", "all"):
-        out["engine"] = soak_engine(args.engine_requests, args.batch, instrumented=not args.uninstrumented)
+        out["engine"] = soak_engine(args.engine_requests, args.batch, instrumented=not args.uninstrumented,
+                                    trace_malloc=args.tracemalloc)
         print("engine", json.dumps(out["engine"]), flush=True)
     if args.json:
         with open(args.json, "w") as f:

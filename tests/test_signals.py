@@ -283,6 +283,41 @@ def test_health_score_maths():
     assert h.compute()[:2] == (1.0, "none")
 
 
+def test_health_windows_keep_the_newest_samples_in_fixed_memory():
+    """The windows are rings of ``max_samples``: the oldest sample is overwritten, and observing
+    requests allocates nothing that stays (the engine soak's per-request growth, issue 19)."""
+    import gc
+    import tracemalloc
+
+    clock = Clock()
+    h = HealthScore(latency_target_s=1.0, max_error_rate=0.5, warmup_s=0, max_samples=8, clock=clock)
+    for _ in range(8):
+        h.observe(5.0, error=True)  # errors carry no TTFT: the latency window stays empty
+    assert h.factors()["errors"] == 0.0 and h.factors()["latency"] == 1.0
+    for _ in range(8):  # eight successes overwrite all eight errors, and fill the latency window
+        h.observe(0.5, error=False)
+    assert h.factors()["errors"] == 1.0 and h.factors()["latency"] == 1.0
+    for _ in range(4):  # half the latency window now 3 s: p95 3 s, factor max(0, 2 - 3) = 0
+        h.observe(3.0, error=False)
+    assert h.factors()["latency"] == 0.0
+
+    big = HealthScore(clock=clock)  # default 4,096 samples
+    for i in range(5000):
+        big.observe(0.1, error=False)  # the first pass over the rings writes only preallocated slots
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(10_000):
+            clock.t += 0.01
+            big.observe(0.05 + (i % 7) * 1e-3, error=i % 50 == 0)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 2_000, grown  # a deque of tuples: about 175 bytes per request until full
+
+
 def test_health_gpu_factor_and_weights():
     util = {"v": 0.925}
     h = HealthScore(weights={"gpu": 1.0}, warmup_s=0, utilization=lambda: util["v"], clock=Clock())

@@ -23,7 +23,6 @@ import logging
 import socket
 import threading
 import time
-from collections import deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Mapping
 from urllib.parse import urlsplit
@@ -75,28 +74,43 @@ class HealthScore:
         self.utilization = utilization
         self.clock = clock
         self.started = clock()
-        self._latency: deque[tuple[float, float]] = deque(maxlen=max_samples)
-        self._outcomes: deque[tuple[float, bool]] = deque(maxlen=max_samples)
+        # Preallocated rings (finish time, value), oldest overwritten: a fixed 100 KiB at the
+        # default size from the start. Deques of (float, float) tuples held the same samples in
+        # about 175 bytes per request, growing for the first 4,096 requests of every process (the
+        # engine soak's "+38 bytes per request", docs/performance.md#memory).
+        n = max(1, int(max_samples))
+        self._lat_t = np.full(n, -np.inf)
+        self._lat_v = np.zeros(n)
+        self._lat_n = 0  # samples written so far; the next goes to index _lat_n % n
+        self._out_t = np.full(n, -np.inf)
+        self._out_e = np.zeros(n, dtype=bool)
+        self._out_n = 0
 
     def observe(self, ttft_s: float | None, error: bool) -> None:
-        """One finished request (O(1), called at finish)."""
+        """One finished request (O(1), no allocation that stays, called at finish)."""
         now = self.clock()
-        self._outcomes.append((now, error))
+        i = self._out_n % self._out_t.size
+        self._out_e[i] = error
+        self._out_t[i] = now
+        self._out_n += 1
         if ttft_s is not None and not error:
-            self._latency.append((now, ttft_s))
+            i = self._lat_n % self._lat_t.size
+            self._lat_v[i] = ttft_s
+            self._lat_t[i] = now
+            self._lat_n += 1
 
     def factors(self) -> dict[str, float | None]:
         now = self.clock()
         horizon = now - self.window_s
-        lat = np.array([v for t, v in list(self._latency) if t >= horizon], dtype=float)
-        outcomes = [e for t, e in list(self._outcomes) if t >= horizon]
+        lat = self._lat_v[self._lat_t >= horizon]  # boolean index: a copy, safe against observe()
+        outcomes = self._out_e[self._out_t >= horizon]
         if lat.size:
             p95 = float(np.percentile(lat, 95))
             latency = 1.0 if p95 <= self.latency_target_s else max(0.0, 2.0 - p95 / self.latency_target_s)
         else:
             latency = 1.0
-        if outcomes:
-            rate = sum(outcomes) / len(outcomes)
+        if outcomes.size:
+            rate = float(outcomes.mean())
             errors = max(0.0, 1.0 - rate / self.max_error_rate)
         else:
             errors = 1.0
