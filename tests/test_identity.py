@@ -179,3 +179,30 @@ def test_identity_never_raises(monkeypatch, caplog):
         got = vllm_process_identity("worker", env={})
     assert got["llm.process.role"] == "worker" and got["process.pid"] == os.getpid()
     assert "process identity incomplete" in caplog.text
+
+
+def test_relabel_gives_the_tracked_providers_a_new_role_and_keeps_the_rest(monkeypatch):
+    """identity.relabel: the providers llm-otel built (tracked) get the new role, indices and an
+    inherited-form instance id made again; other attributes stay, stale indices go; providers not
+    tracked (the application's) are never touched."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.instance.id=pod-9")
+    monkeypatch.setattr(identity, "_TRACKED", [])
+    pid = os.getpid()
+    ours = TracerProvider(resource=Resource.create(process_identity("worker", tp_rank=3)), shutdown_on_exit=False)
+    theirs = TracerProvider(resource=Resource.create({"service.name": "app"}), shutdown_on_exit=False)
+    tracer = ours.get_tracer("t")  # made before the relabel: it sees the new label too
+    identity.track(ours)
+    made = identity.relabel("router", process_name="lightllm.server.router.manager:start_router_process")
+    assert made["service.instance.id"] == f"pod-9/router.{pid}"
+    attrs = dict(ours.resource.attributes)
+    assert attrs["llm.process.role"] == "router" and attrs["service.instance.id"] == f"pod-9/router.{pid}"
+    assert "llm.process.tensor_parallel.rank" not in attrs  # the worker's index is gone
+    assert attrs["telemetry.sdk.language"] == "python"  # kept from Resource.create
+    with tracer.start_as_current_span("s") as span:
+        assert span.resource.attributes["llm.process.role"] == "router"
+    assert dict(theirs.resource.attributes).get("llm.process.role") is None
+    monkeypatch.setattr(identity, "_TRACKED", [])
+    assert identity.relabel("router") is None  # nothing of llm-otel's here: nothing to re-label

@@ -47,6 +47,7 @@ REQUESTS = [
     {"name": "closed", "prompt": "u v w x y z", "max_new_tokens": 30, "close_after": 2},
 ]
 HEALTH = {"name": "health", "prompt": "h", "max_new_tokens": 1, "health": True}
+POD = "pod-7d9f"  # an inherited service.instance.id (OTEL_RESOURCE_ATTRIBUTES), as in a Kubernetes pod
 
 
 # A layout no LightLLM release has: main @ fc72ffab with the hooked methods renamed (definitions and
@@ -55,7 +56,8 @@ RENAMED = {"unknown": {"add_req": "enqueue_group", "transfer_to_next_module": "_
                        "abort": "cancel_group", "set_next_gen_token_id": "push_token"}}
 
 
-def run_layout(layout: str, receiver, tmp_path_factory, requests: list, **extra_env: str) -> dict:
+def run_layout(layout: str, receiver, tmp_path_factory, requests: list, start_args: dict | None = None,
+               **extra_env: str) -> dict:
     tree = build_tree(layout, tmp_path_factory.mktemp(layout))
     renames = RENAMED.get(layout, {})
     for path in (tree / "lightllm").rglob("*.py") if renames else ():
@@ -82,7 +84,7 @@ def run_layout(layout: str, receiver, tmp_path_factory, requests: list, **extra_
     )
     instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
     done = subprocess.run([instrument, sys.executable, os.path.join(LAYOUTS, "driver.py"),
-                           json.dumps({"requests": requests})],
+                           json.dumps({"requests": requests, "args": start_args or {}})],
                           capture_output=True, text=True, env=env, timeout=300, cwd=str(tree))
     assert done.returncode == 0, done.stderr[-4000:]
     line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1]
@@ -146,7 +148,11 @@ def runs(receiver, tmp_path_factory, main_run):
     # per 1000 s leaves exactly the first burst token (capacity 1) for this run of dozens of steps
     out["v1_0"] = run_layout("v1_0", receiver, tmp_path_factory, REQUESTS[:2] + [HEALTH],
                              LLM_OTEL_LOGIT_DIST_RATIO="1", LLM_OTEL_STEP_SPANS_PER_S="0.001")
-    out["pr965"] = run_layout("pr965", receiver, tmp_path_factory, REQUESTS[:2] + [HEALTH])
+    out["pr965"] = run_layout("pr965", receiver, tmp_path_factory, REQUESTS[:2] + [HEALTH],
+                              OTEL_RESOURCE_ATTRIBUTES=f"service.instance.id={POD}")
+    # v1.0.0 with two model-infer processes (TP 2): every rank samples and sets tokens there
+    out["v1_0_0"] = run_layout("v1_0_0", receiver, tmp_path_factory, REQUESTS[:2], start_args={"tp": 2},
+                               LLM_OTEL_LOGIT_DIST_RATIO="1", OTEL_RESOURCE_ATTRIBUTES=f"service.instance.id={POD}")
     return out
 
 
@@ -387,3 +393,69 @@ def test_token_ids_stay_out_of_spans_without_content_capture(runs):
         assert events, layout
         assert all("llm.token.id" not in e["attributes"] for e in events), layout
         assert all("llm.token.latency" in e["attributes"] for e in events), layout
+
+
+# --- process identity: each LightLLM process says which one it is (export/identity.py) --------
+ROUTER_TARGET = "lightllm.server.router.manager:start_router_process"
+WORKER_TARGET = "lightllm.server.router.model_infer.model_rpc:_init_env"
+IDENTITY = ("llm.process.role", "process.pid", "service.instance.id", "llm.process.name",
+            "llm.process.tensor_parallel.rank", "llm.process.data_parallel.rank", "llm.process.inherited_instance_id")
+
+
+def identities(run: dict) -> dict[str, dict]:
+    """span name -> the identity part of the resource of the process that made it (one each)."""
+    out: dict[str, set] = {}
+    for span in run["spans"]:
+        out.setdefault(span["name"], set()).add(tuple((k, span["resource"].get(k)) for k in IDENTITY))
+    for name, found in out.items():
+        assert len(found) == 1 or name in ("llm.infer.request", "llm.logit_dist"), (name, found)
+    return {name: dict(sorted(found)[0]) for name, found in out.items()}
+
+
+@pytest.mark.parametrize("layout", ["main", "v1_0", "pr965", "v1_0_0"])
+def test_each_lightllm_process_reports_its_own_role_pid_and_instance(runs, layout):
+    """The HTTP worker is the frontend, the router says router (and which LightLLM function it runs),
+    the model-infer process says worker with its TP and DP rank - each with its own pid and
+    service.instance.id, derived from the pod's where OTEL_RESOURCE_ATTRIBUTES sets one."""
+    run = runs[layout]
+    ids = identities(run)
+    http, router, worker = ids[f"text_completion {MODEL}"], ids["llm.router.request"], ids["llm.infer.request"]
+    assert ids["llm.prompt"] == ids["llm.token_stream"] == http
+    assert http["llm.process.role"] == "frontend"
+    assert (router["llm.process.role"], router["llm.process.name"]) == ("router", ROUTER_TARGET)
+    assert (worker["llm.process.role"], worker["llm.process.name"]) == ("worker", WORKER_TARGET)
+    assert (worker["llm.process.tensor_parallel.rank"], worker["llm.process.data_parallel.rank"]) == (0, 0)
+    for proc in (http, router):
+        assert proc["llm.process.tensor_parallel.rank"] is None and proc["llm.process.data_parallel.rank"] is None
+    assert len({p["process.pid"] for p in (http, router, worker)}) == 3
+    assert len({p["service.instance.id"] for p in (http, router, worker)}) == 3
+    if layout in ("pr965", "v1_0_0"):  # <inherited>/<role>[.dp<r>][.tp<r>].<pid>
+        assert http["service.instance.id"] == f"{POD}/frontend.{http['process.pid']}"
+        assert router["service.instance.id"] == f"{POD}/router.{router['process.pid']}"
+        assert worker["service.instance.id"] == f"{POD}/worker.dp0.tp0.{worker['process.pid']}"
+        assert {p["llm.process.inherited_instance_id"] for p in (http, router, worker)} == {POD}
+    else:  # a UUID v4 per process
+        assert all(re.fullmatch(r"[0-9a-f-]{36}", p["service.instance.id"]) for p in (http, router, worker))
+    if layout in ("main", "v1_0"):  # the router's step spans carry the router's resource
+        assert ids["llm.engine.step"] == router
+
+
+def test_v1_0_0_only_the_master_rank_emits_worker_spans(runs):
+    """LightLLM v1.0.0 runs sampling and set_next_gen_token_id on every TP rank and has no
+    get_current_rank_in_dp; only rank 0 (tp_rank < dp_size: the rank whose results it writes to
+    shared memory) reports: one llm.infer.request and one llm.logit_dist per request, from rank 0."""
+    run = runs["v1_0_0"]
+    t = Trace(run)
+    for name, n_out in (("stop", 4), ("length", 3)):
+        assert len(run["results"][name]["tokens"]) == n_out
+        (req,) = t.requests(request_id(run, name))
+        infer = t.children(req, "llm.infer.request")
+        dist = t.children(req, "llm.logit_dist")
+        assert len(infer) == 1 and len(dist) == 1, (name, len(infer), len(dist))
+        assert infer[0]["attributes"]["gen_ai.usage.output_tokens"] == n_out
+        for span in infer + dist:
+            assert span["resource"]["llm.process.role"] == "worker"
+            assert span["resource"]["llm.process.tensor_parallel.rank"] == 0
+    assert {s["resource"]["llm.process.tensor_parallel.rank"] for s in run["spans"]
+            if s["name"] in ("llm.infer.request", "llm.logit_dist")} == {0}
+

@@ -3,7 +3,8 @@ this process is the HTTP worker, the router and the model-infer worker are spawn
 LightLLM. Run under ``opentelemetry-instrument`` with the tree first on ``PYTHONPATH``; prints
 ``RESULT <json>`` with what each request yielded.
 
-argv[1]: JSON ``{"requests": [<req> | [<req>, ...] (run concurrently)], "disable_chunked_prefill": bool}``;
+argv[1]: JSON ``{"requests": [<req> | [<req>, ...] (run concurrently)], "disable_chunked_prefill": bool,
+"args": {LightLLM start args, e.g. "tp": 2}}``;
 ``<req>``: ``{"name", "prompt", "max_new_tokens", "n", "traceparent", "disconnect_after", "health",
 "path", "close_after"}``.
 """
@@ -83,7 +84,9 @@ def main():
 
     raw = _standin.new_shm(ctx)
     to_router = ctx.Queue()
-    args = {"disable_chunked_prefill": scenario.get("disable_chunked_prefill", False), "running_max_req_size": 8}
+    args = {"disable_chunked_prefill": scenario.get("disable_chunked_prefill", False), "running_max_req_size": 8,
+            "tp": 1, "dp": 1,  # StartArgs defaults
+            **scenario.get("args", {})}  # e.g. {"tp": 2}: one model-infer process per rank
     router = ctx.Process(target=start_router_process, args=(args, to_router, raw), name="router")
     router.start()
     mgr = HttpServerManager(args, to_router, raw)

@@ -6,7 +6,8 @@ import os
 import shutil
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-LAYERS = {"main": ("common", "main"), "v1_0": ("common", "v1_0"), "pr965": ("common", "pr965"),
+LAYERS = {"main": ("common", "main"), "v1_0": ("common", "v1_0"), "v1_0_0": ("common", "v1_0", "v1_0_0"),
+          "pr965": ("common", "pr965"),
           "unknown": ("common", "main", "unknown")}
 
 

@@ -36,6 +36,15 @@ target keyword arguments included, so the engine core's ``dp_rank`` and the work
 children; their identity comes from the vLLM object that loads the plugins (``EngineCore`` /
 ``WorkerWrapperBase``), found on the calling stack, which holds the same configuration.
 
+Processes that learn what they are after their providers exist (a LightLLM child spawned under
+``opentelemetry-instrument``: ``sitecustomize`` builds the providers before multiprocessing has
+unpickled the function the child will run; a gunicorn worker forked from its master) keep their
+providers and have the resource re-labelled: :func:`track` registers the providers llm-otel built
+for this process, :func:`relabel` gives their resource a new role and indices (before the process
+makes spans), and after ``os.fork`` each tracked resource gets the child's own
+``process.pid``, ``process.parent_pid`` (where the resource has one) and ``service.instance.id``,
+keeping role and indices. An engine adapter that knows the role calls :func:`relabel` again.
+
 Anything that cannot be read leaves its attribute out with one log line naming what was missing;
 nothing here raises.
 """
@@ -49,6 +58,7 @@ import re
 import socket
 import sys
 import uuid
+import weakref
 from typing import Any, Mapping
 
 from llm_otel.semconv import attributes as A
@@ -93,13 +103,16 @@ def _suffix(role: str, api_server_index: int | None, dp_rank: int | None, pp_ran
 
 def process_identity(role: str, *, process_name: str | None = None, api_server_index: int | None = None,
                      dp_rank: int | None = None, tp_rank: int | None = None, pp_rank: int | None = None,
-                     ray: bool | None = None, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+                     ray: bool | None = None, env: Mapping[str, str] | None = None,
+                     renew: bool = False) -> dict[str, Any]:
     """Resource attributes identifying this process (any engine).
 
     ``role``: ``llm.process.role`` (``frontend``, ``engine_core``, ``worker``, or an engine's own
     role name). Indices left None are left out. The ``service.instance.id`` is made once per pid:
     a UUID v4, or derived from the inherited one (``OTEL_RESOURCE_ATTRIBUTES`` in ``env``, default
-    ``os.environ``) as ``<inherited>/<role>[.api<i>][.dp<r>][.pp<r>][.tp<r>].<pid>``. Never raises.
+    ``os.environ``) as ``<inherited>/<role>[.api<i>][.dp<r>][.pp<r>][.tp<r>].<pid>``. ``renew``: the
+    process has learnt its role since (:func:`relabel`): an inherited-form id is made again with
+    the new role and indices (a UUID stays). Never raises.
     """
     pid = os.getpid()
     attrs: dict[str, Any] = {A.LLM_PROCESS_ROLE: role, A.PROCESS_PID: pid}
@@ -109,7 +122,7 @@ def process_identity(role: str, *, process_name: str | None = None, api_server_i
         logger.info("llm-otel: host.name left out of this process's resource (%s)", exc)
     inherited = inherited_instance_id(env)
     instance = _INSTANCE_IDS.get(pid)
-    if instance is None:
+    if instance is None or (renew and inherited):
         if inherited:
             instance = f"{inherited}/{_suffix(role, api_server_index, dp_rank, pp_rank, tp_rank, pid)}"
         else:
@@ -125,6 +138,102 @@ def process_identity(role: str, *, process_name: str | None = None, api_server_i
         if value is not None:
             attrs[key] = value
     return attrs
+
+
+# --- re-labelling: resources of processes that learn their role late ---------------------------
+# identity keys a relabel replaces, and the process_identity() keyword each comes from
+_LABELS = {A.LLM_PROCESS_NAME: "process_name", A.LLM_PROCESS_API_SERVER_INDEX: "api_server_index",
+           A.LLM_PROCESS_DATA_PARALLEL_RANK: "dp_rank", A.LLM_PROCESS_TENSOR_PARALLEL_RANK: "tp_rank",
+           A.LLM_PROCESS_PIPELINE_PARALLEL_RANK: "pp_rank", A.LLM_PROCESS_RAY: "ray"}
+_IDENTITY_KEYS = frozenset(_LABELS) | {A.LLM_PROCESS_ROLE, A.PROCESS_PID, A.HOST_NAME, A.SERVICE_INSTANCE_ID,
+                                       A.LLM_PROCESS_INHERITED_INSTANCE_ID}
+# the providers llm-otel built in this process (weakly): their *current* resource is re-labelled
+# (SDK 1.45+ replaces a provider's resource with a merged copy after fork, in its own fork hook)
+_TRACKED: list[weakref.ref] = []
+
+
+def _resource_of(provider):
+    sdk_config = getattr(provider, "_sdk_config", None)  # MeterProvider
+    return getattr(sdk_config, "resource", None) if sdk_config is not None else getattr(provider, "resource", None)
+
+
+def _tracked() -> list:
+    """The distinct current resources of the live tracked providers."""
+    providers = [r() for r in _TRACKED]
+    _TRACKED[:] = [ref for ref, provider in zip(_TRACKED, providers) if provider is not None]
+    out: list = []
+    for provider in providers:
+        resource = _resource_of(provider) if provider is not None else None
+        if resource is not None and all(resource is not seen for seen in out):
+            out.append(resource)
+    return out
+
+
+def track(*providers) -> None:
+    """Register tracer / meter providers llm-otel built for this process from
+    :func:`process_identity` so that :func:`relabel` and ``fork`` re-label their resource."""
+    for provider in providers:
+        if provider is not None and all(r() is not provider for r in _TRACKED):
+            _TRACKED.append(weakref.ref(provider))
+
+
+def tracked_identity() -> dict[str, Any] | None:
+    """The identity attributes of the resource of this process's tracked providers (None when
+    llm-otel built no providers here: the application's own resource is never re-labelled)."""
+    for resource in _tracked():
+        return {k: v for k, v in resource.attributes.items() if k in _IDENTITY_KEYS}
+    return None
+
+
+def _set_attributes(resource, attrs: Mapping[str, Any]) -> None:
+    # The SDK's Resource is immutable by API; its attributes live in one BoundedAttributes that
+    # every tracer, span and metric reader reads through the same Resource object, so replacing it
+    # re-labels them all (opentelemetry-sdk 1.42: Resource.__init__ / .attributes). Only this
+    # process's copy changes (after fork) or nothing has used it yet (a spawned child's bootstrap).
+    from opentelemetry.attributes import BoundedAttributes
+
+    resource._attributes = BoundedAttributes(attributes=dict(attrs), immutable=True)
+
+
+def relabel(role: str, *, process_name: str | None = None, api_server_index: int | None = None,
+            dp_rank: int | None = None, tp_rank: int | None = None, pp_rank: int | None = None,
+            ray: bool | None = None) -> dict[str, Any] | None:
+    """Give every tracked resource of this process (:func:`track`) the identity of ``role`` with
+    these indices (see :func:`process_identity`; indices left None are removed), keeping every
+    other attribute (service name, detectors' attributes). Call it before the process makes spans
+    under its new role: spans made earlier keep the old label only in what they already exported.
+    Returns the new identity attributes, or None when nothing is tracked here. Never raises."""
+    resources = _tracked()
+    if not resources:
+        return None
+    try:
+        made = process_identity(role, process_name=process_name, api_server_index=api_server_index,
+                                dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank, ray=ray, renew=True)
+        for resource in resources:
+            kept = {k: v for k, v in resource.attributes.items() if k not in _IDENTITY_KEYS}
+            if A.PROCESS_PARENT_PID in kept:
+                kept[A.PROCESS_PARENT_PID] = os.getppid()
+            _set_attributes(resource, {**kept, **made})
+        logger.debug("llm-otel: this process (pid %d) is a %s process: %s", os.getpid(), role,
+                     made.get(A.SERVICE_INSTANCE_ID))
+        return made
+    except Exception as exc:  # noqa: BLE001 - identity must never stop the engine process
+        logger.warning("llm-otel: could not re-label this process's resource as %s (%s)", role, exc)
+        return None
+
+
+def _relabel_after_fork() -> None:
+    """In a forked child: the tracked resources get this pid and its own instance id, same role and
+    indices (gunicorn workers forked from their master, Celery prefork, vLLM under ``fork``)."""
+    current = tracked_identity()
+    if current is None:
+        return
+    kwargs = {kw: current[key] for key, kw in _LABELS.items() if key in current}
+    relabel(str(current.get(A.LLM_PROCESS_ROLE) or "frontend"), **kwargs)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_relabel_after_fork)
 
 
 def in_ray_worker() -> bool:

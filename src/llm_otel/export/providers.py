@@ -36,7 +36,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 
 from llm_otel.config import Settings
-from llm_otel.export.identity import current_process_identity
+from llm_otel.export.identity import current_process_identity, track
 
 logger = logging.getLogger("llm_otel")
 
@@ -213,6 +213,9 @@ def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
     meter_provider = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=shutdown_on_exit)
     if span_exporter is not None:
         span_exporter.bind(meter_provider)  # its lost spans count in llm_otel.spans.dropped
+    # re-labelled when this process learns its role later (identity.relabel: a LightLLM child) or is
+    # forked (its own pid and instance id)
+    track(tracer_provider, meter_provider)
     from llm_otel.sampling import utilization_is_gpu
 
     if utilization_is_gpu(poller):

@@ -201,7 +201,7 @@ LLM_PROCESS_INHERITED_INSTANCE_ID = 'llm.process.inherited_instance_id'
 """The `service.instance.id` the process inherited from its environment (`OTEL_RESOURCE_ATTRIBUTES`, e.g. a Kubernetes pod's), shared by every process of the pod; each process's own `service.instance.id` is derived from it. Type: string. Origin: llm-otel."""
 
 LLM_PROCESS_NAME = 'llm.process.name'
-"""The engine's name for the process (vLLM's multiprocessing process name, or the Ray actor class and rank). Type: string. Origin: llm-otel."""
+"""The engine's name for the process (vLLM's multiprocessing process name, or the Ray actor class and rank; LightLLM the function the process runs, `module:function`). Type: string. Origin: llm-otel."""
 
 LLM_PROCESS_PIPELINE_PARALLEL_RANK = 'llm.process.pipeline_parallel.rank'
 """Pipeline-parallel rank (stage) of a model worker (vLLM worker rank divided by `tensor_parallel_size` x `prefill_context_parallel_size`). Type: int. Origin: llm-otel."""
@@ -213,7 +213,7 @@ LLM_PROCESS_ROLE = 'llm.process.role'
 """Role of the engine process (a resource attribute of its providers). Type: enum (string). Origin: llm-otel."""
 
 LLM_PROCESS_TENSOR_PARALLEL_RANK = 'llm.process.tensor_parallel.rank'
-"""Tensor-parallel rank of a model worker (vLLM worker rank modulo `tensor_parallel_size`). Type: int. Origin: llm-otel."""
+"""Tensor-parallel rank of a model worker (vLLM worker rank modulo `tensor_parallel_size`; LightLLM model-infer rank within its data-parallel group, `rank % (tp // dp)`, v1.0.0 its `tp_rank`). Type: int. Origin: llm-otel."""
 
 LLM_REQUEST_CHOICE_INDEX = 'llm.request.choice.index'
 """Index of this choice among the `n` parallel samples of one request (0 when n=1). With n > 1 each choice has its own request span (its gen_ai.usage.input_tokens is the shared prompt's, its output tokens its own); request-level metrics count the request once (llm.server.token.usage, llm.server.requests, gen_ai.server.request.duration). Type: int. Origin: llm-otel."""
@@ -359,6 +359,9 @@ LLM_VRAM_SOURCE = 'llm.vram.source'
 LLM_VRAM_USAGE = 'llm.vram.usage'
 """Memory usage fraction (0-1) that drives the pressure level. Type: double. Origin: llm-otel."""
 
+PROCESS_PARENT_PID = 'process.parent_pid'
+"""Parent Process identifier (PPID). llm-otel keeps it true after fork where a resource detector set it (a gunicorn worker's parent is its master). Type: int. Origin: official."""
+
 PROCESS_PID = 'process.pid'
 """Process identifier (PID). Type: int. Origin: official."""
 
@@ -413,6 +416,17 @@ class LlmProcessRoleValues:
     FRONTEND = 'frontend'
     ENGINE_CORE = 'engine_core'
     WORKER = 'worker'
+    LAUNCHER = 'launcher'
+    HTTP_MASTER = 'http_master'
+    ROUTER = 'router'
+    DETOKENIZER = 'detokenizer'
+    VISUAL = 'visual'
+    VISUAL_WORKER = 'visual_worker'
+    AUDIO = 'audio'
+    CACHE = 'cache'
+    METRICS = 'metrics'
+    HEALTH_MONITOR = 'health_monitor'
+    KV_TRANSFER = 'kv_transfer'
 
 
 class LlmRequestClassReasonValues:
@@ -603,6 +617,7 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.vram.pressure.level': 'string',
     'llm.vram.source': 'string',
     'llm.vram.usage': 'double',
+    'process.parent_pid': 'int',
     'process.pid': 'int',
     'server.address': 'string',
     'server.port': 'int',

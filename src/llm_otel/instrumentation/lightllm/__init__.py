@@ -83,6 +83,12 @@ class LightLLMInstrumentor(BaseInstrumentor):
         tracer_provider, meter_provider = kwargs.get("tracer_provider"), kwargs.get("meter_provider")
         if tracer_provider is None and meter_provider is None:
             ensure_providers(settings)
+            from llm_otel.instrumentation.lightllm import process
+
+            # the providers' resource says which LightLLM process this is: now (launcher, gunicorn
+            # master), in multiprocessing's bootstrap (router, model-infer rank, detokenizer, ...)
+            # or after gunicorn forks an HTTP worker
+            process.install()
         self.adapter = LightLLMAdapter(Telemetry(tracer_provider, meter_provider, settings, scope=__name__))
         self._applied, self._setstate, self.layouts = [], None, {}
         for name in MODULES:

@@ -633,12 +633,21 @@ class _InferReq:
 
 
 def _master_rank() -> bool | None:
-    """Whether this worker is rank 0 of its DP group (``lightllm.utils.dist_utils``); None if unknown yet."""
+    """Whether this worker is the master rank of its DP group - the one whose results LightLLM
+    writes to shared memory; None if unknown yet (then it reports). main / v1.0.1:
+    ``lightllm.utils.dist_utils.get_current_rank_in_dp() == 0``; v1.0.0 has no such function (its
+    ``dist_utils`` only wraps ``torch.distributed``) and every rank samples and sets tokens: the
+    rank from the process's ``_init_env`` arguments (``process.is_master_worker``: ``tp_rank <
+    dp_size``, as v1.0.0's ``post_handel`` writes shared memory)."""
     try:
         from lightllm.utils.dist_utils import get_current_rank_in_dp
+    except ImportError:
+        from llm_otel.instrumentation.lightllm.process import is_master_worker
 
+        return is_master_worker()
+    try:
         return get_current_rank_in_dp() == 0
-    except Exception:  # noqa: BLE001 - older layouts / not initialised: treat as master
+    except Exception:  # noqa: BLE001 - not initialised: treat as master
         return None
 
 

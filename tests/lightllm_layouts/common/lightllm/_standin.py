@@ -12,6 +12,7 @@ unless ``max_new_tokens`` stops it first; the log-prob of output token ``k`` is 
 """
 
 import ctypes
+import os
 import time
 
 EOS_ID = 2
@@ -198,3 +199,45 @@ def fake_logits(run_reqs):
         logits[i].fill_(math.log((math.exp(-logprob) - 1.0) / (VOCAB - 1)))
         logits[i, token] = 0.0
     return logits
+
+
+def worker_args(args, rank, conn, shm_raw):
+    """The arguments the router gives the model-infer process of ``rank``, shaped as LightLLM's
+    ``model_rpc.start_model_process`` passes them to ``_init_env``: main / v1.0.1 ``(args, rank,
+    rank_in_node, node_world_size, ...)``, v1.0.0 ``(args, tp_rank, ...)`` - the tree is v1.0.0's
+    when its ``dist_utils`` has no ``get_current_rank_in_dp`` (as the real v1.0.0). The pipe and
+    the shared-memory block stand for the queues and events that follow."""
+    from lightllm.utils import dist_utils
+
+    if not hasattr(dist_utils, "get_current_rank_in_dp"):
+        return (args, rank, conn, shm_raw)
+    world = int(args.get("tp", 1))
+    return (args, rank, rank, world, conn, shm_raw)
+
+
+def start_workers(ctx, args, shm_raw):
+    """Start one model-infer process per TP rank as LightLLM's ``start_model_process`` does: an
+    unnamed ``Process(target=model_rpc._init_env, args=worker_args(...))``; returns (pipes, processes)."""
+    from lightllm.server.router.model_infer.model_rpc import _init_env
+
+    rpcs, workers = [], []
+    for rank in range(int(args.get("tp", 1))):
+        rpc, child = ctx.Pipe()
+        worker = ctx.Process(target=_init_env, args=worker_args(args, rank, child, shm_raw))
+        worker.start()
+        rpcs.append(rpc)
+        workers.append(worker)
+    return rpcs, workers
+
+
+def init_worker_rank(args, rank, ranks_in_dp):
+    """What LightLLM's ``init_distributed_env`` settles for this rank (main / v1.0.1: ``rank_in_dp =
+    rank % (world // dp)``, read back by ``dist_utils.get_current_rank_in_dp``); returns whether
+    this rank writes the shared-memory results (main: master of its DP group; v1.0.0: ``tp_rank <
+    dp_size``)."""
+    dp = int(args.get("dp", 1))
+    if not ranks_in_dp:
+        return rank < dp
+    rank_in_dp = rank % (int(args.get("tp", 1)) // dp)
+    os.environ["STANDIN_RANK_IN_DP"] = str(rank_in_dp)
+    return rank_in_dp == 0

@@ -22,9 +22,9 @@ class RouterManager:
         self.schedule_new_batch = None
         ctx = multiprocessing.get_context("spawn")
         self.io_buffer, child = ctx.Pipe()
-        from lightllm.server.router.model_infer.model_rpc import start_model_process
+        from lightllm.server.router.model_infer.model_rpc import _init_env
 
-        self.worker = ctx.Process(target=start_model_process, args=(child, shm_raw), name="model_infer_0")
+        self.worker = ctx.Process(target=_init_env, args=_standin.worker_args(args, 0, child, shm_raw))
         self.worker.start()
 
     def _add_req(self, group_req_indexes):

@@ -21,15 +21,13 @@ class RouterManager:
         self.running_batch = None
         self.schedule_new_batch = None
         ctx = multiprocessing.get_context("spawn")
-        self.rpc, child = ctx.Pipe()
-        from lightllm.server.router.model_infer.model_rpc import start_model_process
-
-        self.worker = ctx.Process(target=start_model_process, args=(child, shm_raw), name="model_infer_0")
-        self.worker.start()
+        # one model-infer process per TP rank (model_rpc.start_model_process)
+        self.rpcs, self.workers = _standin.start_workers(ctx, args, shm_raw)
 
     async def _rpc(self, *msg):
-        self.rpc.send(msg)
-        return self.rpc.recv()
+        for rpc in self.rpcs:  # every rank runs every call (LightLLM's shared-memory RPC)
+            rpc.send(msg)
+        return [rpc.recv() for rpc in self.rpcs][0]
 
     def add_req(self, group_req_indexes):
         req_group = []
@@ -91,9 +89,9 @@ class RouterManager:
                 stopping = not self._drain()
             self.generate_new_batch()
             await self._step()
-        self.rpc.send(None)
-        self.rpc.recv()
-        self.worker.join(30)
+        await self._rpc(None)
+        for worker in self.workers:
+            worker.join(30)
 
 
 def start_router_process(args, recv, shm_raw):

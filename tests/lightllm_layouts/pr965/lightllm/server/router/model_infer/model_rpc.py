@@ -35,6 +35,7 @@ def infer_loop(conn):
         g_infer_context.filter(finished)
 
 
-def start_model_process(conn, shm_raw):
+def _init_env(args, rank, rank_in_node, node_world_size, conn, shm_raw):
+    _standin.init_worker_rank(args, rank, True)
     g_infer_context.register(_standin.ShmReqManager(shm_raw))
     infer_loop(conn)
