@@ -232,7 +232,10 @@ class ProcessLifecycle:
             processors = getattr(getattr(provider, "_active_span_processor", None), "_span_processors", None)
             try:
                 if processors is None:
-                    provider.shutdown()
+                    if getattr(provider, "buffer", None) is not None:  # spans in an exporter process
+                        provider.shutdown(timeout_millis=self._remaining_ms())
+                    else:
+                        provider.shutdown()
                     continue
                 for processor in processors:
                     inner = getattr(processor, "_batch_processor", None)
