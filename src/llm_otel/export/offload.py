@@ -252,7 +252,13 @@ class OffloadBuffer:
         self.capacity = max(1, int(capacity))
         self.max_request_bytes = 0
         self._init = ("init", resource_attributes, schema_url)
-        self._env = dict(os.environ if env is None else env)
+        # the exporter process reads its OTLP settings from the environment llm-otel's providers
+        # were configured from, and imports the same llm_otel as this process
+        self._env = {**os.environ, **(env or {})}
+        import llm_otel
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(llm_otel.__file__)))
+        self._env["PYTHONPATH"] = os.pathsep.join(p for p in (root, self._env.get("PYTHONPATH", "")) if p)
         self._env["LLM_OTEL_EXPORT_PROCESS"] = "false"  # the exporter process exports itself
         self.drops = DropCounter(endpoint)
         self._created_pid = os.getpid()
@@ -318,6 +324,8 @@ class OffloadBuffer:
                 self._thread.start()
 
     def _lose(self, n: int, error_type: str, why: str) -> None:
+        if n <= 0:
+            return
         self.failed += n
         self.last_error = why
         self.drops.failed(n, error_type)
@@ -369,7 +377,7 @@ class OffloadBuffer:
         if proc is not None:
             self._process_died(f"exporter process exited with {proc.returncode}")
         now = time.monotonic()
-        if now - self._last_start < _RESPAWN_S or self._closed:
+        if now - self._last_start < _RESPAWN_S:
             return None
         self._last_start = now
         try:
@@ -457,7 +465,7 @@ class OffloadBuffer:
             self._lock.release()
         ok = False
         with self._reply_cv:
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline - (0.1 if final else 0.0):
                 reply = self._replies.pop(token, None)
                 if reply is not None:
                     ok = bool(reply[2])
@@ -466,10 +474,17 @@ class OffloadBuffer:
                     break
                 self._reply_cv.wait(min(0.05, max(0.0, deadline - time.monotonic())))
         if final and proc is not None:
+            # the exporter process ends with its serving process's deadline: what it still holds
+            # then is reported lost (in_flight) like the in-process batch processor's queue
             try:
                 proc.stdin.close()
-                proc.wait(max(0.0, min(0.5, deadline - time.monotonic())))
-            except Exception:  # noqa: BLE001 - still running: it exits when its stdin closes
+            except OSError:
+                pass
+            try:
+                proc.wait(max(0.0, min(0.5, deadline - time.monotonic() - 0.05)))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            except Exception:  # noqa: BLE001
                 pass
         return ok and self.in_flight == 0
 
