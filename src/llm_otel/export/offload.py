@@ -250,6 +250,7 @@ class OffloadBuffer:
                  env: Mapping[str, str] | None) -> None:
         self.endpoint = endpoint
         self.capacity = max(1, int(capacity))
+        self.respawn_s = _RESPAWN_S
         self.max_request_bytes = 0
         self._init = ("init", resource_attributes, schema_url)
         # the exporter process reads its OTLP settings from the environment llm-otel's providers
@@ -273,10 +274,11 @@ class OffloadBuffer:
         self._queue: deque = deque()
         self._wake = threading.Event()
         self._lock = threading.Lock()      # the pipe: one writer at a time (thread, flush)
+        self._start_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._proc: subprocess.Popen | None = None
         self._reader: threading.Thread | None = None
-        self._last_start = -_RESPAWN_S
+        self._last_start = -float("inf")
         self._sent = 0                     # records written to the current process
         self._acked = 0                    # of which it reported exported or failed
         self._replies: dict[int, tuple] = {}
@@ -318,7 +320,7 @@ class OffloadBuffer:
             self._wake.set()
 
     def _start_thread(self) -> None:
-        with self._lock:
+        with self._start_lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="llm-otel-offload", daemon=True)
                 self._thread.start()
@@ -377,7 +379,7 @@ class OffloadBuffer:
         if proc is not None:
             self._process_died(f"exporter process exited with {proc.returncode}")
         now = time.monotonic()
-        if now - self._last_start < _RESPAWN_S:
+        if now - self._last_start < self.respawn_s:
             return None
         self._last_start = now
         try:
