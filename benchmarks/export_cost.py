@@ -5,7 +5,8 @@ Each mode runs in a fresh interpreter (``--mode`` internal) with providers built
 ``llm_otel.instrument()`` builds them (:func:`llm_otel.export.providers.build_providers`, 100 %
 sampling), exporting over OTLP/gRPC to a real receiver in another process (its decoding is not
 counted). A request is ``start_request`` + 64 tokens + ``finish``: request span, ``llm.prompt``,
-``llm.token_stream`` with events, and the GenAI metrics. Measured: this process's CPU time
+``llm.token_stream`` with events, and the GenAI metrics (recorded here in both modes; ``--no-metrics``
+shows the span part alone). Measured: this process's CPU time
 (``time.process_time``: every thread, so the batch processor's encoding counts) over N requests
 plus the final flush, divided by N; the exporter process's CPU is reported separately
 (``resource.getrusage(RUSAGE_CHILDREN)`` after it exited).
@@ -38,7 +39,8 @@ def _receiver() -> tuple[subprocess.Popen, str]:
 def run_mode(mode: str, requests: int) -> dict:
     os.environ["LLM_OTEL_EXPORT_PROCESS"] = "true" if mode == "process" else "false"
     os.environ["OTEL_TRACES_SAMPLER"] = "parentbased_always_on"
-    os.environ["OTEL_METRICS_EXPORTER"] = "none"  # metrics cost the same in both modes; see micro.py
+    # metrics are recorded in the serving process in both modes (exported over OTLP every 60 s)
+    os.environ.setdefault("OTEL_METRIC_EXPORT_INTERVAL", "60000")
     sys.path.insert(0, HERE)
     from micro import one_request
 
@@ -67,6 +69,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--no-metrics", action="store_true", help="OTEL_METRICS_EXPORTER=none")
     parser.add_argument("--mode", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.mode:
@@ -74,6 +77,8 @@ def main() -> None:
         return
     receiver, endpoint = _receiver()
     env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true"}
+    if args.no_metrics:
+        env["OTEL_METRICS_EXPORTER"] = "none"
     results: dict[str, list] = {"inprocess": [], "process": []}
     try:
         for _ in range(args.rounds):  # alternate, so drift in background load hits both alike

@@ -7,6 +7,7 @@ SDK's in-process path must arrive as the same spans, ids included.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
@@ -292,3 +293,65 @@ def test_the_exporter_process_exits_when_its_serving_process_is_killed(receiver,
             pass
         time.sleep(0.1)
     pytest.fail("the exporter process outlived its killed serving process")
+
+
+GENAI_REQUEST_METRICS = (M.GEN_AI_SERVER_REQUEST_DURATION, M.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN,
+                         M.GEN_AI_SERVER_TIME_PER_OUTPUT_TOKEN, M.LLM_SERVER_INTER_TOKEN_LATENCY,
+                         M.LLM_SERVER_OUTPUT_TOKEN_RATE, M.LLM_SERVER_REQUEST_QUEUE_TIME, M.LLM_SERVER_TOKEN_USAGE,
+                         M.LLM_SERVER_REQUESTS)
+
+
+def test_genai_metrics_are_the_same_and_their_exemplars_point_at_exported_request_spans(receiver):
+    """Every request's GenAI metrics, recorded by the exporter process: same points as in process,
+    the serving process's resource, exemplars naming sampled request spans that were exported."""
+    settings = Settings(console="off", adaptive_sampling="off", itl_sample_every=1)
+
+    def run(export_process: bool):
+        receiver.clear()
+        env = {k: v for k, v in _env(receiver, OTEL_TRACES_SAMPLER="always_on").items()
+               if k != "OTEL_METRICS_EXPORTER"}
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.grpc_endpoint
+        tp, mp = build_providers(dataclasses.replace(settings, export_process=export_process), env,
+                                 shutdown_on_exit=False)
+        telemetry = Telemetry(tp, mp, settings)
+        _requests(telemetry, tp.get_tracer("t"), "m")
+        assert tp.force_flush(30_000) and mp.force_flush(30_000)
+        points = {}
+        for name in GENAI_REQUEST_METRICS:
+            for p in receiver.wait_for_metric(name, timeout=10):
+                key = (name, tuple(sorted(p["attributes"].items())))
+                points[key] = (p.get("count"), p.get("sum"), tuple(p.get("bucket_counts", ())), p.get("value"),
+                               p["resource"]["process.pid"], p["scope_name"], p["scope_version"])
+        exemplars = [e for name in GENAI_REQUEST_METRICS for p in receiver.metrics(name=name)
+                     for e in p.get("exemplars", ())]
+        spans = {(s["trace_id"], s["span_id"]) for s in receiver.spans() if s["name"] == "text_completion m"}
+        tp.shutdown()
+        mp.shutdown()
+        return points, exemplars, spans
+
+    in_process, _, _ = run(False)
+    offloaded, exemplars, request_spans = run(True)
+    assert len({key[0] for key in in_process}) == len(GENAI_REQUEST_METRICS)
+    assert offloaded == in_process
+    assert {p[4] for p in offloaded.values()} == {os.getpid()}  # the serving process's resource
+    assert exemplars and {(e["trace_id"], e["span_id"]) for e in exemplars} <= request_spans
+
+
+def test_metric_observations_a_full_buffer_cannot_take_are_counted(receiver):
+    tp, reader = _offload(receiver, Settings(console="off", adaptive_sampling="off", export_process_buffer=1))
+    telemetry = Telemetry(tp, MeterProvider(metric_readers=[InMemoryMetricReader()]),
+                          Settings(console="off", adaptive_sampling="off"))
+    # the application's meter provider (not the one llm-otel built with the exporter process): here
+    assert type(telemetry.instruments.ttft).__name__ != "_RemoteInstrument"
+    from llm_otel.export.offload import _RemoteInstrument
+
+    remote = _RemoteInstrument(tp.buffer, "requests")
+    with tp.buffer._lock:  # noqa: SLF001 - the writer is busy: nothing leaves the buffer
+        for _ in range(tp.buffer.metric_capacity + 3):
+            remote.add(1, {"a": "b"})
+    data = reader.get_metrics_data()
+    dropped = [p.value for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+               if m.name == M.LLM_OTEL_METRIC_POINTS_DROPPED for p in m.data.data_points
+               if p.attributes.get("error.type") == BACKLOG]
+    assert dropped == [3]
+    tp.shutdown()

@@ -253,6 +253,11 @@ class OffloadBuffer:
         self.respawn_s = _RESPAWN_S
         self.max_request_bytes = 0
         self._init = ("init", resource_attributes, schema_url)
+        self._instruments_init: tuple | None = None  # set by offload_instruments()
+        self.metric_capacity = 4 * self.capacity
+        self.metric_points_dropped = 0
+        self._metric_drops = None     # counter llm_otel.metric_points.dropped, once bound
+        self.metric_account = MetricAccount(endpoint)
         # the exporter process reads its OTLP settings from the environment llm-otel's providers
         # were configured from, and imports the same llm_otel as this process
         self._env = {**os.environ, **(env or {})}
@@ -272,6 +277,7 @@ class OffloadBuffer:
     def _start_state(self) -> None:
         self._pid = os.getpid()
         self._queue: deque = deque()
+        self._mqueue: deque = deque()      # metric observations (offload_instruments)
         self._wake = threading.Event()
         self._lock = threading.Lock()      # the pipe: one writer at a time (thread, flush)
         self._start_lock = threading.Lock()
@@ -290,8 +296,46 @@ class OffloadBuffer:
         self.drops.reset()
 
     def bind(self, meter_provider) -> None:
-        """Count lost spans in ``llm_otel.spans.dropped`` of ``meter_provider``."""
+        """Count lost spans in ``llm_otel.spans.dropped`` and lost metric observations in
+        ``llm_otel.metric_points.dropped`` of ``meter_provider``."""
         self.drops.bind(meter_provider)
+        try:
+            from llm_otel.semconv import metrics as M
+
+            self._metric_drops = meter_provider.get_meter("llm_otel").create_counter(
+                M.LLM_OTEL_METRIC_POINTS_DROPPED, unit=M.LLM_OTEL_METRIC_POINTS_DROPPED_UNIT,
+                description="GenAI metric observations this process could not hand to its exporter process.")
+        except Exception:  # noqa: BLE001
+            logger.debug("llm-otel: cannot create the metric drop counter", exc_info=True)
+
+    def push_metric(self, record: tuple) -> None:
+        """One metric observation ``(instrument attribute, value, attributes, (trace_id, span_id,
+        flags) or None)`` for the exporter process's instruments; O(1), never blocks."""
+        if self._pid != os.getpid():
+            if self.disowned:
+                return
+            self._start_state()
+        if self._closed:
+            return
+        if len(self._mqueue) >= self.metric_capacity:
+            self._lose_metrics(1, BACKLOG)
+            return
+        self._mqueue.append(record)
+        if self._thread is None:
+            self._start_thread()
+
+    def _lose_metrics(self, n: int, error_type: str) -> None:
+        if n <= 0:
+            return
+        first = not self.metric_points_dropped
+        self.metric_points_dropped += n
+        self.metric_account.failed += 1
+        counter = self._metric_drops
+        if counter is not None:
+            counter.add(n, {"error.type": error_type})
+        if first:
+            logger.warning("llm-otel: %d metric observation(s) could not be handed to the exporter process (%s); "
+                           "further losses are counted in llm_otel.metric_points.dropped", n, error_type)
 
     @property
     def disowned(self) -> bool:
@@ -345,11 +389,20 @@ class OffloadBuffer:
     def _drain(self) -> bool:
         """Send everything buffered; True when it was all written."""
         with self._lock:
-            queue = self._queue
-            while queue:
-                batch = [queue.popleft() for _ in range(min(_BATCH, len(queue)))]
-                if not self._send(("spans", batch), len(batch)):
-                    return False
+            return self._drain_locked()
+
+    def _drain_locked(self) -> bool:
+        mqueue = self._mqueue
+        while mqueue:
+            batch = [mqueue.popleft() for _ in range(min(4 * _BATCH, len(mqueue)))]
+            if not self._send(("metrics", batch), 0):
+                self._lose_metrics(len(batch), DOWN)
+                break
+        queue = self._queue
+        while queue:
+            batch = [queue.popleft() for _ in range(min(_BATCH, len(queue)))]
+            if not self._send(("spans", batch), len(batch)):
+                return False
         return True
 
     def _send(self, frame: tuple, n: int) -> bool:
@@ -385,8 +438,10 @@ class OffloadBuffer:
         try:
             proc = subprocess.Popen([sys.executable, "-m", "llm_otel.export.offload"], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, env=self._env, close_fds=True)
-            data = pickle.dumps(self._init, protocol=pickle.HIGHEST_PROTOCOL)
-            proc.stdin.write(_HEADER.pack(len(data)) + data)
+            for frame in (self._init, self._instruments_init):
+                if frame is not None:
+                    data = pickle.dumps(frame, protocol=pickle.HIGHEST_PROTOCOL)
+                    proc.stdin.write(_HEADER.pack(len(data)) + data)
         except Exception as exc:  # noqa: BLE001
             self.last_error = f"cannot start the exporter process: {type(exc).__name__}: {exc}"
             logger.warning("llm-otel: %s; spans are dropped and counted", self.last_error)
@@ -419,7 +474,10 @@ class OffloadBuffer:
                 if frame is None:
                     return
                 kind = frame[0]
-                if kind == "status" and proc is self._proc:
+                if kind == "metrics_failed":
+                    self.metric_account.failed += frame[1]
+                    self.metric_account.last_error = frame[2]
+                elif kind == "status" and proc is self._proc:
                     _, exported, failed, error = frame
                     self._acked += exported + failed
                     if failed:
@@ -451,11 +509,7 @@ class OffloadBuffer:
         if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             return False
         try:
-            queue = self._queue
-            while queue:
-                batch = [queue.popleft() for _ in range(min(_BATCH, len(queue)))]
-                if not self._send(("spans", batch), len(batch)):
-                    break
+            self._drain_locked()
             if self._proc is None or self._proc.poll() is not None:
                 return not self._queue and self._sent == self._acked
             self._token += 1
@@ -489,6 +543,61 @@ class OffloadBuffer:
             except Exception:  # noqa: BLE001
                 pass
         return ok and self.in_flight == 0
+
+
+class MetricAccount:
+    """The exporter process's metric exports, for the lifecycle's exit line (a metric exporter's
+    ``failed`` / ``in_flight`` / ``last_error`` / ``endpoint``): failed exports it reported and
+    observations this process could not hand to it."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.failed = 0
+        self.in_flight = 0
+        self.last_error: str | None = None
+
+
+# GenAI request instruments of :class:`llm_otel.telemetry.metrics.Instruments` recorded in the
+# exporter process: the ones every finished request records (attribute name -> "record"/"add")
+OFFLOADED_INSTRUMENTS = {"duration": "record", "ttft": "record", "tpot": "record", "itl": "record",
+                         "token_rate": "record", "queue": "record", "tokens": "record", "requests": "add"}
+
+
+class _RemoteInstrument:
+    """Stands in for one SDK instrument in the serving process: ``record``/``add(value,
+    attributes, context)`` become one tuple in the buffer; the exporter process records it into
+    the same instrument, with the request span's ids as context (so the exemplar points at it)."""
+
+    __slots__ = ("_buffer", "_name")
+
+    def __init__(self, buffer: OffloadBuffer, name: str) -> None:
+        self._buffer = buffer
+        self._name = name
+
+    def record(self, amount, attributes=None, context=None) -> None:
+        ids = None
+        if context is not None:
+            sc = trace_api.get_current_span(context).get_span_context()
+            if sc.is_valid and sc.trace_flags.sampled:  # only sampled spans become exemplars
+                ids = (sc.trace_id, sc.span_id, int(sc.trace_flags))
+        self._buffer.push_metric((self._name, amount, attributes, ids))
+
+    add = record
+
+
+def offload_instruments(instruments, tracer_provider, meter_provider, scope: tuple) -> bool:
+    """Have the exporter process record ``instruments``' per-request GenAI metrics when
+    ``tracer_provider`` is an :class:`OffloadTracerProvider` built together with
+    ``meter_provider`` for OTLP metric export (``build_providers``); returns True when it does.
+    Otherwise (the application's own providers, Prometheus, console) nothing changes.
+    ``scope``: (name, version, schema_url) of the meter, so that the points keep their scope."""
+    buffer = getattr(tracer_provider, "buffer", None)
+    if not isinstance(buffer, OffloadBuffer) or getattr(tracer_provider, "metrics_with", None) is not meter_provider:
+        return False
+    buffer._instruments_init = ("instruments", *scope, instruments.itl_every)  # noqa: SLF001
+    for name in OFFLOADED_INSTRUMENTS:
+        setattr(instruments, name, _RemoteInstrument(buffer, name))
+    return True
 
 
 def _read_frame(stream):
@@ -575,12 +684,17 @@ def main() -> int:
     exporter = span_exporter_from_env(os.environ)
     if exporter is None:
         return 2
+    metrics = _ChildMetrics(resource)
     try:
         while True:
             frame = _read_frame(stdin)
             if frame is None:
                 break
-            if frame[0] == "spans":
+            if frame[0] == "metrics":
+                metrics.record(frame[1])
+            elif frame[0] == "instruments":
+                metrics.start(*frame[1:])
+            elif frame[0] == "spans":
                 spans = readable_spans(frame[1], resource, limits)
                 before = exporter.failed
                 try:
@@ -592,8 +706,12 @@ def main() -> int:
                     else exporter.failed - before
                 _write_frame(stdout, ("status", len(spans) - failed, failed, exporter.last_error))
             elif frame[0] == "flush":
-                _, token, _timeout_ms, final = frame
-                _write_frame(stdout, ("flushed", token, True))  # every span before it was exported
+                _, token, timeout_ms, final = frame
+                failed = metrics.flush(timeout_ms, final)
+                if failed:
+                    _write_frame(stdout, ("metrics_failed", failed, metrics.last_error()))
+                # every span before it was exported (status frames above), metrics pushed
+                _write_frame(stdout, ("flushed", token, not failed))
                 if final:
                     break
     except OSError:  # the serving process went away
@@ -601,9 +719,81 @@ def main() -> int:
     finally:
         try:
             exporter.shutdown()
+            metrics.flush(2000, final=True)
         except Exception:  # noqa: BLE001
             pass
     return 0
+
+
+class _ChildMetrics:
+    """The exporter process's GenAI request instruments: a meter provider with the OTLP metric
+    exporter from the environment (``OTEL_EXPORTER_OTLP_*``, ``OTEL_METRIC_EXPORT_INTERVAL``) and
+    the serving process's resource, and the same :class:`~llm_otel.telemetry.metrics.Instruments`."""
+
+    def __init__(self, resource) -> None:
+        self.resource = resource
+        self.provider = None
+        self.instruments = None
+        self.exporter = None
+        self._contexts: dict = {}
+
+    def start(self, name: str, version: str, schema_url: str, itl_every: int) -> None:
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        from llm_otel.export.providers import metric_exporter_from_env
+        from llm_otel.telemetry.metrics import Instruments
+
+        if self.provider is not None:
+            return
+        self.exporter = metric_exporter_from_env(os.environ)
+        if self.exporter is None:
+            return
+        self.provider = MeterProvider(resource=self.resource, metric_readers=[
+            PeriodicExportingMetricReader(self.exporter)], shutdown_on_exit=False)
+        meter = self.provider.get_meter(name, version or None, schema_url=schema_url or None)
+        self.instruments = Instruments(meter, itl_every)
+
+    def record(self, batch) -> None:
+        instruments = self.instruments
+        if instruments is None:
+            return
+        from llm_otel.telemetry.metrics import _NO_TRACE
+
+        contexts = self._contexts
+        for name, value, attributes, ids in batch:
+            ctx = _NO_TRACE
+            if ids is not None:
+                ctx = contexts.get(ids)
+                if ctx is None:
+                    if len(contexts) > 4096:
+                        contexts.clear()
+                    ctx = contexts[ids] = trace_api.set_span_in_context(trace_api.NonRecordingSpan(
+                        SpanContext(ids[0], ids[1], is_remote=False, trace_flags=TraceFlags(ids[2]))))
+            instrument = getattr(instruments, name)
+            if OFFLOADED_INSTRUMENTS[name] == "add":
+                instrument.add(value, attributes, ctx)
+            else:
+                instrument.record(value, attributes, ctx)
+
+    def flush(self, timeout_ms: int, final: bool) -> int:
+        """Export now (and shut down when ``final``); returns the failed exports since the last call."""
+        if self.provider is None:
+            return 0
+        before = self.exporter.failed
+        try:
+            if final:
+                self.provider.shutdown(timeout_millis=max(1, timeout_ms))
+                self.provider = None
+            else:
+                self.provider.force_flush(max(1, timeout_ms))
+        except Exception as exc:  # noqa: BLE001
+            self.exporter.last_error = f"{type(exc).__name__}: {exc}"
+            return max(1, self.exporter.failed - before)
+        return self.exporter.failed - before
+
+    def last_error(self) -> str | None:
+        return getattr(self.exporter, "last_error", None)
 
 
 if __name__ == "__main__":

@@ -225,6 +225,11 @@ def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
     elif exporter_choice(env, "METRICS") != "none" and settings.console in ("auto", "tree"):
         readers.append(ConsoleMetricsSummary(stream))
     meter_provider = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=shutdown_on_exit)
+    if metric_exporter is not None and getattr(tracer_provider, "buffer", None) is not None:
+        # the GenAI request metrics may be recorded by the exporter process too (over OTLP, same
+        # resource): Telemetry asks llm_otel.export.offload.offload_instruments; Prometheus and
+        # console metrics are read in this process and stay here; so do all other metrics
+        tracer_provider.metrics_with = meter_provider
     if span_exporter is not None:
         span_exporter.bind(meter_provider)  # its lost spans count in llm_otel.spans.dropped
     from llm_otel.sampling import utilization_is_gpu
