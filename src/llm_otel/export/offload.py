@@ -60,6 +60,7 @@ from opentelemetry import trace as trace_api
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
 from llm_otel.export.drops import DropCounter
+from llm_otel.semconv import attributes as A
 
 logger = logging.getLogger("llm_otel")
 
@@ -332,7 +333,7 @@ class OffloadBuffer:
         self.metric_account.failed += 1
         counter = self._metric_drops
         if counter is not None:
-            counter.add(n, {"error.type": error_type})
+            counter.add(n, {A.ERROR_TYPE: error_type})
         if first:
             logger.warning("llm-otel: %d metric observation(s) could not be handed to the exporter process (%s); "
                            "further losses are counted in llm_otel.metric_points.dropped", n, error_type)

@@ -186,9 +186,10 @@ def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
     resource = Resource.create(current_process_identity())  # + OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES
     sampler, poller = _adaptive_sampler(settings, env)
     span_exporter = span_exporter_from_env(env)
+    offload = span_exporter is not None and settings.export_process
     tracer_provider = TracerProvider(resource=resource, id_generator=SystemRandomIdGenerator(), sampler=sampler,
-                                     shutdown_on_exit=shutdown_on_exit)
-    if span_exporter is not None and settings.export_process:
+                                     shutdown_on_exit=shutdown_on_exit and not offload)
+    if offload:
         # spans leave this process as compact records; the SDK provider above is only the
         # source of its sampler (the env default when None) and id generator
         from llm_otel.export.offload import OffloadTracerProvider
@@ -205,10 +206,10 @@ def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
         poller.owner = weakref.ref(tracer_provider, lambda _ref, stop=poller.stop: stop())
     readers: list[MetricReader] = []
     stream = stream or sys.stderr
-    if span_exporter is not None and not settings.export_process:
-        tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
+    if offload:
+        pass  # the exporter process exports
     elif span_exporter is not None:
-        pass
+        tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
     elif exporter_choice(env, "TRACES") == "none":
         pass
     elif settings.console in ("auto", "tree"):
