@@ -148,6 +148,8 @@ class OffloadSpan(trace_api.Span):
             return
         self._end = end_time if end_time is not None else time.time_ns()
         ctx, parent = self._context, self._parent
+        if not ctx.trace_flags.sampled:  # recorded, not sampled (RECORD_ONLY): not exported, as in the SDK
+            return
         self._buffer.push((
             self._name, ctx.trace_id, ctx.span_id, int(ctx.trace_flags), tuple(ctx.trace_state.items()),
             None if parent is None else (parent.trace_id, parent.span_id, parent.is_remote, int(parent.trace_flags),
