@@ -69,6 +69,11 @@ _BATCH = 512            # records per frame
 _INTERVAL_S = 0.2       # the writer sends at least this often when something is buffered
 _RESPAWN_S = 5.0        # at most one exporter-process start per this many seconds
 _HEADER = struct.Struct("!I")
+# this process's pid, refreshed in a forked child: compared on every push (os.getpid() is a system
+# call, and the hot path asks for it a dozen times per request)
+_PID = [os.getpid()]
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 BACKLOG = "export_process_backlog"
 DOWN = "export_process_down"
 
@@ -314,7 +319,7 @@ class OffloadBuffer:
     def push_metric(self, record: tuple) -> None:
         """One metric observation ``(instrument attribute, value, attributes, (trace_id, span_id,
         flags) or None)`` for the exporter process's instruments; O(1), never blocks."""
-        if self._pid != os.getpid():
+        if self._pid != _PID[0]:
             if self.disowned:
                 return
             self._start_state()
@@ -350,7 +355,7 @@ class OffloadBuffer:
 
     # --- caller side: O(1), never blocks --------------------------------------------------------
     def push(self, record: tuple) -> None:
-        if self._pid != os.getpid():
+        if self._pid != _PID[0]:
             if self.disowned:
                 return
             self._start_state()  # a forked child: its own buffer, thread and exporter process
