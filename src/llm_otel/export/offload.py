@@ -229,6 +229,7 @@ class OffloadTracerProvider(trace_api.TracerProvider):
         self.id_generator = id_generator
         self.buffer: OffloadBuffer | None = OffloadBuffer(dict(resource.attributes), resource.schema_url or "",
                                                           endpoint, buffer_size, env)
+        self.buffer.start()
 
     def get_tracer(self, instrumenting_module_name, instrumenting_library_version=None, schema_url=None,
                    attributes=None):
@@ -385,7 +386,17 @@ class OffloadBuffer:
         self.drops.failed(n, error_type)
 
     # --- writer thread ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the writer thread, which starts the exporter process at once (not with the first
+        span: its start-up, about a second of CPU, then overlaps the serving process's own
+        start-up rather than its first requests or an early shutdown)."""
+        if self._pid == _PID[0] and self._thread is None and not self._closed:
+            self._start_thread()
+
     def _run(self) -> None:
+        with self._lock:
+            if self._proc is None:
+                self._process()
         while not self._closed:
             self._wake.wait(_INTERVAL_S)
             self._wake.clear()
