@@ -292,6 +292,7 @@ class OffloadBuffer:
         self._start_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._proc: subprocess.Popen | None = None
+        self._instruments_to: subprocess.Popen | None = None  # the process told about the instruments
         self._reader: threading.Thread | None = None
         self._last_start = -float("inf")
         self._sent = 0                     # records written to the current process
@@ -412,6 +413,10 @@ class OffloadBuffer:
 
     def _drain_locked(self) -> bool:
         mqueue = self._mqueue
+        if mqueue and self._instruments_init is not None and self._instruments_to is not self._proc:
+            # the instruments were declared after this exporter process started
+            if self._send(self._instruments_init, 0):
+                self._instruments_to = self._proc
         while mqueue:
             batch = [mqueue.popleft() for _ in range(min(4 * _BATCH, len(mqueue)))]
             if not self._send(("metrics", batch), 0):
@@ -466,6 +471,7 @@ class OffloadBuffer:
             logger.warning("llm-otel: %s; spans are dropped and counted", self.last_error)
             return None
         self._proc, self._sent, self._acked = proc, 0, 0
+        self._instruments_to = proc if self._instruments_init is not None else None
         self._reader = threading.Thread(target=self._read, args=(proc,), name="llm-otel-offload-status",
                                         daemon=True)
         self._reader.start()
