@@ -38,16 +38,26 @@ def build(config: str, model: str, sink: str):
     return LLM(**kwargs)
 
 
+def _group(child) -> str:
+    """``exporter`` for llm-otel's span exporter process (``python -m llm_otel.export.offload``,
+    a child of the frontend that is not part of the engine), else ``engine``."""
+    try:
+        return "exporter" if "llm_otel.export.offload" in child.cmdline() else "engine"
+    except Exception:  # noqa: BLE001 - exited meanwhile
+        return "engine"
+
+
 def cpu_seconds() -> dict[str, float]:
     """CPU seconds (user + system) used so far by this process ("frontend") and by its child
-    processes ("engine": vLLM's engine core and anything it started), all threads included."""
+    processes ("engine": vLLM's engine core and anything it started; "exporter": llm-otel's span
+    exporter process), all threads included."""
     import psutil
 
     me = psutil.Process()
-    out = {"frontend": sum(me.cpu_times()[:2]), "engine": 0.0}
+    out = {"frontend": sum(me.cpu_times()[:2]), "engine": 0.0, "exporter": 0.0}
     for child in me.children(recursive=True):
         try:
-            out["engine"] += sum(child.cpu_times()[:2])
+            out[_group(child)] += sum(child.cpu_times()[:2])
         except psutil.Error:  # a helper process that just exited
             pass
     return out

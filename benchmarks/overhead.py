@@ -108,13 +108,15 @@ def process_cpu(pid: int) -> dict[str, float]:
 
     try:
         root = psutil.Process(pid)
-        out = {"frontend": sum(root.cpu_times()[:2]), "engine": 0.0}
+        out = {"frontend": sum(root.cpu_times()[:2]), "engine": 0.0, "exporter": 0.0}
         children = root.children(recursive=True)
     except psutil.Error:
-        return {"frontend": 0.0, "engine": 0.0}
+        return {"frontend": 0.0, "engine": 0.0, "exporter": 0.0}
+    from _offline_worker import _group
+
     for child in children:
         try:
-            out["engine"] += sum(child.cpu_times()[:2])
+            out[_group(child)] += sum(child.cpu_times()[:2])
         except psutil.Error:
             pass
     return out
@@ -329,6 +331,13 @@ def measure(workload: str, configs: list[str], model: str, sink: Sink, args) -> 
     return report
 
 
+def _cpu_cell(cpu: dict) -> str:
+    """``frontend, engine`` CPU ms per 1k tokens, and llm-otel's exporter process when it ran."""
+    exporter = cpu.get("exporter", 0.0)
+    return (f"{cpu['frontend']:.0f}, {cpu['engine']:.0f}" + (f" (+{exporter:.0f} exporter)" if exporter >= 0.5 else "")
+            + " |")
+
+
 def markdown(reports: dict, args) -> str:
     lines = [f"Workload: {args.prompts} prompts (mixed lengths) x {args.tokens} output tokens, "
              f"{args.reps} rounds; server: {args.clients} concurrent streaming clients.", "",
@@ -340,8 +349,7 @@ def markdown(reports: dict, args) -> str:
             lines.append(f"| {wl} | {c}: {e['name']} | {e['median']:.0f} | {e['min']:.0f} | {e['max']:.0f} | "
                          f"{e.get('ratio_of_medians', float('nan')):.3f} | "
                          f"{e.get('median_paired_ratio', float('nan')):.3f} | "
-                         + (f"{e['cpu_ms_per_1k_tokens']['frontend']:.0f}, {e['cpu_ms_per_1k_tokens']['engine']:.0f} |"
-                            if "cpu_ms_per_1k_tokens" in e else "n/a |")
+                         + (_cpu_cell(e["cpu_ms_per_1k_tokens"]) if "cpu_ms_per_1k_tokens" in e else "n/a |")
                          + (" " + ", ".join(f"{p0:.2g}→{p1:.2g}" for p0, p1 in zip(e["head_sampling_p"]["start"],
                                                                                  e["head_sampling_p"]["end"])) + " |"
                             if "head_sampling_p" in e else " |"))

@@ -28,8 +28,8 @@ Metric point dict keys: ``name``, ``unit``, ``description``, ``kind``
 (``"histogram"``, ``"sum"``, ``"gauge"``; also ``"exponential_histogram"``
 and ``"summary"`` with count/sum only), ``attributes``, ``start_ns``,
 ``time_ns``, ``resource``, ``scope_name``, ``scope_version``, ``transport``,
-plus ``count``/``sum``/``min``/``max``/``bucket_counts``/``explicit_bounds``
-for histograms, ``value`` for sums and gauges, and ``is_monotonic``/
+plus ``count``/``sum``/``min``/``max``/``bucket_counts``/``explicit_bounds``/``exemplars``
+(dicts ``trace_id``/``span_id``/``value``) for histograms, ``value`` for sums and gauges, and ``is_monotonic``/
 ``temporality`` for sums.
 """
 
@@ -197,6 +197,8 @@ def _decode_metric(metric, resource: dict, scope, transport: str) -> list[dict[s
                 max=_optional(point, "max"),
                 bucket_counts=[int(c) for c in point.bucket_counts],
                 explicit_bounds=list(point.explicit_bounds),
+                exemplars=[{"trace_id": _hex(e.trace_id), "span_id": _hex(e.span_id),
+                            "value": _number(e)} for e in point.exemplars],
             )
         elif which in ("sum", "gauge"):
             item["value"] = _number(point)

@@ -96,7 +96,7 @@ def test_metric_export_failures_stay_in_the_log():
 def test_providers_llm_otel_builds_count_their_drops():
     env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{_closed_port()}", "OTEL_METRICS_EXPORTER": "none",
            "OTEL_TRACES_SAMPLER": "always_on"}
-    tracer_provider, meter_provider = build_providers(Settings.from_env({}), env)
+    tracer_provider, meter_provider = build_providers(Settings.from_env({"LLM_OTEL_EXPORT_PROCESS": "false"}), env)
     (processor,) = tracer_provider._active_span_processor._span_processors
     assert isinstance(processor.span_exporter, ProcessSpanExporter)
     assert processor.span_exporter.endpoint == env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]

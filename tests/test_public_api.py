@@ -100,8 +100,23 @@ def test_instrument_with_otlp_endpoint_uses_a_batch_otlp_exporter():
         # the OTLP exporter inside llm-otel's wrapper: per process, size-capped, drops counted and logged once
         exporter = proc._batch_processor._exporter
         print(type(proc).__name__, type(exporter).__name__, type(exporter.inner()).__module__)
-    """, env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
+    """, env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+              "LLM_OTEL_EXPORT_PROCESS": "false"})
     assert out.split() == ["BatchSpanProcessor", "ProcessSpanExporter", "opentelemetry.exporter.otlp.proto.http.trace_exporter"]
+
+
+def test_instrument_with_otlp_endpoint_exports_spans_from_an_exporter_process_by_default():
+    out = run_py("""
+        import importlib.util
+        real = importlib.util.find_spec
+        importlib.util.find_spec = lambda name, *a: None if name == "vllm" else real(name, *a)
+        import llm_otel
+        from opentelemetry import trace
+        llm_otel.instrument()
+        provider = trace.get_tracer_provider()
+        print(type(provider).__name__, provider.buffer.endpoint)
+    """, env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
+    assert out.split() == ["OffloadTracerProvider", "http://127.0.0.1:9/v1/traces"]
 
 
 def test_instrument_rejects_unknown_engines_and_bad_config(monkeypatch):

@@ -48,12 +48,16 @@ def exporters_of(provider) -> list:
     """The llm-otel exporter wrappers behind ``provider``'s span processors or metric readers
     (for the final flush's accounting)."""
     from llm_otel.export.exporters import ProcessMetricExporter, ProcessSpanExporter
+    from llm_otel.export.offload import MetricAccount, OffloadBuffer
 
     found = []
+    buffer = getattr(provider, "buffer", None)  # OffloadTracerProvider: spans in an exporter process
+    if buffer is not None:
+        found.extend((buffer, buffer.metric_account))
     processors = getattr(getattr(provider, "_active_span_processor", None), "_span_processors", ()) or ()
     for processor in processors:
         inner = getattr(processor, "_batch_processor", None)
         found.append(getattr(inner, "_exporter", None) or getattr(processor, "span_exporter", None))
     readers = getattr(getattr(provider, "_sdk_config", None), "metric_readers", ()) or ()
     found.extend(getattr(reader, "_exporter", None) for reader in readers)
-    return [e for e in found if isinstance(e, (ProcessSpanExporter, ProcessMetricExporter))]
+    return [e for e in found if isinstance(e, (ProcessSpanExporter, ProcessMetricExporter, OffloadBuffer, MetricAccount))]

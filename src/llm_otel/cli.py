@@ -189,6 +189,9 @@ def doctor(env=None, out=None, *, api_servers: int = 1, dp_size: int = 1, serve_
     if exporter is None:
         say("info", _spans_destination(env, exporter_choice(env, "TRACES"), Settings.from_env(env).console))
     else:
+        say("info", "spans (and the GenAI request metrics, with OTLP metrics) of the frontend/application are exported "
+            "by an exporter process (LLM_OTEL_EXPORT_PROCESS=true)" if Settings.from_env(env).export_process
+            else "spans are exported in process (LLM_OTEL_EXPORT_PROCESS=false)")
         provider = TracerProvider()
         span = provider.get_tracer("llm_otel.doctor").start_span("llm_otel.doctor.probe")
         span.end()

@@ -118,6 +118,14 @@ class Settings:
             of one OTLP span export request from exporters llm-otel builds; larger batches are
             split and a larger span has its longest attributes shortened (captured messages stay
             valid JSON). Collectors reject gRPC requests over 4 MiB by default.
+        export_process: ``LLM_OTEL_EXPORT_PROCESS`` (true). Spans of the process whose providers
+            llm-otel builds (the vLLM frontend, an application) are exported over OTLP by a
+            separate exporter process fed with compact records (:mod:`llm_otel.export.offload`);
+            ``false``: the SDK's in-process batch span processor. Only with an OTLP span exporter;
+            vLLM's engine-core and worker processes always export in process.
+        export_process_buffer: ``LLM_OTEL_EXPORT_PROCESS_BUFFER`` (8192). Ended spans that may wait
+            for the exporter process; beyond it new spans are dropped and counted in
+            ``llm_otel.spans.dropped`` (``error.type=export_process_backlog``).
         console: ``LLM_OTEL_CONSOLE`` (auto). ``tree`` / ``json`` / ``off``: console output used when
             no ``OTEL_EXPORTER_OTLP_*ENDPOINT`` is set; ``auto`` = ``tree``.
     """
@@ -144,6 +152,8 @@ class Settings:
     nvtx: bool = True
     flush_deadline_s: float = 2.0
     otlp_max_request_bytes: int = 3 * 1024 * 1024
+    export_process: bool = True
+    export_process_buffer: int = 8192
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -173,6 +183,8 @@ class Settings:
             flush_deadline_s=_float(env, "LLM_OTEL_FLUSH_DEADLINE_S", 2.0, lo=0.0, hi=300.0),
             otlp_max_request_bytes=_int(env, "LLM_OTEL_OTLP_MAX_REQUEST_BYTES", 3 * 1024 * 1024,
                                         lo=64 * 1024, hi=1 << 30),
+            export_process=_bool(env, "LLM_OTEL_EXPORT_PROCESS", True),
+            export_process_buffer=_int(env, "LLM_OTEL_EXPORT_PROCESS_BUFFER", 8192, lo=1, hi=1 << 24),
         )
 
 

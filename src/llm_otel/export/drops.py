@@ -62,7 +62,7 @@ class DropCounter:
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
         self.dropped = 0          # spans lost so far in this process
-        self._unbound = 0         # of which not yet added to a counter
+        self._unbound: dict[str, int] = {}  # of which not yet added to a counter, by error.type
         self._counter = None
         self._failing = False
         self._lock = threading.Lock()
@@ -73,7 +73,8 @@ class DropCounter:
 
     def reset(self) -> None:
         """A new process (forked): nothing lost here yet, nothing bound."""
-        self.dropped = self._unbound = 0
+        self.dropped = 0
+        self._unbound = {}
         self._counter = None
         self._failing = False
         self._lock = threading.Lock()
@@ -88,9 +89,9 @@ class DropCounter:
             logger.debug("llm-otel: cannot create %s", M.LLM_OTEL_SPANS_DROPPED, exc_info=True)
             return
         with self._lock:
-            self._counter, pending, self._unbound = counter, self._unbound, 0
-        if pending:
-            counter.add(pending, {A.ERROR_TYPE: "export_failed"})
+            self._counter, pending, self._unbound = counter, self._unbound, {}
+        for error_type, n in pending.items():
+            counter.add(n, {A.ERROR_TYPE: error_type})
 
     def succeeded(self) -> None:
         if self._failing:
@@ -98,16 +99,18 @@ class DropCounter:
             logger.info("llm-otel: span export to %s works again (%d span(s) lost in all so far)",
                         self.endpoint, self.dropped)
 
-    def failed(self, n: int) -> None:
+    def failed(self, n: int, error_type: str = "export_failed") -> None:
+        """``n`` spans lost; ``error_type`` says why (``export_failed``: the collector did not take
+        them; ``export_process_backlog`` / ``export_process_down``: :mod:`llm_otel.export.offload`)."""
         with self._lock:
             self.dropped += n
             counter = self._counter
             if counter is None:
-                self._unbound += n
+                self._unbound[error_type] = self._unbound.get(error_type, 0) + n
             first = not self._failing
             self._failing = True
         if counter is not None:
-            counter.add(n, {A.ERROR_TYPE: "export_failed"})
+            counter.add(n, {A.ERROR_TYPE: error_type})
         if first:
             logger.warning("llm-otel: span export to %s failed, %d span(s) dropped; the engine keeps serving. "
                            "Further drops are counted in %s, not logged, until an export succeeds",

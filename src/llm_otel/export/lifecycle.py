@@ -79,6 +79,7 @@ class ProcessLifecycle:
         self._deadline_at: float | None = None
         self._early: threading.Thread | None = None
         self._early_done = False
+        self._early_incomplete = False
         self._reported = False
         self._failed_before: dict[int, int] = {}
         self._done = False
@@ -153,7 +154,9 @@ class ProcessLifecycle:
         pusher = _start_thread(self._force_flush, "llm-otel-early-export")
         if pusher is not None:
             pusher.join(max(0.0, self._deadline_at - time.monotonic()))
-            if pusher.is_alive():  # the process may be killed any moment now: say it while we can
+            # still pushing, or a provider's flush gave up at the deadline (the exporter process's
+            # does, rather than hang): the process may be killed any moment now, say it while we can
+            if pusher.is_alive() or self._early_incomplete:
                 self._report(done=False)
         _mark("flushed")  # delivered or given up: the parent need not wait any longer
 
@@ -161,7 +164,8 @@ class ProcessLifecycle:
         ms = max(1, int(self.deadline_s * 1000))
         for provider in self.tracer_providers + self.meter_providers:
             try:
-                provider.force_flush(ms)
+                if provider.force_flush(ms) is False and getattr(provider, "buffer", None) is not None:
+                    self._early_incomplete = True
             except Exception:  # noqa: BLE001
                 logger.debug("llm-otel: early flush failed", exc_info=True)
 
@@ -232,7 +236,10 @@ class ProcessLifecycle:
             processors = getattr(getattr(provider, "_active_span_processor", None), "_span_processors", None)
             try:
                 if processors is None:
-                    provider.shutdown()
+                    if getattr(provider, "buffer", None) is not None:  # spans in an exporter process
+                        provider.shutdown(timeout_millis=self._remaining_ms())
+                    else:
+                        provider.shutdown()
                     continue
                 for processor in processors:
                     inner = getattr(processor, "_batch_processor", None)

@@ -10,6 +10,9 @@ Used by :func:`llm_otel.instrument` when the application has not set providers i
   metrics when the backend, like Jaeger, takes traces only);
 * ``OTEL_METRICS_EXPORTER=prometheus``: a Prometheus pull endpoint per process
   (``OTEL_EXPORTER_PROMETHEUS_HOST``/``_PORT``, see :mod:`llm_otel.export.prometheus`);
+* with an OTLP span exporter and ``LLM_OTEL_EXPORT_PROCESS`` on (default): spans are exported by
+  a separate exporter process (:mod:`llm_otel.export.offload`; the tracer provider is an
+  :class:`~llm_otel.export.offload.OffloadTracerProvider`); metrics stay in this process;
 * otherwise: readable console output - each finished trace as an indented tree on stderr
   (``LLM_OTEL_CONSOLE=tree``, default; ``json`` for one JSON span per line; ``off``), and a
   metrics summary at exit.
@@ -182,18 +185,30 @@ def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
     validate_exporter_env(env)
     resource = Resource.create(current_process_identity())  # + OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES
     sampler, poller = _adaptive_sampler(settings, env)
+    span_exporter = span_exporter_from_env(env)
+    offload = span_exporter is not None and settings.export_process
     tracer_provider = TracerProvider(resource=resource, id_generator=SystemRandomIdGenerator(), sampler=sampler,
-                                     shutdown_on_exit=shutdown_on_exit)
+                                     shutdown_on_exit=shutdown_on_exit and not offload)
+    if offload:
+        # spans leave this process as compact records; the SDK provider above is only the
+        # source of its sampler (the env default when None) and id generator
+        from llm_otel.export.offload import OffloadTracerProvider
+
+        span_exporter.shutdown()  # its twin is built in the exporter process
+        tracer_provider = OffloadTracerProvider(resource, tracer_provider.sampler, tracer_provider.id_generator,
+                                                span_exporter.endpoint, settings.export_process_buffer, env)
+        span_exporter = tracer_provider.buffer
     if poller is not None:
         # the poller's thread ends with the provider that reads it. A weakref callback, not
         # weakref.finalize: the first finalize() registers weakref's atexit hook, and one registered
         # before multiprocessing's would run after it - multiprocessing would then join vLLM's
         # engine-core process before vLLM's own finalizers shut it down, and the process would hang
         poller.owner = weakref.ref(tracer_provider, lambda _ref, stop=poller.stop: stop())
-    span_exporter = span_exporter_from_env(env)
     readers: list[MetricReader] = []
     stream = stream or sys.stderr
-    if span_exporter is not None:
+    if offload:
+        pass  # the exporter process exports
+    elif span_exporter is not None:
         tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
     elif exporter_choice(env, "TRACES") == "none":
         pass
@@ -211,6 +226,11 @@ def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
     elif exporter_choice(env, "METRICS") != "none" and settings.console in ("auto", "tree"):
         readers.append(ConsoleMetricsSummary(stream))
     meter_provider = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=shutdown_on_exit)
+    if metric_exporter is not None and getattr(tracer_provider, "buffer", None) is not None:
+        # the GenAI request metrics may be recorded by the exporter process too (over OTLP, same
+        # resource): Telemetry asks llm_otel.export.offload.offload_instruments; Prometheus and
+        # console metrics are read in this process and stay here; so do all other metrics
+        tracer_provider.metrics_with = meter_provider
     if span_exporter is not None:
         span_exporter.bind(meter_provider)  # its lost spans count in llm_otel.spans.dropped
     # re-labelled when this process learns its role later (identity.relabel: a LightLLM child) or is

@@ -65,6 +65,15 @@ class Telemetry:
         self.errors = HookErrors(meter)
         self.spans = SpanBuilder(self.tracer, self.settings)
         provider = tracer_provider if tracer_provider is not None else trace.get_tracer_provider()
+        # spans in an exporter process (llm_otel.export.offload): the per-request GenAI metrics go
+        # there too when the meter provider is the one llm-otel built with it for OTLP
+        from opentelemetry.metrics import get_meter_provider
+
+        from llm_otel.export.offload import offload_instruments
+
+        offload_instruments(self.instruments, provider,
+                            meter_provider if meter_provider is not None else get_meter_provider(),
+                            (scope, __version__, SCHEMA_URL))
         # llm-otel's adaptive sampler (if the provider uses it) learns latency drift from every request
         self.sampling_root = getattr(getattr(provider, "sampler", None), "root", None)
         # request classes, tiers, KV footprint, VRAM pressure, health (ConfigError on a bad tier table)

@@ -1,0 +1,825 @@
+"""Span export out of the serving process: light recording spans here, SDK spans and OTLP in a
+separate exporter process (``LLM_OTEL_EXPORT_PROCESS``, default on for the process that builds
+its providers with :func:`llm_otel.export.providers.build_providers` and exports over OTLP).
+
+Why: in a vLLM frontend the OpenTelemetry SDK's span machinery (attribute validation, locks, span
+processors) and the batch processor's OTLP protobuf encoding (about 80 us per span, in a thread
+that competes with the frontend for the GIL) cost about a millisecond per traced request. The
+same idea as SGLang's ``SGLANG_TRACE_ASYNC``: the serving process decides everything that other
+processes depend on - trace and span ids (from :class:`~llm_otel.export.providers.SystemRandomIdGenerator`),
+the sampling decision and its ``tracestate`` (``ot=th``), parents and links - and keeps a span's
+data as plain tuples; each ended span becomes one compact record in a bounded buffer. A daemon
+thread pickles batches of records to the exporter process's stdin; the exporter process
+(``python -m llm_otel.export.offload``) rebuilds SDK :class:`~opentelemetry.sdk.trace.ReadableSpan`
+objects with the same ids, times, resource and scope (attribute and event limits applied there, as
+the SDK would have here) and exports them through the same stack as the in-process path
+(``BatchSpanProcessor`` + :class:`~llm_otel.export.exporters.ProcessSpanExporter`: request size
+cap, OTLP settings from the ``OTEL_EXPORTER_OTLP_*`` environment it inherits).
+
+Guarantees:
+
+* **Never blocks, bounded memory.** ``span.end()`` appends to a deque; when
+  ``LLM_OTEL_EXPORT_PROCESS_BUFFER`` records (default 8192 spans) are waiting, new spans are
+  dropped and counted in ``llm_otel.spans.dropped`` (``error.type=export_process_backlog``).
+* **Exporter process death**: the spans of a batch that could not be written and those the dead
+  process had not reported exported are counted (``error.type=export_process_down``), one log line
+  per outage (:class:`~llm_otel.export.drops.DropCounter`), and a new exporter process is started
+  for the next batch (at most one start per ``_RESPAWN_S`` seconds; in between, spans are dropped
+  and counted). Nothing is raised into the caller.
+* **Export failures in the exporter process** (collector down) are reported back in its status
+  frames and counted here, in this process's ``llm_otel.spans.dropped`` (``export_failed``) - the
+  metric stays where the serving process's metrics are.
+* **Shutdown**: :meth:`OffloadTracerProvider.shutdown` (called by the lifecycle's final flush)
+  sends what is buffered, asks the exporter process to flush and exit within the remaining
+  deadline, and waits for its answer; spans it had not delivered are reported (``failed``,
+  ``in_flight``) in the lifecycle's exit line.
+* **Fork**: the buffer, thread and exporter process belong to the process that created them; in
+  a forked child, spans go to a new buffer and exporter process of the child's own (the parent's
+  pipe is never written), unless the child disowned the inherited exporters
+  (:func:`llm_otel.export.exporters.disown_inherited`, vLLM engine processes): then they are
+  dropped uncounted, as with the in-process exporters.
+
+Metrics stay in the serving process (the SDK meter provider; exemplars need the live context).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from typing import Mapping, Sequence
+
+from opentelemetry import context as context_api
+from opentelemetry import trace as trace_api
+from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
+
+from llm_otel.export.drops import DropCounter
+from llm_otel.semconv import attributes as A
+
+logger = logging.getLogger("llm_otel")
+
+DEFAULT_BUFFER = 8192
+_BATCH = 512            # records per frame
+_INTERVAL_S = 0.2       # the writer sends at least this often when something is buffered
+_RESPAWN_S = 5.0        # at most one exporter-process start per this many seconds
+_HEADER = struct.Struct("!I")
+# this process's pid, refreshed in a forked child: compared on every push (os.getpid() is a system
+# call, and the hot path asks for it a dozen times per request)
+_PID = [os.getpid()]
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
+BACKLOG = "export_process_backlog"
+DOWN = "export_process_down"
+
+
+# --- serving process: light spans -----------------------------------------------------------------
+class OffloadSpan(trace_api.Span):
+    """A recording span that keeps its data as plain Python values and, on :meth:`end`, hands
+    one record to its provider's :class:`OffloadBuffer`. Attribute values are kept as given
+    (validated by the SDK in the exporter process); a second ``end`` is ignored."""
+
+    __slots__ = ("_name", "_context", "_parent", "_kind", "_attributes", "_events", "_links", "_status",
+                 "_start", "_end", "_scope", "_buffer")
+
+    def __init__(self, name, context, parent, kind, attributes, links, start, scope, buffer) -> None:
+        self._name = name
+        self._context = context
+        self._parent = parent
+        self._kind = kind
+        self._attributes = dict(attributes) if attributes else {}
+        self._events: list = []
+        self._links = links
+        self._status = (0, None)
+        self._start = start
+        self._end = None
+        self._scope = scope
+        self._buffer = buffer
+
+    def get_span_context(self) -> SpanContext:
+        return self._context
+
+    def is_recording(self) -> bool:
+        return self._end is None
+
+    def set_attributes(self, attributes) -> None:
+        if self._end is None and attributes:
+            self._attributes.update(attributes)
+
+    def set_attribute(self, key, value) -> None:
+        if self._end is None:
+            self._attributes[key] = value
+
+    def add_event(self, name, attributes=None, timestamp=None) -> None:
+        if self._end is None:
+            self._events.append((name, attributes, timestamp if timestamp is not None else time.time_ns()))
+
+    def add_link(self, context, attributes=None) -> None:
+        if self._end is None and context is not None and context.is_valid:
+            self._links = (*self._links, Link(context, attributes))
+
+    def update_name(self, name) -> None:
+        if self._end is None:
+            self._name = name
+
+    def set_status(self, status, description=None) -> None:
+        if self._end is not None:
+            return
+        if isinstance(status, Status):
+            code, description = status.status_code, status.description
+        else:
+            code = status
+        if self._status[0] == StatusCode.OK.value:  # OK is final, as in the SDK
+            return
+        self._status = (code.value, description if code is StatusCode.ERROR else None)
+
+    def record_exception(self, exception, attributes=None, timestamp=None, escaped=False) -> None:
+        import traceback
+
+        attrs = {"exception.type": type(exception).__qualname__, "exception.message": str(exception),
+                 "exception.stacktrace": "".join(traceback.format_exception(exception)),
+                 "exception.escaped": str(escaped)}
+        if attributes:
+            attrs.update(attributes)
+        self.add_event("exception", attrs, timestamp)
+
+    def end(self, end_time=None) -> None:
+        if self._end is not None:
+            return
+        self._end = end_time if end_time is not None else time.time_ns()
+        ctx, parent = self._context, self._parent
+        if not ctx.trace_flags.sampled:  # recorded, not sampled (RECORD_ONLY): not exported, as in the SDK
+            return
+        self._buffer.push((
+            self._name, ctx.trace_id, ctx.span_id, int(ctx.trace_flags), tuple(ctx.trace_state.items()),
+            None if parent is None else (parent.trace_id, parent.span_id, parent.is_remote, int(parent.trace_flags),
+                                         tuple(parent.trace_state.items())),
+            self._kind.value, self._start, self._end, self._attributes, self._events,
+            [_link_record(link) for link in self._links], self._status, self._scope))
+
+    def __enter__(self):
+        return self
+
+
+def _link_record(link: Link) -> tuple:
+    c = link.context
+    return (c.trace_id, c.span_id, c.is_remote, int(c.trace_flags), tuple(c.trace_state.items()),
+            dict(link.attributes) if link.attributes else None)
+
+
+class OffloadTracer(trace_api.Tracer):
+    """Starts :class:`OffloadSpan` objects the way the SDK's ``Tracer.start_span`` starts spans
+    (same id generator, sampler call, trace flags and ``tracestate``); unsampled spans are
+    ``NonRecordingSpan`` with their real context, as in the SDK."""
+
+    def __init__(self, provider: "OffloadTracerProvider", scope: tuple) -> None:
+        self._provider = provider
+        self._scope = scope
+
+    def start_span(self, name: str, context=None, kind: SpanKind = SpanKind.INTERNAL, attributes=None,
+                   links=(), start_time=None, record_exception=True, set_status_on_exception=True):
+        provider = self._provider
+        links = links or ()
+        parent = trace_api.get_current_span(context).get_span_context()
+        ids = provider.id_generator
+        if parent is None or not parent.is_valid:
+            parent = None
+            trace_id = ids.generate_trace_id()
+        else:
+            trace_id = parent.trace_id
+        result = provider.sampler.should_sample(context, trace_id, name, kind, attributes, links)
+        flags = TraceFlags.SAMPLED if result.decision.is_sampled() else TraceFlags.DEFAULT
+        span_context = SpanContext(trace_id, ids.generate_span_id(), is_remote=False,
+                                   trace_flags=TraceFlags(flags), trace_state=result.trace_state)
+        if not result.decision.is_recording() or provider.buffer is None:
+            return trace_api.NonRecordingSpan(span_context)
+        return OffloadSpan(name, span_context, parent, kind, result.attributes,
+                           tuple(link for link in links if link.context is not None and link.context.is_valid),
+                           start_time if start_time is not None else time.time_ns(), self._scope, provider.buffer)
+
+    def start_as_current_span(self, name, context=None, kind=SpanKind.INTERNAL, attributes=None, links=(),
+                              start_time=None, record_exception=True, set_status_on_exception=True,
+                              end_on_exit=True):
+        span = self.start_span(name, context, kind, attributes, links, start_time)
+        return trace_api.use_span(span, end_on_exit=end_on_exit, record_exception=record_exception,
+                                  set_status_on_exception=set_status_on_exception)
+
+
+class OffloadTracerProvider(trace_api.TracerProvider):
+    """Tracer provider of the serving process when spans are exported by an exporter process.
+
+    Args:
+        resource: the SDK ``Resource`` of this process (sent to the exporter process once).
+        sampler: the SDK sampler (``should_sample``; llm-otel's adaptive sampler by default).
+        id_generator: trace and span ids (:class:`SystemRandomIdGenerator`).
+        endpoint: the OTLP endpoint, for log lines.
+        buffer_size: spans that may wait for the exporter process (``LLM_OTEL_EXPORT_PROCESS_BUFFER``).
+        env: the environment the exporter process is started with (its OTLP settings).
+    """
+
+    def __init__(self, resource, sampler, id_generator, endpoint: str = "", buffer_size: int = DEFAULT_BUFFER,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.resource = resource
+        self.sampler = sampler
+        self.id_generator = id_generator
+        self.buffer: OffloadBuffer | None = OffloadBuffer(dict(resource.attributes), resource.schema_url or "",
+                                                          endpoint, buffer_size, env)
+        self.buffer.start()
+
+    def get_tracer(self, instrumenting_module_name, instrumenting_library_version=None, schema_url=None,
+                   attributes=None):
+        return OffloadTracer(self, (instrumenting_module_name or "", instrumenting_library_version or "",
+                                    schema_url or "", dict(attributes) if attributes else None))
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        buffer = self.buffer
+        return True if buffer is None else buffer.flush(timeout_millis / 1000, final=False)
+
+    def shutdown(self, timeout_millis: int | None = None) -> None:
+        buffer, self.buffer = self.buffer, None
+        if buffer is not None:
+            from llm_otel.export.lifecycle import DEFAULT_DEADLINE_S
+
+            buffer.flush(timeout_millis / 1000 if timeout_millis is not None else DEFAULT_DEADLINE_S, final=True)
+
+
+class OffloadBuffer:
+    """The bounded buffer, writer thread and exporter process of one serving process.
+
+    Counts for the lifecycle's exit line (the attributes of a span exporter it reads): ``failed``
+    (spans lost), ``in_flight`` (spans buffered or sent and not yet reported exported),
+    ``last_error``, ``endpoint``, ``max_request_bytes`` (marks it as a span exporter)."""
+
+    def __init__(self, resource_attributes: dict, schema_url: str, endpoint: str, capacity: int,
+                 env: Mapping[str, str] | None) -> None:
+        self.endpoint = endpoint
+        self.capacity = max(1, int(capacity))
+        self.respawn_s = _RESPAWN_S
+        self.max_request_bytes = 0
+        self._init = ("init", resource_attributes, schema_url)
+        self._instruments_init: tuple | None = None  # set by offload_instruments()
+        self.metric_capacity = 4 * self.capacity
+        self.metric_points_dropped = 0
+        self._metric_drops = None     # counter llm_otel.metric_points.dropped, once bound
+        self.metric_account = MetricAccount(endpoint)
+        # the exporter process reads its OTLP settings from the environment llm-otel's providers
+        # were configured from, and imports the same llm_otel as this process
+        self._env = {**os.environ, **(env or {})}
+        import llm_otel
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(llm_otel.__file__)))
+        self._env["PYTHONPATH"] = os.pathsep.join(p for p in (root, self._env.get("PYTHONPATH", "")) if p)
+        self._env["LLM_OTEL_EXPORT_PROCESS"] = "false"  # the exporter process exports itself
+        self.drops = DropCounter(endpoint)
+        self._created_pid = os.getpid()
+        self._disowned_pid: int | None = None
+        from llm_otel.export import exporters
+
+        exporters._EXPORTERS.add(self)  # noqa: SLF001 - disown_inherited() covers this buffer too
+        self._start_state()
+
+    def _start_state(self) -> None:
+        self._pid = os.getpid()
+        self._queue: deque = deque()
+        self._mqueue: deque = deque()      # metric observations (offload_instruments)
+        self._wake = threading.Event()
+        self._lock = threading.Lock()      # the pipe: one writer at a time (thread, flush)
+        self._start_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._proc: subprocess.Popen | None = None
+        self._instruments_to: subprocess.Popen | None = None  # the process told about the instruments
+        self._reader: threading.Thread | None = None
+        self._last_start = -float("inf")
+        self._sent = 0                     # records written to the current process
+        self._acked = 0                    # of which it reported exported or failed
+        self._replies: dict[int, tuple] = {}
+        self._reply_cv = threading.Condition()
+        self._token = 0
+        self._closed = False
+        self.failed = 0
+        self.last_error: str | None = None
+        self.drops.reset()
+
+    def bind(self, meter_provider) -> None:
+        """Count lost spans in ``llm_otel.spans.dropped`` and lost metric observations in
+        ``llm_otel.metric_points.dropped`` of ``meter_provider``."""
+        self.drops.bind(meter_provider)
+        try:
+            from llm_otel.semconv import metrics as M
+
+            self._metric_drops = meter_provider.get_meter("llm_otel").create_counter(
+                M.LLM_OTEL_METRIC_POINTS_DROPPED, unit=M.LLM_OTEL_METRIC_POINTS_DROPPED_UNIT,
+                description="GenAI metric observations this process could not hand to its exporter process.")
+        except Exception:  # noqa: BLE001
+            logger.debug("llm-otel: cannot create the metric drop counter", exc_info=True)
+
+    def push_metric(self, record: tuple) -> None:
+        """One metric observation ``(instrument attribute, value, attributes, (trace_id, span_id,
+        flags) or None)`` for the exporter process's instruments; O(1), never blocks."""
+        if self._pid != _PID[0]:
+            if self.disowned:
+                return
+            self._start_state()
+        if self._closed:
+            return
+        if len(self._mqueue) >= self.metric_capacity:
+            self._lose_metrics(1, BACKLOG)
+            return
+        self._mqueue.append(record)
+        if self._thread is None:
+            self._start_thread()
+
+    def _lose_metrics(self, n: int, error_type: str) -> None:
+        if n <= 0:
+            return
+        first = not self.metric_points_dropped
+        self.metric_points_dropped += n
+        self.metric_account.failed += 1
+        counter = self._metric_drops
+        if counter is not None:
+            counter.add(n, {A.ERROR_TYPE: error_type})
+        if first:
+            logger.warning("llm-otel: %d metric observation(s) could not be handed to the exporter process (%s); "
+                           "further losses are counted in llm_otel.metric_points.dropped", n, error_type)
+
+    @property
+    def disowned(self) -> bool:
+        return self._disowned_pid == os.getpid()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._queue) + max(0, self._sent - self._acked)
+
+    # --- caller side: O(1), never blocks --------------------------------------------------------
+    def push(self, record: tuple) -> None:
+        if self._pid != _PID[0]:
+            if self.disowned:
+                return
+            self._start_state()  # a forked child: its own buffer, thread and exporter process
+        if self._closed:
+            return
+        queue = self._queue
+        if len(queue) >= self.capacity:
+            self._lose(1, BACKLOG, "the exporter process falls behind")
+            return
+        queue.append(record)
+        if self._thread is None:
+            self._start_thread()
+        elif len(queue) >= _BATCH:
+            self._wake.set()
+
+    def _start_thread(self) -> None:
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="llm-otel-offload", daemon=True)
+                self._thread.start()
+
+    def _lose(self, n: int, error_type: str, why: str) -> None:
+        if n <= 0:
+            return
+        self.failed += n
+        self.last_error = why
+        self.drops.failed(n, error_type)
+
+    # --- writer thread ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the writer thread, which starts the exporter process at once (not with the first
+        span: its start-up, about a second of CPU, then overlaps the serving process's own
+        start-up rather than its first requests or an early shutdown)."""
+        if self._pid == _PID[0] and self._thread is None and not self._closed:
+            self._start_thread()
+
+    def _run(self) -> None:
+        with self._lock:
+            if self._proc is None:
+                self._process()
+        while not self._closed:
+            self._wake.wait(_INTERVAL_S)
+            self._wake.clear()
+            try:
+                self._drain()
+            except Exception:  # noqa: BLE001 - the thread must survive anything
+                logger.debug("llm-otel: exporter-process writer failed", exc_info=True)
+
+    def _drain(self) -> bool:
+        """Send everything buffered; True when it was all written."""
+        with self._lock:
+            return self._drain_locked()
+
+    def _drain_locked(self) -> bool:
+        mqueue = self._mqueue
+        if mqueue and self._instruments_init is not None and self._instruments_to is not self._proc:
+            # the instruments were declared after this exporter process started
+            if self._send(self._instruments_init, 0):
+                self._instruments_to = self._proc
+        while mqueue:
+            batch = [mqueue.popleft() for _ in range(min(4 * _BATCH, len(mqueue)))]
+            if not self._send(("metrics", batch), 0):
+                self._lose_metrics(len(batch), DOWN)
+                break
+        queue = self._queue
+        while queue:
+            batch = [queue.popleft() for _ in range(min(_BATCH, len(queue)))]
+            if not self._send(("spans", batch), len(batch)):
+                return False
+        return True
+
+    def _send(self, frame: tuple, n: int) -> bool:
+        """Write one frame (under ``_lock``); counts ``n`` spans lost when it cannot."""
+        proc = self._process()
+        if proc is None:
+            self._lose(n, DOWN, self.last_error or "the exporter process is not running")
+            return False
+        try:
+            data = pickle.dumps(frame, protocol=pickle.HIGHEST_PROTOCOL)
+            proc.stdin.write(_HEADER.pack(len(data)) + data)
+            proc.stdin.flush()
+        except (OSError, ValueError) as exc:
+            self._process_died(f"{type(exc).__name__}: {exc}")
+            self._lose(n, DOWN, self.last_error)
+            return False
+        except Exception as exc:  # noqa: BLE001 - an attribute value pickle cannot take
+            self._lose(n, DOWN, f"cannot encode spans: {type(exc).__name__}: {exc}")
+            return False
+        self._sent += n
+        return True
+
+    def _process(self) -> subprocess.Popen | None:
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            return proc
+        if proc is not None:
+            self._process_died(f"exporter process exited with {proc.returncode}")
+        now = time.monotonic()
+        if now - self._last_start < self.respawn_s:
+            return None
+        self._last_start = now
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "llm_otel.export.offload"], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, env=self._env, close_fds=True)
+            for frame in (self._init, self._instruments_init):
+                if frame is not None:
+                    data = pickle.dumps(frame, protocol=pickle.HIGHEST_PROTOCOL)
+                    proc.stdin.write(_HEADER.pack(len(data)) + data)
+        except Exception as exc:  # noqa: BLE001
+            self.last_error = f"cannot start the exporter process: {type(exc).__name__}: {exc}"
+            logger.warning("llm-otel: %s; spans are dropped and counted", self.last_error)
+            return None
+        self._proc, self._sent, self._acked = proc, 0, 0
+        self._instruments_to = proc if self._instruments_init is not None else None
+        self._reader = threading.Thread(target=self._read, args=(proc,), name="llm-otel-offload-status",
+                                        daemon=True)
+        self._reader.start()
+        return proc
+
+    def _process_died(self, why: str) -> None:
+        """Spans the dead process had not reported are lost (counted once)."""
+        if self._proc is None:
+            return
+        lost = max(0, self._sent - self._acked)
+        self._proc, self._sent, self._acked = None, 0, 0
+        self.last_error = why
+        if lost:
+            self._lose(lost, DOWN, why)
+        else:
+            logger.warning("llm-otel: the span exporter process ended (%s); a new one starts for the next spans",
+                           why)
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        """Status frames from the exporter process: spans exported / failed, flush answers."""
+        stream = proc.stdout
+        try:
+            while True:
+                frame = _read_frame(stream)
+                if frame is None:
+                    return
+                kind = frame[0]
+                if kind == "metrics_failed":
+                    self.metric_account.failed += frame[1]
+                    self.metric_account.last_error = frame[2]
+                elif kind == "status" and proc is self._proc:
+                    _, exported, failed, error = frame
+                    self._acked += exported + failed
+                    if failed:
+                        self.last_error = error
+                        self.failed += failed
+                        self.drops.failed(failed)
+                    elif exported:
+                        self.drops.succeeded()
+                elif kind == "flushed":
+                    with self._reply_cv:
+                        self._replies[frame[1]] = frame
+                        self._reply_cv.notify_all()
+        except Exception:  # noqa: BLE001
+            logger.debug("llm-otel: exporter-process status reader ended", exc_info=True)
+        finally:
+            with self._reply_cv:
+                self._reply_cv.notify_all()
+
+    # --- flush / shutdown --------------------------------------------------------------------------
+    def flush(self, timeout_s: float, final: bool) -> bool:
+        """Send what is buffered and wait (at most ``timeout_s``) until the exporter process has
+        exported it; ``final``: it then exits. True when everything was delivered in time."""
+        if self._pid != os.getpid() or self.disowned:
+            return True
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        if final:
+            self._closed = True
+            self._wake.set()
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return False
+        try:
+            self._drain_locked()
+            if self._proc is None or self._proc.poll() is not None:
+                return not self._queue and self._sent == self._acked
+            self._token += 1
+            token = self._token
+            remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            self._send(("flush", token, remaining_ms, final), 0)
+            proc = self._proc
+        finally:
+            self._lock.release()
+        ok = False
+        with self._reply_cv:
+            while time.monotonic() < deadline - (0.1 if final else 0.0):
+                reply = self._replies.pop(token, None)
+                if reply is not None:
+                    ok = bool(reply[2])
+                    break
+                if proc is None or proc.poll() is not None:
+                    break
+                self._reply_cv.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+        if final and proc is not None:
+            # the exporter process ends with its serving process's deadline: what it still holds
+            # then is reported lost (in_flight) like the in-process batch processor's queue
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                proc.wait(max(0.0, min(0.5, deadline - time.monotonic() - 0.05)))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            except Exception:  # noqa: BLE001
+                pass
+        return ok and self.in_flight == 0
+
+
+class MetricAccount:
+    """The exporter process's metric exports, for the lifecycle's exit line (a metric exporter's
+    ``failed`` / ``in_flight`` / ``last_error`` / ``endpoint``): failed exports it reported and
+    observations this process could not hand to it."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.failed = 0
+        self.in_flight = 0
+        self.last_error: str | None = None
+
+
+# GenAI request instruments of :class:`llm_otel.telemetry.metrics.Instruments` recorded in the
+# exporter process: the ones every finished request records (attribute name -> "record"/"add")
+OFFLOADED_INSTRUMENTS = {"duration": "record", "ttft": "record", "tpot": "record", "itl": "record",
+                         "token_rate": "record", "queue": "record", "tokens": "record", "requests": "add"}
+
+
+class _RemoteInstrument:
+    """Stands in for one SDK instrument in the serving process: ``record``/``add(value,
+    attributes, context)`` become one tuple in the buffer; the exporter process records it into
+    the same instrument, with the request span's ids as context (so the exemplar points at it)."""
+
+    __slots__ = ("_buffer", "_name")
+
+    def __init__(self, buffer: OffloadBuffer, name: str) -> None:
+        self._buffer = buffer
+        self._name = name
+
+    def record(self, amount, attributes=None, context=None) -> None:
+        ids = None
+        if context is not None:
+            sc = trace_api.get_current_span(context).get_span_context()
+            if sc.is_valid and sc.trace_flags.sampled:  # only sampled spans become exemplars
+                ids = (sc.trace_id, sc.span_id, int(sc.trace_flags))
+        self._buffer.push_metric((self._name, amount, attributes, ids))
+
+    add = record
+
+
+def offload_instruments(instruments, tracer_provider, meter_provider, scope: tuple) -> bool:
+    """Have the exporter process record ``instruments``' per-request GenAI metrics when
+    ``tracer_provider`` is an :class:`OffloadTracerProvider` built together with
+    ``meter_provider`` for OTLP metric export (``build_providers``); returns True when it does.
+    Otherwise (the application's own providers, Prometheus, console) nothing changes.
+    ``scope``: (name, version, schema_url) of the meter, so that the points keep their scope."""
+    buffer = getattr(tracer_provider, "buffer", None)
+    if not isinstance(buffer, OffloadBuffer) or getattr(tracer_provider, "metrics_with", None) is not meter_provider:
+        return False
+    buffer._instruments_init = ("instruments", *scope, instruments.itl_every)  # noqa: SLF001
+    for name in OFFLOADED_INSTRUMENTS:
+        setattr(instruments, name, _RemoteInstrument(buffer, name))
+    return True
+
+
+def _read_frame(stream):
+    header = stream.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        return None
+    (size,) = _HEADER.unpack(header)
+    data = stream.read(size)
+    if len(data) < size:
+        return None
+    return pickle.loads(data)
+
+
+def _write_frame(stream, frame) -> None:
+    data = pickle.dumps(frame, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_HEADER.pack(len(data)) + data)
+    stream.flush()
+
+
+# --- exporter process -----------------------------------------------------------------------------
+def _context(trace_id, span_id, is_remote, flags, state) -> SpanContext:
+    return SpanContext(trace_id, span_id, is_remote=is_remote, trace_flags=TraceFlags(flags),
+                       trace_state=TraceState(list(state)))
+
+
+def readable_spans(records: Sequence[tuple], resource, limits) -> list:
+    """SDK ``ReadableSpan`` objects from :class:`OffloadSpan` records, with the SDK's attribute,
+    event and link limits (``OTEL_SPAN_*_LIMIT``) applied as its ``_Span`` would."""
+    from opentelemetry.attributes import BoundedAttributes
+    from opentelemetry.sdk.trace import Event, ReadableSpan
+    from opentelemetry.sdk.util import BoundedList
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+    scopes: dict = {}
+    out = []
+    for (name, trace_id, span_id, flags, state, parent, kind, start, end, attributes, events, links, status,
+         scope) in records:
+        inst = scopes.get(scope)
+        if inst is None:
+            inst = scopes[scope] = InstrumentationScope(scope[0], scope[1] or None, scope[2] or None,
+                                                        scope[3])
+        bounded_events = BoundedList(limits.max_events)
+        for ev_name, ev_attrs, ts in events:
+            bounded_events.append(Event(ev_name, BoundedAttributes(
+                limits.max_event_attributes, ev_attrs, immutable=True,
+                max_value_len=limits.max_attribute_length), ts))
+        bounded_links = BoundedList(limits.max_links)
+        for l_trace, l_span, l_remote, l_flags, l_state, l_attrs in links:
+            bounded_links.append(Link(_context(l_trace, l_span, l_remote, l_flags, l_state), BoundedAttributes(
+                limits.max_link_attributes, l_attrs, immutable=True, max_value_len=limits.max_attribute_length)))
+        span = ReadableSpan(
+            name=name, context=_context(trace_id, span_id, False, flags, state),
+            parent=None if parent is None else _context(*parent), resource=resource,
+            attributes=BoundedAttributes(limits.max_span_attributes, attributes, immutable=False,
+                                         max_value_len=limits.max_attribute_length),
+            events=bounded_events, links=bounded_links, kind=SpanKind(kind),
+            status=Status(StatusCode(status[0]), status[1]), start_time=start, end_time=end,
+            instrumentation_scope=inst)
+        out.append(span)
+    return out
+
+
+def main() -> int:
+    """The exporter process: frames on stdin (``init``, then ``spans`` and ``flush``), status frames
+    on stdout. Each ``spans`` frame (at most ``_BATCH`` spans) is exported as it arrives, through
+    :class:`~llm_otel.export.exporters.ProcessSpanExporter` (request size cap); while an export
+    takes, the pipe fills and the serving process's buffer absorbs, then drops and counts - no
+    second unbounded queue here. Exits when stdin closes or after a final ``flush``."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import SpanLimits
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    from llm_otel.export.providers import span_exporter_from_env
+
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing else may write into the status pipe
+    # the serving process logs drops once per outage and counts them in its own metrics
+    logging.getLogger("llm_otel").setLevel(logging.ERROR)
+    frame = _read_frame(stdin)
+    if frame is None or frame[0] != "init":
+        return 2
+    resource = Resource(frame[1], frame[2] or None)
+    limits = SpanLimits()
+    exporter = span_exporter_from_env(os.environ)
+    if exporter is None:
+        return 2
+    metrics = _ChildMetrics(resource)
+    try:
+        while True:
+            frame = _read_frame(stdin)
+            if frame is None:
+                break
+            if frame[0] == "metrics":
+                metrics.record(frame[1])
+            elif frame[0] == "instruments":
+                metrics.start(*frame[1:])
+            elif frame[0] == "spans":
+                spans = readable_spans(frame[1], resource, limits)
+                before = exporter.failed
+                try:
+                    result = exporter.export(spans)
+                except Exception as exc:  # noqa: BLE001 - counted as failed, the loop goes on
+                    exporter.last_error = f"{type(exc).__name__}: {exc}"
+                    result = SpanExportResult.FAILURE
+                failed = len(spans) if result is not SpanExportResult.SUCCESS and exporter.failed == before \
+                    else exporter.failed - before
+                _write_frame(stdout, ("status", len(spans) - failed, failed, exporter.last_error))
+            elif frame[0] == "flush":
+                _, token, timeout_ms, final = frame
+                failed = metrics.flush(timeout_ms, final)
+                if failed:
+                    _write_frame(stdout, ("metrics_failed", failed, metrics.last_error()))
+                # every span before it was exported (status frames above), metrics pushed
+                _write_frame(stdout, ("flushed", token, not failed))
+                if final:
+                    break
+    except OSError:  # the serving process went away
+        pass
+    finally:
+        try:
+            exporter.shutdown()
+            metrics.flush(2000, final=True)
+        except Exception:  # noqa: BLE001
+            pass
+    return 0
+
+
+class _ChildMetrics:
+    """The exporter process's GenAI request instruments: a meter provider with the OTLP metric
+    exporter from the environment (``OTEL_EXPORTER_OTLP_*``, ``OTEL_METRIC_EXPORT_INTERVAL``) and
+    the serving process's resource, and the same :class:`~llm_otel.telemetry.metrics.Instruments`."""
+
+    def __init__(self, resource) -> None:
+        self.resource = resource
+        self.provider = None
+        self.instruments = None
+        self.exporter = None
+        self._contexts: dict = {}
+
+    def start(self, name: str, version: str, schema_url: str, itl_every: int) -> None:
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        from llm_otel.export.providers import metric_exporter_from_env
+        from llm_otel.telemetry.metrics import Instruments
+
+        if self.provider is not None:
+            return
+        self.exporter = metric_exporter_from_env(os.environ)
+        if self.exporter is None:
+            return
+        self.provider = MeterProvider(resource=self.resource, metric_readers=[
+            PeriodicExportingMetricReader(self.exporter)], shutdown_on_exit=False)
+        meter = self.provider.get_meter(name, version or None, schema_url=schema_url or None)
+        self.instruments = Instruments(meter, itl_every)
+
+    def record(self, batch) -> None:
+        instruments = self.instruments
+        if instruments is None:
+            return
+        from llm_otel.telemetry.metrics import _NO_TRACE
+
+        contexts = self._contexts
+        for name, value, attributes, ids in batch:
+            ctx = _NO_TRACE
+            if ids is not None:
+                ctx = contexts.get(ids)
+                if ctx is None:
+                    if len(contexts) > 4096:
+                        contexts.clear()
+                    ctx = contexts[ids] = trace_api.set_span_in_context(trace_api.NonRecordingSpan(
+                        SpanContext(ids[0], ids[1], is_remote=False, trace_flags=TraceFlags(ids[2]))))
+            instrument = getattr(instruments, name)
+            if OFFLOADED_INSTRUMENTS[name] == "add":
+                instrument.add(value, attributes, ctx)
+            else:
+                instrument.record(value, attributes, ctx)
+
+    def flush(self, timeout_ms: int, final: bool) -> int:
+        """Export now (and shut down when ``final``); returns the failed exports since the last call."""
+        if self.provider is None:
+            return 0
+        before = self.exporter.failed
+        try:
+            if final:
+                self.provider.shutdown(timeout_millis=max(1, timeout_ms))
+                self.provider = None
+            else:
+                self.provider.force_flush(max(1, timeout_ms))
+        except Exception as exc:  # noqa: BLE001
+            self.exporter.last_error = f"{type(exc).__name__}: {exc}"
+            return max(1, self.exporter.failed - before)
+        return self.exporter.failed - before
+
+    def last_error(self) -> str | None:
+        return getattr(self.exporter, "last_error", None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

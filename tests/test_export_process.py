@@ -1,0 +1,357 @@
+"""Spans exported by an exporter process (``LLM_OTEL_EXPORT_PROCESS``, :mod:`llm_otel.export.offload`).
+
+Real components: the exporter process (``python -m llm_otel.export.offload``) exports over
+OTLP/gRPC to the real in-process receiver (tests/otlp_receiver.py); the same requests through the
+SDK's in-process path must arrive as the same spans, ids included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.id_generator import IdGenerator
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from llm_otel.config import Settings
+from llm_otel.export.offload import BACKLOG, DOWN, OffloadTracerProvider
+from llm_otel.export.providers import build_providers, span_exporter_from_env
+from llm_otel.sampling import UtilizationPolicy, adaptive_sampler
+from llm_otel.semconv import metrics as M
+from llm_otel.telemetry import Telemetry
+
+
+class SeededIds(IdGenerator):
+    """The same id sequence for both paths (they make the same calls in the same order)."""
+
+    def __init__(self, seed: int) -> None:
+        self._rng = random.Random(seed)
+
+    def generate_span_id(self) -> int:
+        return self._rng.getrandbits(64) or 1
+
+    def generate_trace_id(self) -> int:
+        return self._rng.getrandbits(128) or 1
+
+
+def _env(receiver, **extra) -> dict[str, str]:
+    return {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.grpc_endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true",
+            "OTEL_METRICS_EXPORTER": "none", **extra}
+
+
+def _requests(telemetry: Telemetry, tracer, tag: str) -> None:
+    """Fixed-time requests: plain, with a remote parent carrying tracestate, failed, and a span
+    with a link and an exception (what other processes and the adaptive sampler make of it)."""
+    base = 1_700_000_000.0
+    parent = TraceContextTextMapPropagator().extract({
+        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        "tracestate": "ot=th:0;rv:ffffffffffffff,vendor=x"})
+    for i, ctx in enumerate((None, parent, None)):
+        arrival = base + i
+        rec = telemetry.start_request(f"{tag}-{i}", operation="text_completion", provider="vllm", model="m",
+                                      arrival_s=arrival, input_tokens=7, parent=ctx, engine_version="0.0")
+        mono0 = 1000.0 + i
+        rec.mono_offset_ns = round((arrival - mono0) * 1e9)
+        rec.on_event("queued", mono0 + 0.001)
+        rec.on_event("scheduled", mono0 + 0.002)
+        for k in range(12):
+            rec.on_tokens([k], mono0 + 0.01 + k * 0.003 + (0.05 if k == 9 else 0.0))
+        rec.finish_reason = "length"
+        if i == 2:
+            rec.error_type, rec.error_message = "EngineError", "boom"
+        telemetry.finish(rec, end_ns=round((arrival + 0.2) * 1e9))
+    root = tracer.start_span("linked", start_time=round(base * 1e9), attributes={"a": [1, 2], "b": "x"},
+                             links=[trace.Link(trace.get_current_span(parent).get_span_context(), {"why": "t"})])
+    root.record_exception(ValueError("bad"), timestamp=round((base + 0.1) * 1e9))
+    root.set_status(trace.StatusCode.ERROR, "bad")
+    root.end(end_time=round((base + 0.3) * 1e9))
+
+
+def _comparable(span: dict) -> dict:
+    out = {k: v for k, v in span.items() if k != "transport"}
+    for ev in out["events"]:
+        ev["attributes"].pop("exception.stacktrace", None)  # frames differ between the two calls
+    return out
+
+
+def test_span_trees_are_identical_to_the_in_process_path(receiver):
+    settings = Settings(console="off", adaptive_sampling="off")
+    policy = UtilizationPolicy(floor=0.5, ceiling=0.5)  # ot=th on every kept trace, same decisions
+
+    def run(offload: bool) -> list[dict]:
+        receiver.clear()
+        env = _env(receiver)
+        sdk = TracerProvider(sampler=adaptive_sampler(policy), id_generator=SeededIds(7), resource=None)
+        if offload:
+            tp = OffloadTracerProvider(sdk.resource, sdk.sampler, sdk.id_generator, "rx", 1000, env)
+        else:
+            sdk.add_span_processor(BatchSpanProcessor(span_exporter_from_env(env)))
+            tp = sdk
+        telemetry = Telemetry(tp, MeterProvider(metric_readers=[InMemoryMetricReader()]), settings)
+        _requests(telemetry, tp.get_tracer("test.scope", "1.2", schema_url="https://x/s"), "r")
+        assert tp.force_flush(30_000)
+        tp.shutdown()
+        time.sleep(0.2)
+        return sorted((_comparable(s) for s in receiver.spans()), key=lambda s: (s["trace_id"], s["span_id"]))
+
+    in_process, offloaded = run(False), run(True)
+    assert len(in_process) >= 5  # sampled at 0.5 with fixed ids: some trees kept, some not
+    assert offloaded == in_process
+    names = {s["name"] for s in offloaded}
+    assert {"llm.prompt", "llm.token_stream"} <= names
+    remote = [s for s in offloaded if s["trace_id"] == "0af7651916cd43dd8448eb211c80319c"]
+    assert remote and all("vendor=x" in s["trace_state"] for s in remote)
+    assert any(s["links"] for s in offloaded) or "linked" not in names
+
+
+def _drops(reader) -> dict[str, int]:
+    out: dict[str, int] = {}
+    data = reader.get_metrics_data()
+    for rm in data.resource_metrics if data else ():
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                if metric.name == M.LLM_OTEL_SPANS_DROPPED:
+                    for point in metric.data.data_points:
+                        key = point.attributes.get("error.type")
+                        out[key] = out.get(key, 0) + point.value
+    return out
+
+
+def _offload(receiver, settings=None, **env):
+    settings = settings or Settings(console="off", adaptive_sampling="off")
+    reader = InMemoryMetricReader()
+    tp, _ = build_providers(settings, _env(receiver, OTEL_TRACES_SAMPLER="always_on", **env), shutdown_on_exit=False)
+    assert isinstance(tp, OffloadTracerProvider)
+    mp = MeterProvider(metric_readers=[reader])
+    tp.buffer.bind(mp)
+    return tp, reader
+
+
+def test_a_killed_exporter_process_costs_counted_spans_and_a_new_one_takes_over(receiver, caplog):
+    receiver.clear()
+    tp, reader = _offload(receiver)
+    buffer = tp.buffer
+    buffer.respawn_s = 0.0
+    tracer = tp.get_tracer("t")
+    tracer.start_span("before").end()
+    assert tp.force_flush(30_000)
+    receiver.wait_for_spans(1, name="before")
+    buffer._proc.kill()  # noqa: SLF001 - the real process, killed as an OOM killer would
+    buffer._proc.wait()  # noqa: SLF001
+    for _ in range(5):
+        tracer.start_span("after").end()  # never raises into the caller
+    assert tp.force_flush(30_000)
+    receiver.wait_for_spans(5, name="after")  # a new exporter process delivered them
+    assert any("exporter process" in r.getMessage() for r in caplog.records)
+    tp.shutdown()
+
+
+def test_spans_ended_while_the_exporter_process_is_down_are_counted(receiver):
+    receiver.clear()
+    tp, reader = _offload(receiver)
+    buffer = tp.buffer
+    tracer = tp.get_tracer("t")
+    tracer.start_span("first").end()
+    assert tp.force_flush(30_000)
+    buffer.respawn_s = 3600.0  # no new process for now: what ends meanwhile is lost, and counted
+    buffer._proc.kill()  # noqa: SLF001
+    buffer._proc.wait()  # noqa: SLF001
+    for _ in range(4):
+        tracer.start_span("lost").end()
+    tp.force_flush(5_000)
+    assert _drops(reader).get(DOWN) == 4
+    assert buffer.failed == 4
+    tp.shutdown()
+
+
+def test_a_full_buffer_drops_new_spans_and_counts_them(receiver):
+    receiver.clear()
+    tp, reader = _offload(receiver, Settings(console="off", adaptive_sampling="off", export_process_buffer=5))
+    tracer = tp.get_tracer("t")
+    with tp.buffer._lock:  # noqa: SLF001 - the writer is busy (a slow pipe): nothing leaves the buffer
+        for _ in range(12):
+            tracer.start_span("burst").end()
+    assert _drops(reader).get(BACKLOG) == 7
+    assert tp.force_flush(30_000)
+    assert len(receiver.wait_for_spans(5, name="burst")) == 5
+    tp.shutdown()
+
+
+def test_the_final_flush_delivers_what_is_buffered_and_ends_the_exporter_process(receiver):
+    receiver.clear()
+    tp, _ = _offload(receiver)
+    for _ in range(3):
+        tp.get_tracer("t").start_span("last").end()
+    tp.force_flush(30_000)
+    proc = tp.buffer._proc  # noqa: SLF001
+    tp.get_tracer("t").start_span("last").end()
+    tp.shutdown(timeout_millis=10_000)
+    assert len(receiver.wait_for_spans(4, name="last")) == 4
+    assert proc.wait(5) == 0
+
+
+FORK_APP = """
+    import os, sys, time
+    from llm_otel.config import Settings
+    from llm_otel.export.providers import build_providers
+    tp, mp = build_providers(Settings(console="off", adaptive_sampling="off"), shutdown_on_exit=False)
+    tp.get_tracer("t").start_span("parent-before-fork").end()
+    assert tp.force_flush(30000)
+    parent_proc, parent_sent = tp.buffer._proc, tp.buffer._sent
+    pid = os.fork()
+    if pid == 0:
+        tp.get_tracer("t").start_span("child-span").end()
+        ok = tp.force_flush(30000)
+        # the child has an exporter process of its own; the parent's pipe was never written
+        os._exit(0 if ok and tp.buffer._proc is not parent_proc and tp.buffer._pid == os.getpid() else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, status
+    assert tp.buffer._sent == parent_sent and tp.buffer._proc is parent_proc
+    tp.get_tracer("t").start_span("parent-after-fork").end()
+    assert tp.force_flush(30000)
+    tp.shutdown()
+    print("ok", flush=True)
+"""
+
+
+def test_a_forked_child_exports_through_its_own_exporter_process(receiver):
+    receiver.clear()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
+    env.update(_env(receiver, OTEL_TRACES_SAMPLER="always_on"))
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(FORK_APP)], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+    for name in ("parent-before-fork", "child-span", "parent-after-fork"):
+        assert len(receiver.wait_for_spans(1, name=name)) == 1
+
+
+def test_application_providers_are_used_in_process(receiver, monkeypatch):
+    """An application that passes its own providers keeps the SDK path: no exporter process."""
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.grpc_endpoint)
+    memory = InMemorySpanExporter()
+    tp = TracerProvider()
+    tp.add_span_processor(SimpleSpanProcessor(memory))
+    telemetry = Telemetry(tp, MeterProvider(metric_readers=[InMemoryMetricReader()]),
+                          Settings(console="off", adaptive_sampling="off"))
+    rec = telemetry.start_request("app", operation="text_completion", provider="vllm", model="m",
+                                  arrival_s=time.time(), input_tokens=1)
+    rec.on_tokens([1], time.monotonic())
+    telemetry.finish(rec)
+    assert {s.name for s in memory.get_finished_spans()} >= {"text_completion m", "llm.prompt"}
+
+
+def test_the_opt_out_keeps_the_sdk_batch_processor(receiver):
+    tp, _ = build_providers(Settings(console="off", adaptive_sampling="off", export_process=False),
+                            _env(receiver), shutdown_on_exit=False)
+    assert isinstance(tp, TracerProvider)
+    assert type(tp._active_span_processor._span_processors[0]) is BatchSpanProcessor  # noqa: SLF001
+    tp.shutdown()
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX")
+def test_the_exporter_process_exits_when_its_serving_process_is_killed(receiver, tmp_path):
+    script = textwrap.dedent("""
+        import time
+        from llm_otel.config import Settings
+        from llm_otel.export.providers import build_providers
+        tp, _ = build_providers(Settings(console="off", adaptive_sampling="off"), shutdown_on_exit=False)
+        tp.get_tracer("t").start_span("x").end()
+        tp.force_flush(30000)
+        print(tp.buffer._proc.pid, flush=True)
+        time.sleep(60)
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
+    env.update(_env(receiver, OTEL_TRACES_SAMPLER="always_on"))
+    serving = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    exporter_pid = int(serving.stdout.readline())
+    serving.kill()
+    serving.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(exporter_pid, 0)
+        except ProcessLookupError:
+            return
+        try:  # reap it if it happens to be our child's orphan adopted by us (it is not; init reaps)
+            os.waitpid(exporter_pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        time.sleep(0.1)
+    pytest.fail("the exporter process outlived its killed serving process")
+
+
+GENAI_REQUEST_METRICS = (M.GEN_AI_SERVER_REQUEST_DURATION, M.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN,
+                         M.GEN_AI_SERVER_TIME_PER_OUTPUT_TOKEN, M.LLM_SERVER_INTER_TOKEN_LATENCY,
+                         M.LLM_SERVER_OUTPUT_TOKEN_RATE, M.LLM_SERVER_REQUEST_QUEUE_TIME, M.LLM_SERVER_TOKEN_USAGE,
+                         M.LLM_SERVER_REQUESTS)
+
+
+def test_genai_metrics_are_the_same_and_their_exemplars_point_at_exported_request_spans(receiver):
+    """Every request's GenAI metrics, recorded by the exporter process: same points as in process,
+    the serving process's resource, exemplars naming sampled request spans that were exported."""
+    settings = Settings(console="off", adaptive_sampling="off", itl_sample_every=1)
+
+    def run(export_process: bool):
+        receiver.clear()
+        env = {k: v for k, v in _env(receiver, OTEL_TRACES_SAMPLER="always_on").items()
+               if k != "OTEL_METRICS_EXPORTER"}
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.grpc_endpoint
+        tp, mp = build_providers(dataclasses.replace(settings, export_process=export_process), env,
+                                 shutdown_on_exit=False)
+        telemetry = Telemetry(tp, mp, settings)
+        _requests(telemetry, tp.get_tracer("t"), "m")
+        assert tp.force_flush(30_000) and mp.force_flush(30_000)
+        points = {}
+        for name in GENAI_REQUEST_METRICS:
+            for p in receiver.wait_for_metric(name, timeout=10):
+                key = (name, tuple(sorted(p["attributes"].items())))
+                points[key] = (p.get("count"), p.get("sum"), tuple(p.get("bucket_counts", ())), p.get("value"),
+                               p["resource"]["process.pid"], p["scope_name"], p["scope_version"])
+        exemplars = [e for name in GENAI_REQUEST_METRICS for p in receiver.metrics(name=name)
+                     for e in p.get("exemplars", ())]
+        spans = {(s["trace_id"], s["span_id"]) for s in receiver.spans() if s["name"] == "text_completion m"}
+        tp.shutdown()
+        mp.shutdown()
+        return points, exemplars, spans
+
+    in_process, _, _ = run(False)
+    offloaded, exemplars, request_spans = run(True)
+    assert len({key[0] for key in in_process}) == len(GENAI_REQUEST_METRICS)
+    assert offloaded == in_process
+    assert {p[4] for p in offloaded.values()} == {os.getpid()}  # the serving process's resource
+    assert exemplars and {(e["trace_id"], e["span_id"]) for e in exemplars} <= request_spans
+
+
+def test_metric_observations_a_full_buffer_cannot_take_are_counted(receiver):
+    tp, reader = _offload(receiver, Settings(console="off", adaptive_sampling="off", export_process_buffer=1))
+    telemetry = Telemetry(tp, MeterProvider(metric_readers=[InMemoryMetricReader()]),
+                          Settings(console="off", adaptive_sampling="off"))
+    # the application's meter provider (not the one llm-otel built with the exporter process): here
+    assert type(telemetry.instruments.ttft).__name__ != "_RemoteInstrument"
+    from llm_otel.export.offload import _RemoteInstrument
+
+    remote = _RemoteInstrument(tp.buffer, "requests")
+    with tp.buffer._lock:  # noqa: SLF001 - the writer is busy: nothing leaves the buffer
+        for _ in range(tp.buffer.metric_capacity + 3):
+            remote.add(1, {"a": "b"})
+    data = reader.get_metrics_data()
+    dropped = [p.value for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+               if m.name == M.LLM_OTEL_METRIC_POINTS_DROPPED for p in m.data.data_points
+               if p.attributes.get("error.type") == BACKLOG]
+    assert dropped == [3]
+    tp.shutdown()
