@@ -38,6 +38,18 @@ Guarantees:
   pipe is never written), unless the child disowned the inherited exporters
   (:func:`llm_otel.export.exporters.disown_inherited`, vLLM engine processes): then they are
   dropped uncounted, as with the in-process exporters.
+* **Start**: the exporter process starts with the first span or metric observation (under
+  ``opentelemetry-instrument`` every Python process builds providers, most never make a span);
+  :func:`prewarm` starts it at once where llm-otel knows the process serves requests (the vLLM
+  API server, LightLLM's HTTP worker), so that its start-up overlaps the server's. It runs
+  without the auto-instrumentation ``sitecustomize`` its environment would otherwise carry.
+* **Re-labels** (:func:`llm_otel.export.identity.relabel`, also after fork): a ``resource`` frame
+  goes in order with the spans (spans ended before keep the old resource); the exporter process's
+  meter provider is re-labelled in place, as the serving process's is; a forked child's own
+  exporter process starts with the child's resource.
+* **Values pickle cannot encode** (an object another instrumentation set as an attribute): that
+  frame is encoded record by record and the values the SDK would reject are dropped and counted
+  (``attributes_dropped``, one log line), not the frame; lists are copied when set, as the SDK does.
 
 Metrics stay in the serving process (the SDK meter provider; exemplars need the live context).
 """
@@ -372,7 +384,7 @@ class OffloadBuffer:
         now on gets it in its ``init`` frame; a running one gets a ``resource`` frame in order with
         the spans (those ended before keep the old resource). O(1), never blocks."""
         self._init = ("init", attributes, schema_url)
-        if self._pid != _PID[0] or self._thread is None or self._closed:
+        if self._pid != os.getpid() or self._thread is None or self._closed:
             return  # a forked child's or a not yet started exporter process starts with the new init
         self._queue.append(_ResourceMark(("resource", attributes, schema_url)))
         self._resource_marks += 1
