@@ -16,9 +16,11 @@ import textwrap
 import threading
 
 import numpy as np
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from llm_otel.config import Settings
-from llm_otel.export.offload import OffloadTracerProvider, prewarm
+from llm_otel.export.offload import ENCODING, OffloadTracerProvider, prewarm
 from llm_otel.export.providers import build_providers
 from llm_otel.semconv import metrics as M
 
@@ -203,6 +205,8 @@ def test_an_unencodable_attribute_loses_that_value_not_the_frame(receiver, caplo
     receiver.clear()
     tp, mp = build_providers(Settings(console="off", adaptive_sampling="off"), _clean_env(receiver),
                              shutdown_on_exit=False)
+    reader = InMemoryMetricReader()
+    tp.buffer.bind(MeterProvider(metric_readers=[reader]))
     tracer = tp.get_tracer("t")
     ranks = [1, 2]
     bad = tracer.start_span("with-bad-value", attributes={"ok": "yes"})
@@ -216,6 +220,9 @@ def test_an_unencodable_attribute_loses_that_value_not_the_frame(receiver, caplo
             for i in range(5):
                 tracer.start_span(f"neighbour-{i}").end()
             bad.end()
+            hopeless = tracer.start_span("renamed")
+            hopeless.update_name(threading.Lock())  # the span's own data: that span alone is lost
+            hopeless.end()
         assert tp.force_flush(30_000)
     for i in range(5):
         assert receiver.wait_for_spans(1, name=f"neighbour-{i}")
@@ -225,7 +232,10 @@ def test_an_unencodable_attribute_loses_that_value_not_the_frame(receiver, caplo
     assert list(attrs["ranks"]) == [1, 2] and list(attrs["seq"]) == ["a", "b"]
     (event,) = span["events"]
     assert event["attributes"] == {"n": 1}
-    assert tp.buffer.attributes_dropped == 2 and tp.buffer.failed == 0
+    assert tp.buffer.attributes_dropped == 2 and tp.buffer.failed == 1
+    data = reader.get_metrics_data()
+    assert [(p.attributes["error.type"], p.value) for rm in data.resource_metrics for sm in rm.scope_metrics
+            for m in sm.metrics if m.name == M.LLM_OTEL_SPANS_DROPPED for p in m.data.data_points] == [(ENCODING, 1)]
     assert len([r for r in caplog.records if "attribute value" in r.getMessage()]) == 1
     tp.shutdown()
     mp.shutdown()

@@ -88,6 +88,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 BACKLOG = "export_process_backlog"
 DOWN = "export_process_down"
+ENCODING = "export_process_encoding"  # the span's own data (not an attribute value) pickle cannot encode
 
 
 # --- serving process: light spans -----------------------------------------------------------------
@@ -532,9 +533,9 @@ class OffloadBuffer:
         self.attributes_dropped += dropped
         if kind == "spans" and lost:
             self.spans_unencodable += lost
-            self._lose(lost, "export_process_encoding", "span data pickle cannot encode")
+            self._lose(lost, ENCODING, "span data pickle cannot encode")
         elif lost:
-            self._lose_metrics(lost, "export_process_encoding")
+            self._lose_metrics(lost, ENCODING)
         if first and (dropped or lost):
             logger.warning("llm-otel: %d attribute value(s) of types OpenTelemetry does not accept were dropped "
                            "(and %d %s that could not be encoded at all); further ones are counted quietly",
