@@ -333,7 +333,10 @@ class OffloadBuffer:
         self._reply_cv = threading.Condition()
         self._token = 0
         self._closed = False
-        self._resource_marks = 0           # _ResourceMark objects in _queue
+        # _ResourceMark objects put in _queue / taken out: one writer each (set_resource under
+        # _start_lock, the drain under _lock), so neither count loses an update
+        self._marks_put = 0
+        self._marks_taken = 0
         self.failed = 0
         self.last_error: str | None = None
         self.drops.reset()
@@ -387,8 +390,9 @@ class OffloadBuffer:
         self._init = ("init", attributes, schema_url)
         if self._pid != os.getpid() or self._thread is None or self._closed:
             return  # a forked child's or a not yet started exporter process starts with the new init
-        self._queue.append(_ResourceMark(("resource", attributes, schema_url)))
-        self._resource_marks += 1
+        with self._start_lock:
+            self._marks_put += 1  # before the mark is in the queue: the drain never batches it as a span
+            self._queue.append(_ResourceMark(("resource", attributes, schema_url)))
         self._wake.set()
 
     @property
@@ -467,9 +471,9 @@ class OffloadBuffer:
                 break
         queue = self._queue
         while queue:
-            if self._resource_marks:  # a re-label is queued: the spans before it, it, the spans after
+            if self._marks_put != self._marks_taken:  # a re-label is queued: spans before it, it, spans after
                 if type(queue[0]) is _ResourceMark:
-                    self._resource_marks -= 1
+                    self._marks_taken += 1
                     self._send(queue.popleft().frame, 0)  # not sent: a new process gets it in _init
                     continue
                 batch = []
