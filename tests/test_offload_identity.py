@@ -239,3 +239,15 @@ def test_an_unencodable_attribute_loses_that_value_not_the_frame(receiver, caplo
     assert len([r for r in caplog.records if "attribute value" in r.getMessage()]) == 1
     tp.shutdown()
     mp.shutdown()
+
+
+def test_metric_observations_with_unencodable_attribute_values_keep_the_rest(receiver):
+    tp, mp = build_providers(Settings(console="off", adaptive_sampling="off"), _clean_env(receiver),
+                             shutdown_on_exit=False)
+    good = ("requests", 1, {"gen_ai.request.model": "m"}, None)
+    odd = ("requests", 1, {"gen_ai.request.model": "m", "x": threading.Lock(), "n": np.int64(3)}, None)
+    kind, records = tp.buffer._encodable(("metrics", [good, odd]))  # noqa: SLF001 - the fallback itself
+    assert kind == "metrics" and records == [good, ("requests", 1, {"gen_ai.request.model": "m", "n": 3}, None)]
+    assert type(records[1][2]["n"]) is int and tp.buffer.attributes_dropped == 1
+    tp.shutdown()
+    mp.shutdown()
