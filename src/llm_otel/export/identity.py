@@ -214,6 +214,10 @@ def relabel(role: str, *, process_name: str | None = None, api_server_index: int
             if A.PROCESS_PARENT_PID in kept:
                 kept[A.PROCESS_PARENT_PID] = os.getppid()
             _set_attributes(resource, {**kept, **made})
+        for ref in _TRACKED:  # providers whose resource lives elsewhere too (the exporter process's)
+            changed = getattr(ref(), "resource_changed", None)
+            if changed is not None:
+                changed()
         logger.debug("llm-otel: this process (pid %d) is a %s process: %s", os.getpid(), role,
                      made.get(A.SERVICE_INSTANCE_ID))
         return made

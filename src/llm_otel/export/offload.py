@@ -38,6 +38,18 @@ Guarantees:
   pipe is never written), unless the child disowned the inherited exporters
   (:func:`llm_otel.export.exporters.disown_inherited`, vLLM engine processes): then they are
   dropped uncounted, as with the in-process exporters.
+* **Start**: the exporter process starts with the first span or metric observation (under
+  ``opentelemetry-instrument`` every Python process builds providers, most never make a span);
+  :func:`prewarm` starts it at once where llm-otel knows the process serves requests (the vLLM
+  API server, LightLLM's HTTP worker), so that its start-up overlaps the server's. It runs
+  without the auto-instrumentation ``sitecustomize`` its environment would otherwise carry.
+* **Re-labels** (:func:`llm_otel.export.identity.relabel`, also after fork): a ``resource`` frame
+  goes in order with the spans (spans ended before keep the old resource); the exporter process's
+  meter provider is re-labelled in place, as the serving process's is; a forked child's own
+  exporter process starts with the child's resource.
+* **Values pickle cannot encode** (an object another instrumentation set as an attribute): that
+  frame is encoded record by record and the values the SDK would reject are dropped and counted
+  (``attributes_dropped``, one log line), not the frame; lists are copied when set, as the SDK does.
 
 Metrics stay in the serving process (the SDK meter provider; exemplars need the live context).
 """
@@ -76,6 +88,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 BACKLOG = "export_process_backlog"
 DOWN = "export_process_down"
+ENCODING = "export_process_encoding"  # the span's own data (not an attribute value) pickle cannot encode
 
 
 # --- serving process: light spans -----------------------------------------------------------------
@@ -92,7 +105,7 @@ class OffloadSpan(trace_api.Span):
         self._context = context
         self._parent = parent
         self._kind = kind
-        self._attributes = dict(attributes) if attributes else {}
+        self._attributes = _copied(attributes) if attributes else {}
         self._events: list = []
         self._links = links
         self._status = (0, None)
@@ -109,11 +122,14 @@ class OffloadSpan(trace_api.Span):
 
     def set_attributes(self, attributes) -> None:
         if self._end is None and attributes:
-            self._attributes.update(attributes)
+            # lists are copied now, as the SDK does (the caller may mutate its list afterwards)
+            own = self._attributes
+            for key, value in attributes.items():
+                own[key] = tuple(value) if type(value) is list else value
 
     def set_attribute(self, key, value) -> None:
         if self._end is None:
-            self._attributes[key] = value
+            self._attributes[key] = tuple(value) if type(value) is list else value
 
     def add_event(self, name, attributes=None, timestamp=None) -> None:
         if self._end is None:
@@ -164,6 +180,10 @@ class OffloadSpan(trace_api.Span):
 
     def __enter__(self):
         return self
+
+
+def _copied(attributes) -> dict:
+    return {key: tuple(value) if type(value) is list else value for key, value in attributes.items()}
 
 
 def _link_record(link: Link) -> tuple:
@@ -227,9 +247,18 @@ class OffloadTracerProvider(trace_api.TracerProvider):
         self.resource = resource
         self.sampler = sampler
         self.id_generator = id_generator
+        # started lazily, with the first span; prewarm() starts it now where llm-otel knows this
+        # is a serving frontend (under opentelemetry-instrument every Python process builds one)
         self.buffer: OffloadBuffer | None = OffloadBuffer(dict(resource.attributes), resource.schema_url or "",
                                                           endpoint, buffer_size, env)
-        self.buffer.start()
+
+    def resource_changed(self) -> None:
+        """This provider's resource was re-labelled (:func:`llm_otel.export.identity.relabel`,
+        also after fork): spans ended from now on are exported under it (and the exporter
+        process's GenAI metrics). Never raises."""
+        buffer = self.buffer
+        if buffer is not None:
+            buffer.set_resource(dict(self.resource.attributes), self.resource.schema_url or "")
 
     def get_tracer(self, instrumenting_module_name, instrumenting_library_version=None, schema_url=None,
                    attributes=None):
@@ -275,6 +304,9 @@ class OffloadBuffer:
         root = os.path.dirname(os.path.dirname(os.path.abspath(llm_otel.__file__)))
         self._env["PYTHONPATH"] = os.pathsep.join(p for p in (root, self._env.get("PYTHONPATH", "")) if p)
         self._env["LLM_OTEL_EXPORT_PROCESS"] = "false"  # the exporter process exports itself
+        _no_auto_instrumentation(self._env)
+        self.attributes_dropped = 0   # span/metric attribute values pickle could not encode
+        self.spans_unencodable = 0    # spans lost whole for that reason
         self.drops = DropCounter(endpoint)
         self._created_pid = os.getpid()
         self._disowned_pid: int | None = None
@@ -301,6 +333,10 @@ class OffloadBuffer:
         self._reply_cv = threading.Condition()
         self._token = 0
         self._closed = False
+        # _ResourceMark objects put in _queue / taken out: one writer each (set_resource under
+        # _start_lock, the drain under _lock), so neither count loses an update
+        self._marks_put = 0
+        self._marks_taken = 0
         self.failed = 0
         self.last_error: str | None = None
         self.drops.reset()
@@ -347,6 +383,18 @@ class OffloadBuffer:
             logger.warning("llm-otel: %d metric observation(s) could not be handed to the exporter process (%s); "
                            "further losses are counted in llm_otel.metric_points.dropped", n, error_type)
 
+    def set_resource(self, attributes: dict, schema_url: str) -> None:
+        """The serving process's resource changed (re-labelled): an exporter process started from
+        now on gets it in its ``init`` frame; a running one gets a ``resource`` frame in order with
+        the spans (those ended before keep the old resource). O(1), never blocks."""
+        self._init = ("init", attributes, schema_url)
+        if self._pid != os.getpid() or self._thread is None or self._closed:
+            return  # a forked child's or a not yet started exporter process starts with the new init
+        with self._start_lock:
+            self._marks_put += 1  # before the mark is in the queue: the drain never batches it as a span
+            self._queue.append(_ResourceMark(("resource", attributes, schema_url)))
+        self._wake.set()
+
     @property
     def disowned(self) -> bool:
         return self._disowned_pid == os.getpid()
@@ -388,9 +436,8 @@ class OffloadBuffer:
 
     # --- writer thread ---------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the writer thread, which starts the exporter process at once (not with the first
-        span: its start-up, about a second of CPU, then overlaps the serving process's own
-        start-up rather than its first requests or an early shutdown)."""
+        """Start the writer thread, which starts the exporter process at once (:func:`prewarm`;
+        otherwise the first span or metric observation starts it)."""
         if self._pid == _PID[0] and self._thread is None and not self._closed:
             self._start_thread()
 
@@ -424,7 +471,16 @@ class OffloadBuffer:
                 break
         queue = self._queue
         while queue:
-            batch = [queue.popleft() for _ in range(min(_BATCH, len(queue)))]
+            if self._marks_put != self._marks_taken:  # a re-label is queued: spans before it, it, spans after
+                if type(queue[0]) is _ResourceMark:
+                    self._marks_taken += 1
+                    self._send(queue.popleft().frame, 0)  # not sent: a new process gets it in _init
+                    continue
+                batch = []
+                while queue and len(batch) < _BATCH and type(queue[0]) is not _ResourceMark:
+                    batch.append(queue.popleft())
+            else:
+                batch = [queue.popleft() for _ in range(min(_BATCH, len(queue)))]
             if not self._send(("spans", batch), len(batch)):
                 return False
         return True
@@ -436,7 +492,12 @@ class OffloadBuffer:
             self._lose(n, DOWN, self.last_error or "the exporter process is not running")
             return False
         try:
-            data = pickle.dumps(frame, protocol=pickle.HIGHEST_PROTOCOL)
+            try:
+                data = pickle.dumps(frame, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception:  # noqa: BLE001 - a value pickle cannot take: lose that value, not the frame
+                frame = self._encodable(frame)
+                n = len(frame[1]) if frame[0] == "spans" else n
+                data = pickle.dumps(frame, protocol=pickle.HIGHEST_PROTOCOL)
             proc.stdin.write(_HEADER.pack(len(data)) + data)
             proc.stdin.flush()
         except (OSError, ValueError) as exc:
@@ -448,6 +509,42 @@ class OffloadBuffer:
             return False
         self._sent += n
         return True
+
+    def _encodable(self, frame: tuple) -> tuple:
+        """``frame`` (``spans`` or ``metrics``) without what pickle cannot encode: each record that
+        fails is cleaned as the SDK cleans attributes (:func:`clean_attributes`: the invalid
+        values are dropped and counted); a span that still fails is dropped and counted. One log
+        line the first time."""
+        kind, records = frame[0], frame[1]
+        if kind not in ("spans", "metrics"):
+            return frame
+        out, dropped, lost = [], 0, 0
+        for record in records:
+            try:
+                pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
+                out.append(record)
+                continue
+            except Exception:  # noqa: BLE001
+                pass
+            record, n = _clean_record(kind, record)
+            dropped += n
+            try:
+                pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
+                out.append(record)
+            except Exception:  # noqa: BLE001 - e.g. an unpicklable span name or status description
+                lost += 1
+        first = not (self.attributes_dropped or self.spans_unencodable)
+        self.attributes_dropped += dropped
+        if kind == "spans" and lost:
+            self.spans_unencodable += lost
+            self._lose(lost, ENCODING, "span data pickle cannot encode")
+        elif lost:
+            self._lose_metrics(lost, ENCODING)
+        if first and (dropped or lost):
+            logger.warning("llm-otel: %d attribute value(s) of types OpenTelemetry does not accept were dropped "
+                           "(and %d %s that could not be encoded at all); further ones are counted quietly",
+                           dropped, lost, "span(s)" if kind == "spans" else "metric observation(s)")
+        return (kind, out)
 
     def _process(self) -> subprocess.Popen | None:
         proc = self._proc
@@ -568,6 +665,113 @@ class OffloadBuffer:
             except Exception:  # noqa: BLE001
                 pass
         return ok and self.in_flight == 0
+
+
+class _ResourceMark:
+    """A re-label in the span queue: its ``resource`` frame is sent between the spans around it."""
+
+    __slots__ = ("frame",)
+
+    def __init__(self, frame: tuple) -> None:
+        self.frame = frame
+
+
+def prewarm(tracer_provider) -> bool:
+    """Start the exporter process of ``tracer_provider`` now when it is an
+    :class:`OffloadTracerProvider` (else nothing; True when it is): for a process llm-otel knows
+    serves requests (a vLLM API server, LightLLM's HTTP worker), so that the exporter process's
+    start-up (about a second of CPU) overlaps the server's own start-up rather than its first
+    requests or an early shutdown. Other processes start theirs with their first span. Never raises."""
+    buffer = getattr(tracer_provider, "buffer", None)
+    if not isinstance(buffer, OffloadBuffer):
+        return False
+    try:
+        buffer.start()
+    except Exception:  # noqa: BLE001
+        logger.debug("llm-otel: cannot prewarm the exporter process", exc_info=True)
+    return True
+
+
+def _no_auto_instrumentation(env: dict) -> None:
+    """The exporter process must not instrument itself: drop opentelemetry-instrument's
+    ``sitecustomize`` directory (``opentelemetry/instrumentation/auto_instrumentation``) from the
+    ``PYTHONPATH`` it inherits (otherwise it would build providers, pollers and perhaps its own
+    exporter process) and disable the SDK's automatic configuration there."""
+    suffix = os.path.join("opentelemetry", "instrumentation", "auto_instrumentation")
+    kept = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+            if p and not os.path.normpath(p).endswith(suffix)]
+    env["PYTHONPATH"] = os.pathsep.join(kept)
+    env["OTEL_PYTHON_DISABLED_INSTRUMENTATIONS"] = "*"  # were it imported anyway
+
+
+_VALID = (str, bool, int, float)
+
+
+def _clean_value(value):
+    """An attribute value as the SDK accepts it (``opentelemetry.attributes._clean_attribute``:
+    str/bool/int/float, or a homogeneous sequence of them with None allowed), numpy-style scalars
+    converted with ``.item()``; ``_INVALID`` when it is none of these."""
+    if isinstance(value, _VALID):
+        return value
+    if isinstance(value, (list, tuple)):
+        out, kind = [], None
+        for item in value:
+            if item is not None:
+                item = _clean_value(item)
+                if item is _INVALID or isinstance(item, tuple) or (kind is not None and type(item) is not kind):
+                    return _INVALID
+                kind = type(item)
+            out.append(item)
+        return tuple(out)
+    item = getattr(value, "item", None)
+    if callable(item) and type(value).__module__ == "numpy":
+        try:
+            value = item()
+        except Exception:  # noqa: BLE001
+            return _INVALID
+        return value if isinstance(value, _VALID) else _INVALID
+    return _INVALID
+
+
+_INVALID = object()
+
+
+def clean_attributes(attributes) -> tuple[dict | None, int]:
+    """``attributes`` with only values the SDK accepts (see :func:`_clean_value`); (dict, number of
+    values dropped). Keys that are not str are dropped too."""
+    if not attributes:
+        return attributes, 0
+    out, dropped = {}, 0
+    for key, value in attributes.items():
+        value = _clean_value(value)
+        if value is _INVALID or not isinstance(key, str):
+            dropped += 1
+        else:
+            out[key] = value
+    return out, dropped
+
+
+def _clean_record(kind: str, record: tuple) -> tuple[tuple, int]:
+    """A span record (see :meth:`OffloadSpan.end`) or metric record (``push_metric``) with its
+    attributes, event and link attributes cleaned; (record, values dropped)."""
+    if kind == "metrics":
+        attributes, n = clean_attributes(record[2])
+        return (record[0], record[1], attributes, record[3]), n
+    fields = list(record)
+    fields[9], n = clean_attributes(fields[9])
+    events = []
+    for name, attributes, ts in fields[10]:
+        attributes, k = clean_attributes(attributes)
+        n += k
+        events.append((name, attributes, ts))
+    fields[10] = events
+    links = []
+    for link in fields[11]:
+        attributes, k = clean_attributes(link[5])
+        n += k
+        links.append((*link[:5], attributes))
+    fields[11] = links
+    return tuple(fields), n
 
 
 class MetricAccount:
@@ -717,6 +921,9 @@ def main() -> int:
                 break
             if frame[0] == "metrics":
                 metrics.record(frame[1])
+            elif frame[0] == "resource":  # the serving process was re-labelled
+                resource = Resource(frame[1], frame[2] or None)
+                metrics.set_resource(resource)
             elif frame[0] == "instruments":
                 metrics.start(*frame[1:])
             elif frame[0] == "spans":
@@ -778,6 +985,17 @@ class _ChildMetrics:
             PeriodicExportingMetricReader(self.exporter)], shutdown_on_exit=False)
         meter = self.provider.get_meter(name, version or None, schema_url=schema_url or None)
         self.instruments = Instruments(meter, itl_every)
+
+    def set_resource(self, resource) -> None:
+        """The serving process's new resource: the meter provider's is re-labelled in place, as
+        :func:`llm_otel.export.identity.relabel` does in the serving process."""
+        self.resource = resource
+        if self.provider is not None:
+            from llm_otel.export.identity import _resource_of, _set_attributes
+
+            current = _resource_of(self.provider)
+            if current is not None:
+                _set_attributes(current, resource.attributes)
 
     def record(self, batch) -> None:
         instruments = self.instruments

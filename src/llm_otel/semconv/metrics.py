@@ -126,7 +126,7 @@ LLM_OTEL_INSTRUMENTATION_ERRORS = 'llm_otel.instrumentation.errors'
 LLM_OTEL_INSTRUMENTATION_ERRORS_UNIT = '{error}'
 
 LLM_OTEL_METRIC_POINTS_DROPPED = 'llm_otel.metric_points.dropped'
-"""GenAI request-metric observations the serving process could not hand to its span and metric exporter process (LLM_OTEL_EXPORT_PROCESS) - its buffer was full (error.type export_process_backlog) or the exporter process was down (export_process_down); those requests are missing from the request histograms and counters. Instrument: counter, unit: {observation}."""
+"""GenAI request-metric observations the serving process could not hand to its span and metric exporter process (LLM_OTEL_EXPORT_PROCESS) - its buffer was full (error.type export_process_backlog) the exporter process was down (export_process_down) or the observation could not be encoded for it (export_process_encoding); those requests are missing from the request histograms and counters. Instrument: counter, unit: {observation}."""
 LLM_OTEL_METRIC_POINTS_DROPPED_UNIT = '{observation}'
 
 LLM_OTEL_REQUEST_CLASS_COLLAPSED = 'llm_otel.request_class.collapsed'
@@ -138,5 +138,5 @@ LLM_OTEL_SAMPLING_PROBABILITY = 'llm_otel.sampling.probability'
 LLM_OTEL_SAMPLING_PROBABILITY_UNIT = '1'
 
 LLM_OTEL_SPANS_DROPPED = 'llm_otel.spans.dropped'
-"""Spans this process recorded but could not export - error.type export_failed (the OTLP exporter gave up on the batch - collector down, slower than OTEL_EXPORTER_OTLP_TIMEOUT, or refusing it), export_process_backlog (the exporter process's buffer was full, LLM_OTEL_EXPORT_PROCESS_BUFFER) or export_process_down (the exporter process had died); the engine keeps serving and the spans are lost. Instrument: counter, unit: {span}."""
+"""Spans this process recorded but could not export - error.type export_failed (the OTLP exporter gave up on the batch - collector down, slower than OTEL_EXPORTER_OTLP_TIMEOUT, or refusing it), export_process_backlog (the exporter process's buffer was full, LLM_OTEL_EXPORT_PROCESS_BUFFER) export_process_down (the exporter process had died) or export_process_encoding (the span's own data - not only an attribute value, those are dropped alone - could not be encoded for the exporter process); the engine keeps serving and the spans are lost. Instrument: counter, unit: {span}."""
 LLM_OTEL_SPANS_DROPPED_UNIT = '{span}'

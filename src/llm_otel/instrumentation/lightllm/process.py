@@ -155,8 +155,18 @@ def relabel_this_process(role: str | None = None, **extra: Any) -> None:
         _found[os.getpid()] = (role, dict(extra))
         extra.pop("master", None)
         relabel(role, **extra)
+        if role == "frontend":  # the HTTP worker serves: its exporter process starts now
+            _prewarm()
     except Exception as exc:  # noqa: BLE001
         logger.warning("llm-otel: could not tell which LightLLM process this is (%s)", exc)
+
+
+def _prewarm() -> None:
+    from opentelemetry import trace
+
+    from llm_otel.export.offload import prewarm
+
+    prewarm(trace.get_tracer_provider())
 
 
 def found() -> tuple[str, dict[str, Any]] | None:

@@ -114,6 +114,10 @@ class VLLMInstrumentor(BaseInstrumentor):
                 return True
 
             when_serving(observe_sampling)
+            from llm_otel.export.offload import prewarm
+
+            # where requests arrive: the exporter process starts now, overlapping vLLM's start-up
+            prewarm(tracer_provider or trace.get_tracer_provider())
         self.adapter = VLLMAdapter(telemetry)
         if role == "frontend":
             from llm_otel.export.lifecycle import create_flush_dir, lifecycle
