@@ -263,6 +263,7 @@ class OffloadBuffer:
         self.max_request_bytes = 0
         self._init = ("init", resource_attributes, schema_url)
         self._instruments_init: tuple | None = None  # set by offload_instruments()
+        self._exemplar_ids: tuple = (None, None)  # _RemoteInstrument's last (context, exemplar ids)
         self.metric_capacity = 4 * self.capacity
         self.metric_points_dropped = 0
         self._metric_drops = None     # counter llm_otel.metric_points.dropped, once bound
@@ -607,9 +608,15 @@ class _RemoteInstrument:
     def record(self, amount, attributes=None, context=None) -> None:
         ids = None
         if context is not None:
-            sc = trace_api.get_current_span(context).get_span_context()
-            if sc.is_valid and sc.trace_flags.sampled:  # only sampled spans become exemplars
-                ids = (sc.trace_id, sc.span_id, int(sc.trace_flags))
+            buffer = self._buffer
+            last = buffer._exemplar_ids  # noqa: SLF001 - (context, ids) of the previous observation
+            if last[0] is context:  # a finishing request records several instruments with one context
+                ids = last[1]
+            else:
+                sc = trace_api.get_current_span(context).get_span_context()
+                if sc.is_valid and sc.trace_flags.sampled:  # only sampled spans become exemplars
+                    ids = (sc.trace_id, sc.span_id, int(sc.trace_flags))
+                buffer._exemplar_ids = (context, ids)  # noqa: SLF001 - one tuple: read whole by any thread
         self._buffer.push_metric((self._name, amount, attributes, ids))
 
     add = record
