@@ -26,6 +26,7 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from llm_otel.config import Settings
+from llm_otel.export import offload
 from llm_otel.export.offload import BACKLOG, DOWN, OffloadTracerProvider
 from llm_otel.export.providers import build_providers, span_exporter_from_env
 from llm_otel.sampling import UtilizationPolicy, adaptive_sampler
@@ -298,7 +299,7 @@ def test_the_exporter_process_exits_when_its_serving_process_is_killed(receiver,
 GENAI_REQUEST_METRICS = (M.GEN_AI_SERVER_REQUEST_DURATION, M.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN,
                          M.GEN_AI_SERVER_TIME_PER_OUTPUT_TOKEN, M.LLM_SERVER_INTER_TOKEN_LATENCY,
                          M.LLM_SERVER_OUTPUT_TOKEN_RATE, M.LLM_SERVER_REQUEST_QUEUE_TIME, M.LLM_SERVER_TOKEN_USAGE,
-                         M.LLM_SERVER_REQUESTS)
+                         M.LLM_SERVER_REQUESTS, M.LLM_SERVER_REQUEST_KV_CACHE_SIZE, M.LLM_SERVER_SLO_CHECKS)
 
 
 def test_genai_metrics_are_the_same_and_their_exemplars_point_at_exported_request_spans(receiver):
@@ -313,7 +314,24 @@ def test_genai_metrics_are_the_same_and_their_exemplars_point_at_exported_reques
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.grpc_endpoint
         tp, mp = build_providers(dataclasses.replace(settings, export_process=export_process), env,
                                  shutdown_on_exit=False)
-        telemetry = Telemetry(tp, mp, settings)
+        from llm_otel.signals import SignalsConfig
+        from llm_otel.signals.kv import KVSpec
+
+        telemetry = Telemetry(tp, mp, settings, signals_config=SignalsConfig.from_env(
+            {"LLM_OTEL_TIERS": "standard * e2e=120 ttft=60"}))
+        signals, start = telemetry.signals, telemetry.start_request
+        kv = KVSpec(layers=2, kv_heads=2, head_dim=8, dtype_bytes=4, block_size=16)
+
+        def start_request(*args, **kwargs):  # as the vLLM adapter admits a request: tier and KV size
+            rec = start(*args, **kwargs)
+            _, labels, tier = signals.classify()
+            signals.admit(rec, labels, tier, kv)
+            return rec
+
+        telemetry.start_request = start_request
+        # recorded by the exporter process (the same points prove it delivers them) or in process
+        assert isinstance(signals.kv_size, offload._RemoteInstrument) is export_process
+        assert isinstance(signals.slo_checks, offload._RemoteInstrument) is export_process
         _requests(telemetry, tp.get_tracer("t"), "m")
         assert tp.force_flush(30_000) and mp.force_flush(30_000)
         points = {}

@@ -44,3 +44,17 @@ def test_carrier_from_span_round_trips():
     carrier = carrier_from_span(span)
     sc = parse_traceparent(carrier["traceparent"])
     assert sc.trace_id == span.get_span_context().trace_id and sc.span_id == span.get_span_context().span_id
+
+
+@pytest.mark.parametrize("state", [[], [("vendor", "probe"), ("ot", "th:8")]])
+@pytest.mark.parametrize("flags", [0, 1])
+def test_carrier_from_span_writes_what_the_w3c_propagator_injects(state, flags):
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    spans = [NonRecordingSpan(SpanContext(int(TID, 16), int(SID, 16), False, TraceFlags(flags), TraceState(state))),
+             trace.INVALID_SPAN]
+    for span in spans:
+        expected: dict = {}
+        TraceContextTextMapPropagator().inject(expected, context=trace.set_span_in_context(span))
+        assert carrier_from_span(span) == expected

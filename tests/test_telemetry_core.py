@@ -386,3 +386,20 @@ def test_token_ids_are_content_and_stay_out_of_spans_without_content_capture():
     assert all("llm.token.id" not in e.attributes for e in tokens)
     assert all("llm.logit.top_token_ids" not in e.attributes for e in steps)
     assert list(steps[0].attributes["llm.logit.top_logprobs"]) == pytest.approx(list(np.log([0.5, 0.3, 0.2])))
+
+
+def test_requests_sharing_attribute_sets_keep_their_own_error_type_and_finish_reason(captured):
+    """Per-request metric attribute sets are built once and reused: a failed request's
+    ``error.type`` must not leak into the next successful request with the same labels."""
+    for error, reason in ((None, "length"), ("aborted", "abort"), (None, "length"), (None, "stop")):
+        rec = start(captured)
+        rec.on_tokens([5, 6], mono(ARRIVAL + 0.02))
+        rec.finish_reason, rec.error_type = reason, error
+        captured.telemetry.finish(rec, end_ns=round((ARRIVAL + 0.03) * 1e9))
+    counts = {(p.attributes.get("llm.response.finish_reason"), p.attributes.get("error.type")): p.value
+              for p in captured.metric_points("llm.server.requests")}
+    assert counts == {("length", None): 2, ("abort", "aborted"): 1, ("stop", None): 1}
+    usage = sorted((p.attributes["gen_ai.token.type"], p.sum) for p in captured.metric_points("llm.server.token.usage"))
+    assert usage == [("input", 28), ("output", 8)]
+    assert {tuple(sorted(p.attributes)) for p in captured.metric_points("llm.server.token.usage")} == {
+        ("gen_ai.operation.name", "gen_ai.provider.name", "gen_ai.request.model", "gen_ai.token.type")}

@@ -94,7 +94,13 @@ def context_from_carrier(carrier: Mapping[str, str] | None) -> Context | None:
 
 
 def carrier_from_span(span: trace.Span) -> dict[str, str]:
-    """``traceparent``/``tracestate`` of a span, for engine request carriers."""
-    carrier: dict[str, str] = {}
-    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+    """``traceparent``/``tracestate`` of a span, for engine request carriers: what W3C
+    ``TraceContextTextMapPropagator.inject`` writes, formatted directly (once per request on the
+    serving path, without building a context for the propagator)."""
+    sc = span.get_span_context()
+    if sc == trace.INVALID_SPAN_CONTEXT:
+        return {}
+    carrier = {TRACEPARENT: f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{sc.trace_flags:02x}"}
+    if sc.trace_state:
+        carrier[TRACESTATE] = sc.trace_state.to_header()
     return carrier

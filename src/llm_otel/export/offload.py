@@ -292,6 +292,7 @@ class OffloadBuffer:
         self.max_request_bytes = 0
         self._init = ("init", resource_attributes, schema_url)
         self._instruments_init: tuple | None = None  # set by offload_instruments()
+        self._exemplar_ids: tuple = (None, None)  # _RemoteInstrument's last (context, exemplar ids)
         self.metric_capacity = 4 * self.capacity
         self.metric_points_dropped = 0
         self._metric_drops = None     # counter llm_otel.metric_points.dropped, once bound
@@ -790,6 +791,11 @@ class MetricAccount:
 # exporter process: the ones every finished request records (attribute name -> "record"/"add")
 OFFLOADED_INSTRUMENTS = {"duration": "record", "ttft": "record", "tpot": "record", "itl": "record",
                          "token_rate": "record", "queue": "record", "tokens": "record", "requests": "add"}
+# the per-request instruments of :class:`llm_otel.signals.Signals` (two KV-size observations and
+# the SLO checks of every request): in-process SDK records of these cost the frontend more per
+# request than the tuple each becomes
+OFFLOADED_SIGNAL_INSTRUMENTS = {"kv_size": "record", "slo_checks": "add"}
+_OFFLOADED_KIND = {**OFFLOADED_INSTRUMENTS, **OFFLOADED_SIGNAL_INSTRUMENTS}
 
 
 class _RemoteInstrument:
@@ -806,17 +812,24 @@ class _RemoteInstrument:
     def record(self, amount, attributes=None, context=None) -> None:
         ids = None
         if context is not None:
-            sc = trace_api.get_current_span(context).get_span_context()
-            if sc.is_valid and sc.trace_flags.sampled:  # only sampled spans become exemplars
-                ids = (sc.trace_id, sc.span_id, int(sc.trace_flags))
+            buffer = self._buffer
+            last = buffer._exemplar_ids  # noqa: SLF001 - (context, ids) of the previous observation
+            if last[0] is context:  # a finishing request records several instruments with one context
+                ids = last[1]
+            else:
+                sc = trace_api.get_current_span(context).get_span_context()
+                if sc.is_valid and sc.trace_flags.sampled:  # only sampled spans become exemplars
+                    ids = (sc.trace_id, sc.span_id, int(sc.trace_flags))
+                buffer._exemplar_ids = (context, ids)  # noqa: SLF001 - one tuple: read whole by any thread
         self._buffer.push_metric((self._name, amount, attributes, ids))
 
     add = record
 
 
-def offload_instruments(instruments, tracer_provider, meter_provider, scope: tuple) -> bool:
-    """Have the exporter process record ``instruments``' per-request GenAI metrics when
-    ``tracer_provider`` is an :class:`OffloadTracerProvider` built together with
+def offload_instruments(instruments, tracer_provider, meter_provider, scope: tuple, signals=None) -> bool:
+    """Have the exporter process record ``instruments``' per-request GenAI metrics (and, given
+    ``signals``, a :class:`llm_otel.signals.Signals` on the same meter, its KV-size and SLO-check
+    observations) when ``tracer_provider`` is an :class:`OffloadTracerProvider` built together with
     ``meter_provider`` for OTLP metric export (``build_providers``); returns True when it does.
     Otherwise (the application's own providers, Prometheus, console) nothing changes.
     ``scope``: (name, version, schema_url) of the meter, so that the points keep their scope."""
@@ -826,6 +839,9 @@ def offload_instruments(instruments, tracer_provider, meter_provider, scope: tup
     buffer._instruments_init = ("instruments", *scope, instruments.itl_every)  # noqa: SLF001
     for name in OFFLOADED_INSTRUMENTS:
         setattr(instruments, name, _RemoteInstrument(buffer, name))
+    if signals is not None:
+        for name in OFFLOADED_SIGNAL_INSTRUMENTS:
+            setattr(signals, name, _RemoteInstrument(buffer, name))
     return True
 
 
@@ -985,6 +1001,9 @@ class _ChildMetrics:
             PeriodicExportingMetricReader(self.exporter)], shutdown_on_exit=False)
         meter = self.provider.get_meter(name, version or None, schema_url=schema_url or None)
         self.instruments = Instruments(meter, itl_every)
+        from llm_otel.signals import request_instruments
+
+        self.instruments.kv_size, self.instruments.slo_checks = request_instruments(meter)
 
     def set_resource(self, resource) -> None:
         """The serving process's new resource: the meter provider's is re-labelled in place, as
@@ -1014,7 +1033,7 @@ class _ChildMetrics:
                     ctx = contexts[ids] = trace_api.set_span_in_context(trace_api.NonRecordingSpan(
                         SpanContext(ids[0], ids[1], is_remote=False, trace_flags=TraceFlags(ids[2]))))
             instrument = getattr(instruments, name)
-            if OFFLOADED_INSTRUMENTS[name] == "add":
+            if _OFFLOADED_KIND[name] == "add":
                 instrument.add(value, attributes, ctx)
             else:
                 instrument.record(value, attributes, ctx)

@@ -147,6 +147,20 @@ def _weights(raw: str | None) -> dict[str, float]:
     return out
 
 
+def request_instruments(meter: Meter) -> tuple:
+    """``(llm.server.request.kv_cache.size histogram, llm.server.slo.checks counter)`` of ``meter``:
+    the per-request signal instruments, created the same way in the serving process
+    (:class:`Signals`) and in the exporter process (``llm_otel.export.offload``)."""
+    kv_size = meter.create_histogram(
+        M.LLM_SERVER_REQUEST_KV_CACHE_SIZE, unit=M.LLM_SERVER_REQUEST_KV_CACHE_SIZE_UNIT,
+        description="Estimated KV-cache bytes per request at admission and finish.",
+        explicit_bucket_boundaries_advisory=list(M.LLM_SERVER_REQUEST_KV_CACHE_SIZE_BUCKETS))
+    slo_checks = meter.create_counter(
+        M.LLM_SERVER_SLO_CHECKS, unit=M.LLM_SERVER_SLO_CHECKS_UNIT,
+        description="Finished requests checked against their tier's targets.")
+    return kv_size, slo_checks
+
+
 class Signals:
     """Per-``instrument()`` signal state and instruments.
 
@@ -173,13 +187,9 @@ class Signals:
         for dim in self.classes.sources:
             for reason in ClassExtractor.REASONS:
                 self._collapsed.add(0, {A.LLM_REQUEST_CLASS_KEY: dim, A.LLM_REQUEST_CLASS_REASON: reason})
-        self.kv_size = meter.create_histogram(
-            M.LLM_SERVER_REQUEST_KV_CACHE_SIZE, unit=M.LLM_SERVER_REQUEST_KV_CACHE_SIZE_UNIT,
-            description="Estimated KV-cache bytes per request at admission and finish.",
-            explicit_bucket_boundaries_advisory=list(M.LLM_SERVER_REQUEST_KV_CACHE_SIZE_BUCKETS))
-        self.slo_checks = meter.create_counter(
-            M.LLM_SERVER_SLO_CHECKS, unit=M.LLM_SERVER_SLO_CHECKS_UNIT,
-            description="Finished requests checked against their tier's targets.")
+        # per-request instruments: recorded in the exporter process when llm-otel built the providers
+        # (llm_otel.export.offload.offload_instruments replaces them with remote stand-ins)
+        self.kv_size, self.slo_checks = request_instruments(meter)
         meter.create_observable_gauge(M.LLM_SERVER_TOKEN_EFFICIENCY, callbacks=[self._observe_efficiency],
                                       unit=M.LLM_SERVER_TOKEN_EFFICIENCY_UNIT,
                                       description="Output tokens/s per GiB of GPU memory in use.")

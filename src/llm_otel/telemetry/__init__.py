@@ -65,15 +65,6 @@ class Telemetry:
         self.errors = HookErrors(meter)
         self.spans = SpanBuilder(self.tracer, self.settings)
         provider = tracer_provider if tracer_provider is not None else trace.get_tracer_provider()
-        # spans in an exporter process (llm_otel.export.offload): the per-request GenAI metrics go
-        # there too when the meter provider is the one llm-otel built with it for OTLP
-        from opentelemetry.metrics import get_meter_provider
-
-        from llm_otel.export.offload import offload_instruments
-
-        offload_instruments(self.instruments, provider,
-                            meter_provider if meter_provider is not None else get_meter_provider(),
-                            (scope, __version__, SCHEMA_URL))
         # llm-otel's adaptive sampler (if the provider uses it) learns latency drift from every request
         self.sampling_root = getattr(getattr(provider, "sampler", None), "root", None)
         # request classes, tiers, KV footprint, VRAM pressure, health (ConfigError on a bad tier table)
@@ -84,6 +75,16 @@ class Telemetry:
         self._occupancy = source if isinstance(source, EngineOccupancy) else None
         # the signals (health score, token efficiency) want GPU utilisation, not engine occupancy
         self.signals = Signals(meter, signals_config, poller=poller if self._occupancy is None else None)
+        # spans in an exporter process (llm_otel.export.offload): the per-request GenAI metrics and
+        # the signals' per-request observations go there too when the meter provider is the one
+        # llm-otel built with it for OTLP
+        from opentelemetry.metrics import get_meter_provider
+
+        from llm_otel.export.offload import offload_instruments
+
+        offload_instruments(self.instruments, provider,
+                            meter_provider if meter_provider is not None else get_meter_provider(),
+                            (scope, __version__, SCHEMA_URL), signals=self.signals)
         self._steps: StepTracker | None = None
         self._steps_lock = threading.Lock()
 

@@ -29,6 +29,7 @@ logger = logging.getLogger("llm_otel")
 
 MAX_ERROR_TYPES = 32
 OTHER = "_OTHER"  # OpenTelemetry's fallback value for error.type
+MAX_ATTRIBUTE_SETS = 256  # distinct per-request metric attribute sets kept (Instruments._attribute_sets)
 # Context for observations that must not pick up an exemplar from whatever span is current when
 # the engine finishes a request (the SDK falls back to the current context for None - and for an
 # empty Context, which is falsy): the invalid span is never sampled.
@@ -87,6 +88,7 @@ class Instruments:
         self.requests = meter.create_counter(M.LLM_SERVER_REQUESTS, unit=M.LLM_SERVER_REQUESTS_UNIT,
                                              description="Finished and rejected requests by finish reason and error.type.")
         self._error_types: set[str] = set()
+        self._attr_sets: dict[tuple, tuple[dict, dict, dict, dict]] = {}  # see _attribute_sets
         self._error_lock = threading.Lock()
         self._warned_error_types = False
 
@@ -108,21 +110,11 @@ class Instruments:
         """Record one finished request; ``duration_s`` is arrival -> finish in seconds.
 
         Observations carry the request span's context when it is sampled (exemplars)."""
-        attrs = {
-            A.GEN_AI_OPERATION_NAME: rec.operation,
-            A.GEN_AI_PROVIDER_NAME: rec.provider,
-            A.GEN_AI_REQUEST_MODEL: rec.model,
-            A.GEN_AI_RESPONSE_MODEL: rec.response_model,
-        }
-        if rec.metric_attributes:  # request class and tier labels, bounded by llm_otel.signals
-            attrs.update(rec.metric_attributes)
+        attrs, count_attrs, input_attrs, output_attrs = self._attribute_sets(rec)
         ctx = trace.set_span_in_context(rec.span) if rec.recording else _NO_TRACE
         ok = rec.error_type is None
         # n > 1: the request is one request with one prompt - counted once, by its last choice
         whole = rec.choice_group is None or rec.choice_group.finish_one()
-        count_attrs = {k: v for k, v in attrs.items() if k != A.GEN_AI_RESPONSE_MODEL}
-        if rec.finish_reason is not None:
-            count_attrs[A.LLM_RESPONSE_FINISH_REASON] = rec.finish_reason
         if ok:
             if whole:
                 self.duration.record(duration_s, attrs, ctx)
@@ -139,16 +131,49 @@ class Instruments:
             error_type = self.error_type(rec.error_type)
             if whole:
                 self.duration.record(duration_s, {**attrs, A.ERROR_TYPE: error_type}, ctx)
-            count_attrs[A.ERROR_TYPE] = error_type
+            count_attrs = {**count_attrs, A.ERROR_TYPE: error_type}
         if whole:
             self.requests.add(1, count_attrs, ctx)
         queue = rec.queue_time_s()
         if queue is not None:
             self.queue.record(queue, attrs, ctx)
-        token_attrs = {k: v for k, v in attrs.items() if k != A.GEN_AI_RESPONSE_MODEL}
         if whole:
-            self.tokens.record(rec.input_tokens, {**token_attrs, A.GEN_AI_TOKEN_TYPE: "input"}, _NO_TRACE)
-        self.tokens.record(rec.num_output_tokens, {**token_attrs, A.GEN_AI_TOKEN_TYPE: "output"}, _NO_TRACE)
+            self.tokens.record(rec.input_tokens, input_attrs, _NO_TRACE)
+        self.tokens.record(rec.num_output_tokens, output_attrs, _NO_TRACE)
+
+    def _attribute_sets(self, rec: RequestRecord) -> tuple[dict, dict, dict, dict]:
+        """(request attributes, ``llm.server.requests`` attributes without ``error.type``, input
+        and output ``llm.server.token.usage`` attributes) of ``rec``: built once per distinct
+        (operation, provider, model, response model, class labels, finish reason) and reused,
+        never mutated (at most :data:`MAX_ATTRIBUTE_SETS` kept; the cache restarts when full)."""
+        labels = rec.metric_attributes  # request class and tier labels, bounded by llm_otel.signals
+        key = (rec.operation, rec.provider, rec.model, rec.response_model, rec.finish_reason,
+               tuple(labels.items()) if labels else ())
+        try:
+            sets = self._attr_sets.get(key)
+        except TypeError:  # an unhashable label value: built for this request alone
+            key, sets = None, None
+        if sets is not None:
+            return sets
+        attrs = {
+            A.GEN_AI_OPERATION_NAME: rec.operation,
+            A.GEN_AI_PROVIDER_NAME: rec.provider,
+            A.GEN_AI_REQUEST_MODEL: rec.model,
+            A.GEN_AI_RESPONSE_MODEL: rec.response_model,
+        }
+        if labels:
+            attrs.update(labels)
+        count_attrs = {k: v for k, v in attrs.items() if k != A.GEN_AI_RESPONSE_MODEL}
+        token_attrs = dict(count_attrs)
+        if rec.finish_reason is not None:
+            count_attrs[A.LLM_RESPONSE_FINISH_REASON] = rec.finish_reason
+        sets = (attrs, count_attrs, {**token_attrs, A.GEN_AI_TOKEN_TYPE: "input"},
+                {**token_attrs, A.GEN_AI_TOKEN_TYPE: "output"})
+        if key is not None:
+            if len(self._attr_sets) >= MAX_ATTRIBUTE_SETS:
+                self._attr_sets.clear()
+            self._attr_sets[key] = sets
+        return sets
 
     def _record_itl(self, rec: RequestRecord, attrs: dict, ctx) -> None:
         """ITL observations for the token-producing steps after the first: every ``itl_every``-th
