@@ -83,7 +83,7 @@ def start_server(model: str, log_path: Path, env_extra: dict[str, str], *, fork:
     env.update(VLLM_ENV)
     env.update(env_extra)
     prefix = [os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")] if instrument else []
-    entry = [str(HERE / "vllm_fork_launcher.py")] if fork else (["/tmp/exp/probe_launcher.py"] if os.environ.get("XPROBE") else ["-m", "vllm.entrypoints.openai.api_server"])
+    entry = [str(HERE / "vllm_fork_launcher.py")] if fork else ["-m", "vllm.entrypoints.openai.api_server"]
     cmd = [*prefix, sys.executable, *entry, "--model", str(model), "--served-model-name", served,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
            "--enforce-eager", *args]
