@@ -18,6 +18,7 @@ import threading
 import numpy as np
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
 
 from llm_otel.config import Settings
 from llm_otel.export.offload import ENCODING, OffloadTracerProvider, prewarm
@@ -186,6 +187,60 @@ def test_processes_that_never_emit_start_no_exporter_process_and_it_does_not_ins
     assert pythonpath and AUTO.encode() not in pythonpath[0]
     assert b"src" in pythonpath[0] or b"llm_otel" not in pythonpath[0]  # llm_otel's root stays first
     assert receiver.wait_for_spans(1, name="instrumented-app")
+
+
+PLAIN_APP = """
+import os, time
+time.sleep(1.5)  # long enough for an exporter process started at activation to be running
+kids = []
+for pid in os.listdir("/proc"):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read()
+    except (OSError, ValueError, IndexError):
+        continue
+    if ppid == os.getpid() and b"llm_otel.export.offload" in cmd:
+        kids.append(pid)
+print("EXPORTERS", len(kids))
+"""
+
+
+def test_a_process_that_only_has_vllm_installed_starts_no_exporter_process(receiver, tmp_path):
+    """With the vLLM instrumentor active (vLLM importable) a plain Python process under
+    opentelemetry-instrument - multiprocessing's resource tracker, a script - builds no engine client,
+    so nothing prewarms an exporter process for it (the review found one, about 49 MB, in every such
+    process); a vLLM frontend starts its own when it starts building LLMEngine/AsyncLLM."""
+    app = tmp_path / "plain.py"
+    app.write_text(textwrap.dedent(PLAIN_APP))
+    env = _clean_env(receiver, OTEL_TRACES_EXPORTER="otlp", OTEL_METRICS_EXPORTER="none",
+                     OTEL_LOGS_EXPORTER="none", LLM_OTEL_ADAPTIVE_SAMPLING="off", OTEL_SERVICE_NAME="plain")
+    instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
+    out = subprocess.run([instrument, sys.executable, str(app)], capture_output=True, text=True, env=env,
+                         timeout=180, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "EXPORTERS 0" in out.stdout, (out.stdout, out.stderr[-3000:])
+
+
+def test_the_vllm_frontend_prewarms_when_it_starts_building_an_engine_client():
+    """The vLLM adapter runs its before_first_engine callback once, before the wrapped
+    LLMEngine/AsyncLLM __init__ (so the exporter process's start overlaps vLLM's start-up)."""
+    from llm_otel.instrumentation.vllm.adapter import VLLMAdapter
+    from llm_otel.telemetry import Telemetry
+
+    tp, mp = TracerProvider(), MeterProvider()
+    adapter = VLLMAdapter(Telemetry(tp, mp, Settings(console="off", adaptive_sampling="off")))
+    order = []
+    adapter.before_first_engine = lambda: order.append("prewarm")
+    wrapper = adapter.engine_init("engine_init")
+
+    class Engine:
+        output_processor = None
+
+    for _ in range(2):
+        wrapper(lambda: order.append("init"), Engine(), (), {})
+    assert order == ["prewarm", "init", "init"]
 
 
 def test_the_exporter_process_environment_drops_the_auto_instrumentation_dir(receiver):

@@ -40,8 +40,9 @@ Guarantees:
   dropped uncounted, as with the in-process exporters.
 * **Start**: the exporter process starts with the first span or metric observation (under
   ``opentelemetry-instrument`` every Python process builds providers, most never make a span);
-  :func:`prewarm` starts it at once where llm-otel knows the process serves requests (the vLLM
-  API server, LightLLM's HTTP worker), so that its start-up overlaps the server's. It runs
+  :func:`prewarm` starts it at once where llm-otel knows the process serves requests (a vLLM
+  frontend when it starts building ``LLMEngine``/``AsyncLLM``, LightLLM's HTTP worker), so that
+  its start-up overlaps the server's; a process that merely has vLLM installed starts none. It runs
   without the auto-instrumentation ``sitecustomize`` its environment would otherwise carry.
 * **Re-labels** (:func:`llm_otel.export.identity.relabel`, also after fork): a ``resource`` frame
   goes in order with the spans (spans ended before keep the old resource); the exporter process's

@@ -114,11 +114,17 @@ class VLLMInstrumentor(BaseInstrumentor):
                 return True
 
             when_serving(observe_sampling)
+        self.adapter = VLLMAdapter(telemetry)
+        if role == "frontend":
+            from opentelemetry import trace
+
             from llm_otel.export.offload import prewarm
 
-            # where requests arrive: the exporter process starts now, overlapping vLLM's start-up
-            prewarm(tracer_provider or trace.get_tracer_provider())
-        self.adapter = VLLMAdapter(telemetry)
+            # where requests arrive: the exporter process starts when this process starts building
+            # an engine client, overlapping vLLM's start-up (a process that only has vLLM installed,
+            # such as multiprocessing's resource tracker under opentelemetry-instrument, never does)
+            provider = tracer_provider or trace.get_tracer_provider()
+            self.adapter.before_first_engine = lambda: prewarm(provider)
         if role == "frontend":
             from llm_otel.export.lifecycle import create_flush_dir, lifecycle
 

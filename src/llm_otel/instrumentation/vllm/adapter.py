@@ -22,7 +22,7 @@ import inspect
 import logging
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from opentelemetry.trace import SpanKind
 
@@ -101,6 +101,10 @@ class VLLMAdapter:
         self.version = engine_version()
         self._states: weakref.WeakKeyDictionary[Any, _EngineState] = weakref.WeakKeyDictionary()
         self._warned_capacity = False
+        # called once, when this process starts building an engine client (LLMEngine/AsyncLLM):
+        # where requests will arrive, the instrumentor starts the exporter process then, overlapping
+        # vLLM's start-up, and not in every Python process that merely has vLLM installed
+        self.before_first_engine: Callable[[], None] | None = None
         self._lora_names: set[str] = set()  # adapter names given a metric dimension of their own
         self._warned_lora = False
         # n > 1: vLLM's ParentRequest -> the ChoiceGroup its child requests' records share
@@ -274,6 +278,12 @@ class VLLMAdapter:
 
     def engine_init(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
+            before, self.before_first_engine = self.before_first_engine, None
+            if before is not None:
+                try:
+                    before()
+                except Exception as exc:  # noqa: BLE001
+                    self.telemetry.errors.report(hook, exc)
             result = wrapped(*args, **kwargs)
             try:
                 self._register_engine(instance)
