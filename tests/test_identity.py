@@ -206,3 +206,33 @@ def test_relabel_gives_the_tracked_providers_a_new_role_and_keeps_the_rest(monke
     assert dict(theirs.resource.attributes).get("llm.process.role") is None
     monkeypatch.setattr(identity, "_TRACKED", [])
     assert identity.relabel("router") is None  # nothing of llm-otel's here: nothing to re-label
+
+
+def test_a_forked_child_that_learns_its_own_role_gets_an_instance_id_of_that_role(monkeypatch):
+    """vLLM under ``fork``: the frontend's providers are tracked, so the fork hook re-labels the
+    child as ``frontend``; the engine core it becomes then builds its own identity, whose inherited-
+    form instance id must say ``engine_core`` (it kept ``frontend.<pid>`` when ids were cached per pid,
+    which the whole suite found once providers built by an earlier test were tracked)."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from llm_otel.export import identity
+
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.instance.id=pod-7d9f")
+    provider = TracerProvider(resource=Resource.create(identity.process_identity("frontend")))
+    identity.track(provider)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the fork hook has re-labelled it as a frontend
+        try:
+            relabelled = provider.resource.attributes["service.instance.id"]
+            own = identity.process_identity("engine_core", dp_rank=1)["service.instance.id"]
+            os.write(write, f"{relabelled}|{own}|{os.getpid()}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    data = os.read(read, 4096).decode()
+    os.waitpid(pid, 0)
+    relabelled, own, child = data.split("|")
+    assert relabelled == f"pod-7d9f/frontend.{child}"
+    assert own == f"pod-7d9f/engine_core.dp1.{child}"

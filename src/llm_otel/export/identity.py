@@ -103,16 +103,15 @@ def _suffix(role: str, api_server_index: int | None, dp_rank: int | None, pp_ran
 
 def process_identity(role: str, *, process_name: str | None = None, api_server_index: int | None = None,
                      dp_rank: int | None = None, tp_rank: int | None = None, pp_rank: int | None = None,
-                     ray: bool | None = None, env: Mapping[str, str] | None = None,
-                     renew: bool = False) -> dict[str, Any]:
+                     ray: bool | None = None, env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Resource attributes identifying this process (any engine).
 
     ``role``: ``llm.process.role`` (``frontend``, ``engine_core``, ``worker``, or an engine's own
-    role name). Indices left None are left out. The ``service.instance.id`` is made once per pid:
-    a UUID v4, or derived from the inherited one (``OTEL_RESOURCE_ATTRIBUTES`` in ``env``, default
-    ``os.environ``) as ``<inherited>/<role>[.api<i>][.dp<r>][.pp<r>][.tp<r>].<pid>``. ``renew``: the
-    process has learnt its role since (:func:`relabel`): an inherited-form id is made again with
-    the new role and indices (a UUID stays). Never raises.
+    role name). Indices left None are left out. The ``service.instance.id`` is a UUID v4 made once
+    per pid (it stays when the process learns its role later), or, when an instance id is inherited
+    (``OTEL_RESOURCE_ATTRIBUTES`` in ``env``, default ``os.environ``),
+    ``<inherited>/<role>[.api<i>][.dp<r>][.pp<r>][.tp<r>].<pid>`` for the role and indices of this
+    call. Never raises.
     """
     pid = os.getpid()
     attrs: dict[str, Any] = {A.LLM_PROCESS_ROLE: role, A.PROCESS_PID: pid}
@@ -121,14 +120,17 @@ def process_identity(role: str, *, process_name: str | None = None, api_server_i
     except OSError as exc:  # pragma: no cover - gethostname does not fail on Linux
         logger.info("llm-otel: host.name left out of this process's resource (%s)", exc)
     inherited = inherited_instance_id(env)
-    instance = _INSTANCE_IDS.get(pid)
-    if instance is None or (renew and inherited):
-        if inherited:
-            instance = f"{inherited}/{_suffix(role, api_server_index, dp_rank, pp_rank, tp_rank, pid)}"
-        else:
+    if inherited:
+        # a function of the role, indices and pid, never cached: a process forked from a labelled
+        # parent (its fork hook re-labels it with the parent's role) that then learns its own role
+        # (a vLLM engine core under fork) must not keep the parent's role in its id
+        instance = f"{inherited}/{_suffix(role, api_server_index, dp_rank, pp_rank, tp_rank, pid)}"
+    else:
+        instance = _INSTANCE_IDS.get(pid)
+        if instance is None:
             instance = str(uuid.uuid4())
-        _INSTANCE_IDS.clear()  # only this pid's id is ever needed (a fork child drops its parent's)
-        _INSTANCE_IDS[pid] = instance
+            _INSTANCE_IDS.clear()  # only this pid's id is ever needed (a fork child drops its parent's)
+            _INSTANCE_IDS[pid] = instance
     attrs[A.SERVICE_INSTANCE_ID] = instance
     if inherited:
         attrs[A.LLM_PROCESS_INHERITED_INSTANCE_ID] = inherited
@@ -175,6 +177,11 @@ def track(*providers) -> None:
     for provider in providers:
         if provider is not None and all(r() is not provider for r in _TRACKED):
             _TRACKED.append(weakref.ref(provider))
+            if hasattr(os, "register_at_fork"):
+                # after-fork hooks run in the order they were registered: this one runs after the
+                # provider's own (SDK 1.45+ gives the child's resource a new process-dependent
+                # service.instance.id, a UUID, in it), so the child's identity is the last word
+                os.register_at_fork(after_in_child=_relabel_after_fork)
 
 
 def tracked_identity() -> dict[str, Any] | None:
@@ -208,7 +215,7 @@ def relabel(role: str, *, process_name: str | None = None, api_server_index: int
         return None
     try:
         made = process_identity(role, process_name=process_name, api_server_index=api_server_index,
-                                dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank, ray=ray, renew=True)
+                                dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank, ray=ray)
         for resource in resources:
             kept = {k: v for k, v in resource.attributes.items() if k not in _IDENTITY_KEYS}
             if A.PROCESS_PARENT_PID in kept:
@@ -234,10 +241,6 @@ def _relabel_after_fork() -> None:
         return
     kwargs = {kw: current[key] for key, kw in _LABELS.items() if key in current}
     relabel(str(current.get(A.LLM_PROCESS_ROLE) or "frontend"), **kwargs)
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_relabel_after_fork)
 
 
 def in_ray_worker() -> bool:
