@@ -136,7 +136,7 @@ def engine_death(tiny_model, tmp_path_factory):
             chunks = []
 
             def stream(i: int) -> None:
-                body = {"model": "tiny", "prompt": f"import os {i}", "max_tokens": 400, "stream": True,
+                body = {"model": "tiny", "prompt": f"import os {i}", "max_tokens": 490, "stream": True,
                         "ignore_eos": True}
                 headers = {"traceparent": f"00-{i:032x}-{PARENT}-01"}
                 try:
