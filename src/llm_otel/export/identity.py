@@ -152,6 +152,7 @@ _IDENTITY_KEYS = frozenset(_LABELS) | {A.LLM_PROCESS_ROLE, A.PROCESS_PID, A.HOST
 # the providers llm-otel built in this process (weakly): their *current* resource is re-labelled
 # (SDK 1.45+ replaces a provider's resource with a merged copy after fork, in its own fork hook)
 _TRACKED: list[weakref.ref] = []
+_FORK_HOOKS = [0]  # after-fork re-label hooks registered (track); the newest one acts
 
 
 def _resource_of(provider):
@@ -180,8 +181,11 @@ def track(*providers) -> None:
             if hasattr(os, "register_at_fork"):
                 # after-fork hooks run in the order they were registered: this one runs after the
                 # provider's own (SDK 1.45+ gives the child's resource a new process-dependent
-                # service.instance.id, a UUID, in it), so the child's identity is the last word
-                os.register_at_fork(after_in_child=_relabel_after_fork)
+                # service.instance.id, a UUID, in it), so the child's identity is the last word.
+                # Only the newest such hook re-labels: it runs after every tracked provider's own
+                _FORK_HOOKS[0] += 1
+                os.register_at_fork(after_in_child=lambda n=_FORK_HOOKS[0]: n == _FORK_HOOKS[0]
+                                    and _relabel_after_fork())
 
 
 def tracked_identity() -> dict[str, Any] | None:

@@ -206,10 +206,9 @@ def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
         poller.owner = weakref.ref(tracer_provider, lambda _ref, stop=poller.stop: stop())
     readers: list[MetricReader] = []
     stream = stream or sys.stderr
-    if offload:
-        pass  # the exporter process exports
-    elif span_exporter is not None:
-        tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
+    if span_exporter is not None:
+        if not offload:  # (offloaded: the exporter process exports)
+            tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
     elif exporter_choice(env, "TRACES") == "none":
         pass
     elif settings.console in ("auto", "tree"):
