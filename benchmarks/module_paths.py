@@ -235,6 +235,8 @@ def main() -> None:
         sink.stdin.close()
         sink.wait(timeout=10)
     result["environment"] = ENV
+    git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    result["commit"] = git.stdout.strip()  # the checkout whose llm_otel was measured
     print_table(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
