@@ -260,3 +260,20 @@ def test_c04_doctor_probes_the_metrics_exporter_too(receiver, capsys):
     assert "[  ok] OTLP metric exporter" in capsys.readouterr().out
     assert receiver.wait_for_metric("llm_otel.doctor.probe")
     assert doctor({**env, "OTEL_METRICS_EXPORTER": "none"}) == 0
+
+
+def test_version_lives_in_version_py_matches_pyproject_and_no_layer_imports_the_package_face_for_it():
+    """``llm_otel.__version__`` is ``llm_otel.version.__version__`` and equals pyproject's
+    version; no module under src/llm_otel/ takes the version from the package face (``from
+    llm_otel import __version__`` was the core's one upward import)."""
+    import pathlib
+    import tomllib
+
+    from llm_otel.version import __version__
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    assert llm_otel.__version__ is __version__
+    assert tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"] == __version__
+    offenders = [str(p.relative_to(root)) for p in (root / "src" / "llm_otel").rglob("*.py")
+                 if "from llm_otel import __version__" in p.read_text()]
+    assert offenders == []

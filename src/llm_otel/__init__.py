@@ -10,7 +10,7 @@ import logging
 import os
 from typing import Any
 
-__version__ = "0.1.0"
+from llm_otel.version import __version__
 __all__ = ["instrument", "uninstrument", "__version__"]
 
 logger = logging.getLogger("llm_otel")

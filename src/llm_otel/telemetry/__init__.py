@@ -55,7 +55,7 @@ class Telemetry:
                  meter_provider: MeterProvider | None = None,
                  settings: Settings | None = None, scope: str = "llm_otel",
                  signals_config: SignalsConfig | None = None) -> None:
-        from llm_otel import __version__
+        from llm_otel.version import __version__
 
         self.settings = settings or Settings.from_env()
         self.tracer = trace.get_tracer(scope, __version__, tracer_provider, schema_url=SCHEMA_URL)

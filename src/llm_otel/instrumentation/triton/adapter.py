@@ -377,7 +377,7 @@ class TritonAdapter:
     """The wrapper factories named in :data:`llm_otel.instrumentation.triton.hooks.HOOKS`."""
 
     def __init__(self, telemetry: Telemetry, meter_provider=None) -> None:
-        from llm_otel import __version__
+        from llm_otel.version import __version__
 
         self.telemetry = telemetry
         self.tracer = telemetry.tracer
