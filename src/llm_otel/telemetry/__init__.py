@@ -153,10 +153,8 @@ class Telemetry:
         st = self.settings
         rec = RequestRecord(request_id, operation=operation, provider=provider, model=model,
                             arrival_s=arrival_s, input_tokens=input_tokens, span=span,
-                            engine_version=engine_version, choice_index=choice_index,
                             request_attributes=attrs, head_cap=st.token_events,
-                            logprob_cap=(1 << 20) if st.logprobs_top_k else 0,
-                            user_logprobs=user_logprobs)
+                            logprob_cap=(1 << 20) if st.logprobs_top_k else 0)
         if rec.recording and st.capture_content and prompt_text is not None:
             # GenAI message format; an offline prompt (or a rendered chat template) is one user part
             span.set_attribute(A.GEN_AI_INPUT_MESSAGES, json.dumps(

@@ -19,7 +19,6 @@ import time
 from array import array
 from typing import Any
 
-from opentelemetry.context import Context
 from opentelemetry.trace import Span
 
 
@@ -53,12 +52,12 @@ class RequestRecord:
     """
 
     __slots__ = (
-        "request_id", "operation", "provider", "model", "response_model", "engine_version",
-        "span", "context", "recording", "arrival_s", "mono_offset_ns",
+        "request_id", "operation", "provider", "model", "response_model",
+        "span", "recording", "arrival_s", "mono_offset_ns",
         "queued_mono", "scheduled_mono", "preempted_mono", "step_times", "step_token_counts",
         "num_output_tokens", "head_token_ids", "head_cap", "input_tokens", "cached_tokens",
-        "finish_reason", "error_type", "error_message", "request_attributes", "choice_index",
-        "logprob_rows", "logprob_cap", "user_logprobs",
+        "finish_reason", "error_type", "error_message", "request_attributes",
+        "logprob_rows", "logprob_cap",
         "finished", "timing_source", "injected_logprobs", "vocab_size", "output_state",
         "metric_attributes", "signal_state", "handed_s", "handed_mono", "engine_clock", "choice_group",
     )
@@ -73,13 +72,9 @@ class RequestRecord:
         arrival_s: float,
         input_tokens: int,
         span: Span | None = None,
-        context: Context | None = None,
-        engine_version: str = "",
-        choice_index: int = 0,
         request_attributes: dict[str, Any] | None = None,
         head_cap: int = 16,
         logprob_cap: int = 0,
-        user_logprobs: int | None = None,
         offset_ns: int | None = None,
     ) -> None:
         self.request_id = request_id
@@ -87,9 +82,7 @@ class RequestRecord:
         self.provider = provider
         self.model = model
         self.response_model = model
-        self.engine_version = engine_version
         self.span = span
-        self.context = context
         self.recording = bool(span is not None and span.is_recording())
         self.arrival_s = arrival_s
         self.mono_offset_ns = mono_offset_ns() if offset_ns is None else offset_ns
@@ -107,11 +100,9 @@ class RequestRecord:
         self.error_type: str | None = None
         self.error_message: str | None = None
         self.request_attributes = request_attributes or {}
-        self.choice_index = choice_index
         # (sampled_token_id, sampled_logprob, top_ids[k], top_logprobs[k]) per decode step
         self.logprob_rows: list[tuple] = []
         self.logprob_cap = logprob_cap
-        self.user_logprobs = user_logprobs
         self.finished = False
         self.timing_source = "engine_steps"
         self.injected_logprobs = False  # the instrumentation asked the engine for log-probs
@@ -177,14 +168,6 @@ class RequestRecord:
     @property
     def arrival_ns(self) -> int:
         return round(self.arrival_s * 1e9)
-
-    @property
-    def first_token_mono(self) -> float | None:
-        return self.step_times[0] if self.step_times else None
-
-    @property
-    def last_token_mono(self) -> float | None:
-        return self.step_times[-1] if self.step_times else None
 
     def time_to_first_token_s(self) -> float | None:
         """Seconds from arrival (wall) to the engine's first-token stamp, or None without tokens."""
