@@ -165,3 +165,102 @@ def test_an_instrumentor_whose_library_is_not_importable_is_silent(path, package
     assert [level for level, _ in records] == [logging.DEBUG], records
     assert package in records[0][1] and "not importable" in records[0][1]
     assert result["applied"] == 0
+
+
+# Each engine's hook tables (module-level Hook values and lists of them in <engine>/hooks.py) and
+# the adapter class whose attributes the tables' factory names are resolved on by apply_hooks.
+ADAPTERS = {
+    "vllm": "llm_otel.instrumentation.vllm.adapter:VLLMAdapter",
+    "lightllm": "llm_otel.instrumentation.lightllm.adapter:LightLLMAdapter",
+    "triton": "llm_otel.instrumentation.triton.adapter:TritonAdapter",
+}
+# Hooks that apply_hooks never resolves on the adapter, with what installs them instead.
+NOT_ADAPTER_FACTORIES = {
+    # a __setstate__ added to MultimodalParams (which has none to wrap) by carrier.make_setstate
+    "lightllm:SETSTATE": "llm_otel.instrumentation.lightllm.carrier:make_setstate",
+}
+
+_FACTORY_CHECK = r'''
+import importlib, importlib.abc, inspect, json, pkgutil, sys
+
+ENGINES = ("vllm", "tritonclient", "lightllm", "torch")  # none of them may be needed
+
+
+class NoEngine(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ENGINES:
+            raise ImportError(f"{name} is blocked: the hook-table check must run without the engine")
+        return None
+
+
+sys.meta_path.insert(0, NoEngine())
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.trace import TracerProvider
+
+import llm_otel.instrumentation as instrumentation
+from llm_otel.config import Settings
+from llm_otel.instrumentation._hooks import Hook
+from llm_otel.telemetry import Telemetry
+
+adapters, not_adapter = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+telemetry = Telemetry(TracerProvider(), MeterProvider(), Settings.from_env({}))
+problems, checked, tables = [], 0, []
+for info in pkgutil.iter_modules(instrumentation.__path__):
+    if not info.ispkg:
+        continue
+    hooks_module = importlib.import_module(f"llm_otel.instrumentation.{info.name}.hooks")
+    entries = []
+    for var, value in vars(hooks_module).items():
+        if isinstance(value, Hook):
+            entries.append((f"{info.name}:{var}", value))
+        elif isinstance(value, list) and value and all(isinstance(h, Hook) for h in value):
+            tables.append(f"{info.name}:{var}")
+            entries.extend((f"{info.name}:{var}", h) for h in value)
+    if info.name not in adapters:
+        problems.append(f"{info.name}: hook tables {sorted({e for e, _ in entries})} but no adapter class listed")
+        continue
+    module, _, cls = adapters[info.name].partition(":")
+    adapter = getattr(importlib.import_module(module), cls)(telemetry)
+    for where, hook in entries:
+        if where in not_adapter:
+            module, _, name = not_adapter[where].partition(":")
+            if not callable(getattr(importlib.import_module(module), name, None)):
+                problems.append(f"{where} {hook.qualname}: installer {not_adapter[where]} missing")
+            continue
+        factory = adapter
+        try:
+            for part in hook.factory.split("."):
+                factory = getattr(factory, part)
+            wrapper = factory(hook.qualname)
+            inspect.signature(wrapper).bind(None, None, (), {})
+        except Exception as exc:
+            problems.append(f"{where} {hook.qualname}: factory {hook.factory!r} on {cls}: "
+                            f"{type(exc).__name__}: {exc}")
+            continue
+        checked += 1
+print(json.dumps({"problems": problems, "checked": checked, "tables": tables,
+                  "engines_imported": sorted(m for m in sys.modules if m.split(".")[0] in ENGINES)}))
+'''
+
+
+def test_every_hook_factory_in_every_hook_table_exists_on_its_adapter_without_the_engine_installed():
+    """A factory name is a string that apply_hooks resolves only when the engine is there (a typo
+    or a renamed adapter method shows up as a silently missing hook on someone's server). Every
+    ``Hook`` in every ``llm_otel/instrumentation/<engine>/hooks.py`` must name an attribute path of
+    that engine's adapter that, called with the hook's qualname, returns a wrapt wrapper
+    ``wrapper(wrapped, instance, args, kwargs)``. Runs in an interpreter where vLLM, tritonclient,
+    LightLLM and torch cannot be imported."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", _FACTORY_CHECK, json.dumps(ADAPTERS),
+                           json.dumps(NOT_ADAPTER_FACTORIES)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["problems"] == []
+    assert result["engines_imported"] == []
+    assert {"vllm:HOOKS", "lightllm:HOOKS", "triton:HOOKS"} <= set(result["tables"])
+    from llm_otel.instrumentation.lightllm.hooks import HOOKS as LIGHTLLM
+    from llm_otel.instrumentation.triton.hooks import HOOKS as TRITON
+    from llm_otel.instrumentation.vllm.hooks import HOOKS as VLLM
+
+    assert result["checked"] == len(VLLM) + len(LIGHTLLM) + len(TRITON)
