@@ -231,3 +231,13 @@ def engine(tiny_model, receiver):
         pass
     cap.tracer_provider.shutdown()
     cap.meter_provider.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _errors_log_once_per_test():
+    """llm-otel logs each failure site once per process (llm_otel.errors); tests that look for a
+    site's one line must see it whichever test failed that site first."""
+    from llm_otel.errors import _reset_for_tests
+
+    _reset_for_tests()
+    yield

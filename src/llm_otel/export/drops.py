@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from llm_otel.errors import process_errors
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import metrics as M
 
@@ -85,8 +86,9 @@ class DropCounter:
             counter = meter_provider.get_meter("llm_otel").create_counter(
                 M.LLM_OTEL_SPANS_DROPPED, unit=M.LLM_OTEL_SPANS_DROPPED_UNIT,
                 description="Spans this process could not export to its collector.")
-        except Exception:  # noqa: BLE001 - a metrics problem must not stop tracing
-            logger.debug("llm-otel: cannot create %s", M.LLM_OTEL_SPANS_DROPPED, exc_info=True)
+        except Exception as exc:  # noqa: BLE001 - a metrics problem must not stop tracing
+            process_errors().report("export.drops.counter", exc, f"cannot create {M.LLM_OTEL_SPANS_DROPPED}; "
+                                    "dropped spans are logged, not counted")
             return
         with self._lock:
             self._counter, pending, self._unbound = counter, self._unbound, {}

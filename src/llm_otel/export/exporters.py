@@ -38,6 +38,7 @@ from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from llm_otel.errors import process_errors
 from llm_otel.export.drops import DropCounter
 from llm_otel.semconv import attributes as A
 
@@ -139,8 +140,8 @@ class ProcessSpanExporter(_PerProcess, SpanExporter):
         result = SpanExportResult.SUCCESS
         try:
             chunks = self._chunks(spans)
-        except Exception:  # noqa: BLE001 - an odd span: send the batch as it is
-            logger.debug("llm-otel: could not size a span batch", exc_info=True)
+        except Exception as exc:  # noqa: BLE001 - an odd span: send the batch as it is
+            process_errors().report("export.exporters.split", exc, "could not size a span batch; it is sent whole")
             chunks = [spans]
         for chunk in chunks:
             self.in_flight += len(chunk)
@@ -190,7 +191,8 @@ class ProcessSpanExporter(_PerProcess, SpanExporter):
         try:
             return shrink_span(span, self.max_request_bytes)
         except Exception as exc:  # noqa: BLE001 - worst case the collector rejects this one request
-            logger.debug("llm-otel: could not shorten span %r: %s", span.name, exc)
+            process_errors().report("export.exporters.shrink", exc,
+                                    f"could not shorten span {span.name!r}; it is sent at its full size")
             return span
 
     def shutdown(self, timeout_millis: float | None = None) -> None:

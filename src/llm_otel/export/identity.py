@@ -61,6 +61,7 @@ import uuid
 import weakref
 from typing import Any, Mapping
 
+from llm_otel.errors import process_errors
 from llm_otel.semconv import attributes as A
 
 logger = logging.getLogger("llm_otel")
@@ -233,7 +234,8 @@ def relabel(role: str, *, process_name: str | None = None, api_server_index: int
                      made.get(A.SERVICE_INSTANCE_ID))
         return made
     except Exception as exc:  # noqa: BLE001 - identity must never stop the engine process
-        logger.warning("llm-otel: could not re-label this process's resource as %s (%s)", role, exc)
+        process_errors().report("export.identity.relabel", exc,
+                                f"could not re-label this process's resource as {role}")
         return None
 
 
@@ -338,7 +340,7 @@ def vllm_process_identity(role: str | None = None, env: Mapping[str, str] | None
         _IDENTITIES[os.getpid()] = made
         return made
     except Exception as exc:  # noqa: BLE001 - identity must never stop the engine process
-        logger.warning("llm-otel: process identity incomplete (%s); only role and pid are set", exc)
+        process_errors().report("export.identity.vllm", exc, "process identity incomplete; only role and pid are set")
         return process_identity(role or "frontend", env=env)
 
 

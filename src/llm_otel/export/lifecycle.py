@@ -43,6 +43,8 @@ import time
 import weakref
 from typing import Callable
 
+from llm_otel.errors import process_errors
+
 logger = logging.getLogger("llm_otel")
 
 DEFAULT_DEADLINE_S = 2.0
@@ -145,8 +147,8 @@ class ProcessLifecycle:
             try:
                 callback()
             except Exception as exc:  # noqa: BLE001 - never raise out of an exit path
-                logger.warning("llm-otel: completing pending telemetry at exit failed (%s: %s)",
-                               type(exc).__name__, exc)
+                process_errors().report("export.lifecycle.before_flush", exc,
+                                        "completing pending telemetry at exit failed")
 
     def _early_flush(self) -> None:
         self._run_callbacks(early=True)
@@ -166,8 +168,8 @@ class ProcessLifecycle:
             try:
                 if provider.force_flush(ms) is False and getattr(provider, "buffer", None) is not None:
                     self._early_incomplete = True
-            except Exception:  # noqa: BLE001
-                logger.debug("llm-otel: early flush failed", exc_info=True)
+            except Exception as exc:  # noqa: BLE001
+                process_errors().report("export.lifecycle.early_flush", exc, "early flush failed")
 
     def _report(self, done: bool) -> None:
         """One warning per process when telemetry was not delivered."""
@@ -248,13 +250,13 @@ class ProcessLifecycle:
                     else:
                         processor.shutdown()
                 provider._active_span_processor._span_processors = ()  # noqa: SLF001 - done; no 2nd export
-            except Exception:  # noqa: BLE001
-                logger.debug("llm-otel: tracer provider shutdown failed", exc_info=True)
+            except Exception as exc:  # noqa: BLE001
+                process_errors().report("export.lifecycle.shutdown", exc, "tracer provider shutdown failed")
         for provider in self.meter_providers:
             try:
                 provider.shutdown(timeout_millis=self._remaining_ms())
-            except Exception:  # noqa: BLE001
-                logger.debug("llm-otel: meter provider shutdown failed", exc_info=True)
+            except Exception as exc:  # noqa: BLE001
+                process_errors().report("export.lifecycle.shutdown", exc, "meter provider shutdown failed")
 
     def _snapshot_failures(self) -> None:
         # only what fails from now on is this flush's loss; earlier outages were counted and
@@ -324,8 +326,8 @@ def begin_shutdown() -> None:
     try:
         if _current is not None:
             _current.begin()
-    except Exception:  # noqa: BLE001
-        logger.debug("llm-otel: begin_shutdown failed", exc_info=True)
+    except Exception as exc:  # noqa: BLE001
+        process_errors().report("export.lifecycle.begin", exc, "beginning this process's shutdown flush failed")
 
 
 # --- telling the process that stops us that we are flushed ------------------------------------
@@ -448,13 +450,13 @@ def _after_fork_in_child() -> None:
         try:
             component._restart_after_fork()
         except Exception as exc:  # noqa: BLE001
-            logger.warning("llm-otel: restarting %s after fork failed (%s: %s)", type(component).__name__,
-                           type(exc).__name__, exc)
+            process_errors().report("export.lifecycle.after_fork", exc,
+                                    f"restarting {type(component).__name__} after fork failed")
     for callback in list(_fork_callbacks):
         try:
             callback()
         except Exception as exc:  # noqa: BLE001
-            logger.warning("llm-otel: re-initialising after fork failed (%s: %s)", type(exc).__name__, exc)
+            process_errors().report("export.lifecycle.after_fork", exc, "re-initialising after fork failed")
 
 
 if hasattr(os, "register_at_fork"):

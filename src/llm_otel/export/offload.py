@@ -72,6 +72,7 @@ from opentelemetry import context as context_api
 from opentelemetry import trace as trace_api
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
+from llm_otel.errors import process_errors
 from llm_otel.export.drops import DropCounter
 from llm_otel.semconv import attributes as A
 
@@ -353,8 +354,9 @@ class OffloadBuffer:
             self._metric_drops = meter_provider.get_meter("llm_otel").create_counter(
                 M.LLM_OTEL_METRIC_POINTS_DROPPED, unit=M.LLM_OTEL_METRIC_POINTS_DROPPED_UNIT,
                 description="GenAI metric observations this process could not hand to its exporter process.")
-        except Exception:  # noqa: BLE001
-            logger.debug("llm-otel: cannot create the metric drop counter", exc_info=True)
+        except Exception as exc:  # noqa: BLE001
+            process_errors().report("export.offload.metric_drops", exc, "cannot create the metric drop counter; "
+                                    "lost metric observations are not counted")
 
     def push_metric(self, record: tuple) -> None:
         """One metric observation ``(instrument attribute, value, attributes, (trace_id, span_id,
@@ -452,8 +454,8 @@ class OffloadBuffer:
             self._wake.clear()
             try:
                 self._drain()
-            except Exception:  # noqa: BLE001 - the thread must survive anything
-                logger.debug("llm-otel: exporter-process writer failed", exc_info=True)
+            except Exception as exc:  # noqa: BLE001 - the thread must survive anything
+                process_errors().report("export.offload.writer", exc)
 
     def _drain(self) -> bool:
         """Send everything buffered; True when it was all written."""
@@ -567,7 +569,8 @@ class OffloadBuffer:
                     proc.stdin.write(_HEADER.pack(len(data)) + data)
         except Exception as exc:  # noqa: BLE001
             self.last_error = f"cannot start the exporter process: {type(exc).__name__}: {exc}"
-            logger.warning("llm-otel: %s; spans are dropped and counted", self.last_error)
+            process_errors().report("export.offload.start", exc, "cannot start the exporter process; its spans "
+                                    "are dropped and counted (llm_otel.spans.dropped)")
             return None
         self._proc, self._sent, self._acked = proc, 0, 0
         self._instruments_to = proc if self._instruments_init is not None else None
@@ -614,8 +617,12 @@ class OffloadBuffer:
                     with self._reply_cv:
                         self._replies[frame[1]] = frame
                         self._reply_cv.notify_all()
-        except Exception:  # noqa: BLE001
-            logger.debug("llm-otel: exporter-process status reader ended", exc_info=True)
+        except (OSError, ValueError):
+            pass  # the pipe closed under the read: the exporter process ended or was ended (a restart
+            # or the final flush); its spans are accounted for by _process_died / the flush
+        except Exception as exc:  # noqa: BLE001
+            process_errors().report("export.offload.status_reader", exc, "the exporter process's status reader "
+                                    "stopped; its export outcomes are not counted until it is restarted")
         finally:
             with self._reply_cv:
                 self._reply_cv.notify_all()
@@ -689,8 +696,9 @@ def prewarm(tracer_provider) -> bool:
         return False
     try:
         buffer.start()
-    except Exception:  # noqa: BLE001
-        logger.debug("llm-otel: cannot prewarm the exporter process", exc_info=True)
+    except Exception as exc:  # noqa: BLE001
+        process_errors().report("export.offload.prewarm", exc,
+                                "cannot prewarm the exporter process; the first span starts it")
     return True
 
 

@@ -33,11 +33,10 @@ command line, before it knows whether it will serve or only start API servers. E
 
 from __future__ import annotations
 
-import logging
 import threading
 from typing import Callable
 
-logger = logging.getLogger("llm_otel")
+from llm_otel.errors import process_errors
 
 _lock = threading.Lock()
 _defer_frontend = False
@@ -129,7 +128,7 @@ def serving_started() -> None:
         try:
             start()
         except Exception as exc:  # noqa: BLE001 - an endpoint must never stop the engine
-            logger.warning("llm-otel: an endpoint of this process could not start (%s)", exc)
+            process_errors().report("export.ports.start", exc, "an endpoint of this process could not start")
 
 
 def _reset_for_tests() -> None:

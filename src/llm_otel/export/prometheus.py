@@ -46,6 +46,8 @@ from typing import Any, Mapping
 from opentelemetry.exporter.prometheus import PrometheusMetricReader  # opentelemetry-exporter-prometheus
 from prometheus_client import CollectorRegistry, start_http_server
 
+from llm_otel.errors import process_errors
+
 logger = logging.getLogger("llm_otel")
 
 DEFAULT_PORT = 9464  # OpenTelemetry's default for OTEL_EXPORTER_PROMETHEUS_PORT
@@ -94,8 +96,8 @@ def prometheus_reader(env: Mapping[str, str], role: str):
         try:
             start_http_server(port, addr=host, registry=registry)
         except OSError as exc:
-            logger.warning("llm-otel: cannot serve Prometheus metrics on %s:%d (%s); this %s process's metrics "
-                           "are not exposed", host, port, exc, role)
+            process_errors().report("export.prometheus.serve", exc, f"cannot serve Prometheus metrics on "
+                                    f"{host}:{port}; this {role} process's metrics are not exposed")
             return False
         logger.info("llm-otel: Prometheus metrics of this %s process on http://%s:%d/metrics", role, host, port)
         return True
@@ -221,7 +223,6 @@ class ExemplarPrometheusMetricReader(PrometheusMetricReader):
         super().__init__(**kwargs)
         self._index: _ExemplarIndex | None = None
         self._index_lock = threading.Lock()  # concurrent scrapes (prometheus_client serves in threads)
-        self._warned = False
         self._scope_labels = kwargs.get("scope_info_enabled", True)
         self._registry.unregister(self._collector)
         self._wrapper = _ExemplarCollector(self._collector, self)
@@ -237,9 +238,8 @@ class ExemplarPrometheusMetricReader(PrometheusMetricReader):
         super()._receive_metrics(metrics_data, timeout_millis, **kwargs)
 
     def _warn(self, exc: BaseException) -> None:
-        if not self._warned:
-            self._warned = True
-            logger.warning("llm-otel: Prometheus exemplars unavailable (%s); metrics are exposed without them", exc)
+        process_errors().report("export.prometheus.exemplars", exc,
+                                "Prometheus exemplars unavailable; metrics are exposed without them")
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
         self._registry.unregister(self._wrapper)

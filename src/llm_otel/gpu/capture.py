@@ -33,6 +33,8 @@ import sys
 import threading
 from typing import Any, Iterator
 
+from llm_otel.errors import process_errors
+
 logger = logging.getLogger("llm_otel")
 
 
@@ -101,8 +103,12 @@ class CaptureGate:
             if graph_cls in self._installed:
                 return True
             begin, end = vars(graph_cls)["capture_begin"], vars(graph_cls)["capture_end"]
-        except Exception as exc:  # noqa: BLE001
+        except ImportError as exc:  # no torch (or no torch.cuda) here: nothing can capture a graph
             logger.debug("llm-otel: CUDA-graph capture gate not installed (%s: %s)", type(exc).__name__, exc)
+            return False
+        except Exception as exc:  # noqa: BLE001 - torch moved the capture methods
+            process_errors().report("gpu.capture.install", exc, "CUDA-graph capture gate not installed; "
+                                    "device records may be taken while a graph is captured")
             return False
         gate = self
 

@@ -14,6 +14,7 @@ import logging
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
+from llm_otel.errors import process_errors
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import metrics as M
 
@@ -28,7 +29,6 @@ class GpuMetrics:
     def __init__(self, meter: Meter, source, phase) -> None:
         self.source = source
         self.phase = phase
-        self._warned = False
 
         def util(_options: CallbackOptions):
             return [Observation(u, {A.HW_ID: str(i), A.LLM_ENGINE_PHASE: ph})
@@ -53,9 +53,7 @@ class GpuMetrics:
             devices = self.source.devices()
             phase = self.phase()
         except Exception as exc:  # noqa: BLE001 - NVMLError mid-run: no points this time
-            if not self._warned:
-                self._warned = True
-                logger.warning("llm-otel: NVML read failed (%s); GPU metrics are absent until it recovers", exc)
+            process_errors().report("gpu.metrics.read", exc, "NVML read failed; GPU metrics are absent until it recovers")
             return []
         return [(phase, d) for d in devices]
 

@@ -17,6 +17,8 @@ import os
 import threading
 from typing import Protocol
 
+from llm_otel.errors import process_errors
+
 logger = logging.getLogger("llm_otel")
 
 
@@ -96,7 +98,6 @@ class UtilizationPoller:
         self.available = source is not None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._reported = False
         self.owner = None  # weakref to the tracer provider whose collection stops it (build_providers)
 
     @classmethod
@@ -106,9 +107,7 @@ class UtilizationPoller:
             return cls(NvmlSource(), period_s, alpha)
         except RuntimeError as exc:
             logger.info("llm-otel: GPU utilisation unavailable (%s); the sampler uses its base rate", exc)
-            poller = cls(None, period_s, alpha)
-            poller._reported = True
-            return poller
+            return cls(None, period_s, alpha)
 
     def sample(self) -> float | None:
         """Read the source once and fold it into the average (the poller thread calls this)."""
@@ -117,13 +116,10 @@ class UtilizationPoller:
         try:
             value = min(1.0, max(0.0, float(self.source.read())))
         except Exception as exc:  # noqa: BLE001
-            if not self._reported:
-                logger.warning("llm-otel: utilisation read failed (%s); backing off", exc)
-                self._reported = True
+            process_errors().report("gpu.nvml.read", exc, "utilisation read failed; backing off")
             self.available = False
             return None
         self.available = True
-        self._reported = False
         self.utilization = value if self.utilization is None else \
             self.alpha * value + (1 - self.alpha) * self.utilization
         return self.utilization

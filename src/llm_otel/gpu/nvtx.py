@@ -24,6 +24,8 @@ import logging
 import threading
 from typing import Any
 
+from llm_otel.errors import process_errors
+
 logger = logging.getLogger("llm_otel")
 
 DOMAIN = "llm_otel"
@@ -100,8 +102,10 @@ class NvtxRanges:
                 self.structured_payloads = True
             self._domain = domain
             self.active = True
-        except Exception as exc:  # noqa: BLE001 - absent or broken nvtx: no ranges, no error
+        except ImportError as exc:  # no nvtx package: no ranges, quietly (it is an optional extra)
             logger.debug("llm-otel: NVTX ranges off (%s: %s)", type(exc).__name__, exc)
+        except Exception as exc:  # noqa: BLE001 - a broken nvtx: no ranges, counted
+            process_errors().report("gpu.nvtx.init", exc, "NVTX ranges off")
 
     def begin_step(self, step_span_id: int, phase: str = "mixed") -> None:
         """Push the step range (payload: the step span id as INT64) on this thread."""
@@ -164,5 +168,4 @@ class NvtxRanges:
 
     def _fail(self, exc: BaseException) -> None:
         self.active = False
-        logger.warning("llm-otel: NVTX ranges turned off after an error (%s: %s); the engine continues",
-                       type(exc).__name__, exc)
+        process_errors().report("gpu.nvtx.range", exc, "NVTX ranges turned off after an error; the engine continues")

@@ -38,6 +38,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from llm_otel.errors import process_errors
+
 logger = logging.getLogger("llm_otel")
 
 RECORD_WORDS = 5
@@ -437,4 +439,4 @@ def fallback_warning(exc: RingError) -> None:
     if exc.expected:
         logger.debug("llm-otel: no CUDA ring buffer (%s); step timing uses the host clock", exc)
     else:
-        logger.warning("llm-otel: no CUDA ring buffer (%s); step timing uses the host clock", exc)
+        process_errors().report("gpu.ring.cuda", exc, "no CUDA ring buffer; step timing uses the host clock")

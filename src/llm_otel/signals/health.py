@@ -29,6 +29,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from llm_otel.errors import process_errors
+
 logger = logging.getLogger("llm_otel")
 
 FACTORS = ("latency", "errors", "gpu", "uptime")
@@ -195,6 +197,7 @@ class HealthServer:
         try:
             value, dominant, factors, level, exporter_ok = self.report()
         except Exception as exc:  # noqa: BLE001 - a broken signal must not look healthy
+            process_errors().report("signals.health.report", exc, "the health report failed; /healthz answers 503")
             return 503, {"status": "unhealthy", "reasons": [f"health report failed: {type(exc).__name__}"]}
         reasons = []
         if value < self.min_score:

@@ -21,6 +21,7 @@ import threading
 from opentelemetry import trace
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
+from llm_otel.errors import process_errors
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import metrics as M
 from llm_otel.telemetry.record import RequestRecord
@@ -211,7 +212,9 @@ class Instruments:
         def observe(_options: CallbackOptions):
             try:
                 return [Observation(read())]
-            except Exception:  # noqa: BLE001 - a sampler that cannot say is simply not reported
+            except Exception as exc:  # noqa: BLE001 - a sampler that cannot say: no point this time
+                process_errors().report("telemetry.metrics.sampling_probability", exc,
+                                        "the sampler's probability cannot be read; no gauge point")
                 return []
 
         self.meter.create_observable_gauge(M.LLM_OTEL_SAMPLING_PROBABILITY, callbacks=[observe],
