@@ -43,7 +43,7 @@ import time
 import weakref
 from typing import Callable
 
-from llm_otel.errors import process_errors
+from llm_otel.errors import guard
 
 logger = logging.getLogger("llm_otel")
 
@@ -144,11 +144,8 @@ class ProcessLifecycle:
         for callback, is_early in self._before:
             if (early and not is_early) or (not early and is_early and self._early_done):
                 continue
-            try:
-                callback()
-            except Exception as exc:  # noqa: BLE001 - never raise out of an exit path
-                process_errors().report("export.lifecycle.before_flush", exc,
-                                        "completing pending telemetry at exit failed")
+            with guard("export.lifecycle.before_flush", message="completing pending telemetry at exit failed"):
+                callback()  # never raises out of an exit path
 
     def _early_flush(self) -> None:
         self._run_callbacks(early=True)
@@ -165,11 +162,9 @@ class ProcessLifecycle:
     def _force_flush(self) -> None:
         ms = max(1, int(self.deadline_s * 1000))
         for provider in self.tracer_providers + self.meter_providers:
-            try:
+            with guard("export.lifecycle.early_flush", message="early flush failed"):
                 if provider.force_flush(ms) is False and getattr(provider, "buffer", None) is not None:
                     self._early_incomplete = True
-            except Exception as exc:  # noqa: BLE001
-                process_errors().report("export.lifecycle.early_flush", exc, "early flush failed")
 
     def _report(self, done: bool) -> None:
         """One warning per process when telemetry was not delivered."""
@@ -236,7 +231,7 @@ class ProcessLifecycle:
         # traces first: each span processor exports what it holds (bounded by its own timeout)
         for provider in self.tracer_providers:
             processors = getattr(getattr(provider, "_active_span_processor", None), "_span_processors", None)
-            try:
+            with guard("export.lifecycle.shutdown", message="tracer provider shutdown failed"):
                 if processors is None:
                     if getattr(provider, "buffer", None) is not None:  # spans in an exporter process
                         provider.shutdown(timeout_millis=self._remaining_ms())
@@ -250,13 +245,9 @@ class ProcessLifecycle:
                     else:
                         processor.shutdown()
                 provider._active_span_processor._span_processors = ()  # noqa: SLF001 - done; no 2nd export
-            except Exception as exc:  # noqa: BLE001
-                process_errors().report("export.lifecycle.shutdown", exc, "tracer provider shutdown failed")
         for provider in self.meter_providers:
-            try:
+            with guard("export.lifecycle.shutdown", message="meter provider shutdown failed"):
                 provider.shutdown(timeout_millis=self._remaining_ms())
-            except Exception as exc:  # noqa: BLE001
-                process_errors().report("export.lifecycle.shutdown", exc, "meter provider shutdown failed")
 
     def _snapshot_failures(self) -> None:
         # only what fails from now on is this flush's loss; earlier outages were counted and
@@ -323,11 +314,9 @@ def lifecycle(role: str | None = None, deadline_s: float | None = None) -> Proce
 def begin_shutdown() -> None:
     """Start this process's flush deadline and an early background flush (no-op without providers
     built by llm-otel). Never raises."""
-    try:
+    with guard("export.lifecycle.begin", message="beginning this process's shutdown flush failed"):
         if _current is not None:
             _current.begin()
-    except Exception as exc:  # noqa: BLE001
-        process_errors().report("export.lifecycle.begin", exc, "beginning this process's shutdown flush failed")
 
 
 # --- telling the process that stops us that we are flushed ------------------------------------
@@ -447,16 +436,11 @@ def _after_fork_in_child() -> None:
     global _lock
     _lock = threading.Lock()  # another thread may have held it at the moment of the fork
     for component in list(_restartable):
-        try:
+        with guard("export.lifecycle.after_fork", message=f"restarting {type(component).__name__} after fork failed"):
             component._restart_after_fork()
-        except Exception as exc:  # noqa: BLE001
-            process_errors().report("export.lifecycle.after_fork", exc,
-                                    f"restarting {type(component).__name__} after fork failed")
     for callback in list(_fork_callbacks):
-        try:
+        with guard("export.lifecycle.after_fork", message="re-initialising after fork failed"):
             callback()
-        except Exception as exc:  # noqa: BLE001
-            process_errors().report("export.lifecycle.after_fork", exc, "re-initialising after fork failed")
 
 
 if hasattr(os, "register_at_fork"):

@@ -72,7 +72,7 @@ from opentelemetry import context as context_api
 from opentelemetry import trace as trace_api
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
-from llm_otel.errors import process_errors
+from llm_otel.errors import guard, process_errors
 from llm_otel.export.drops import DropCounter
 from llm_otel.semconv import attributes as A
 
@@ -452,10 +452,8 @@ class OffloadBuffer:
         while not self._closed:
             self._wake.wait(_INTERVAL_S)
             self._wake.clear()
-            try:
+            with guard("export.offload.writer"):  # the thread must survive anything
                 self._drain()
-            except Exception as exc:  # noqa: BLE001 - the thread must survive anything
-                process_errors().report("export.offload.writer", exc)
 
     def _drain(self) -> bool:
         """Send everything buffered; True when it was all written."""
@@ -694,11 +692,8 @@ def prewarm(tracer_provider) -> bool:
     buffer = getattr(tracer_provider, "buffer", None)
     if not isinstance(buffer, OffloadBuffer):
         return False
-    try:
+    with guard("export.offload.prewarm", message="cannot prewarm the exporter process; the first span starts it"):
         buffer.start()
-    except Exception as exc:  # noqa: BLE001
-        process_errors().report("export.offload.prewarm", exc,
-                                "cannot prewarm the exporter process; the first span starts it")
     return True
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from llm_otel.errors import process_errors
+from llm_otel.errors import guard
 
 _lock = threading.Lock()
 _defer_frontend = False
@@ -125,10 +125,8 @@ def serving_started() -> None:
         pending = list(_pending)
         _pending.clear()
     for start in pending:
-        try:
-            start()
-        except Exception as exc:  # noqa: BLE001 - an endpoint must never stop the engine
-            process_errors().report("export.ports.start", exc, "an endpoint of this process could not start")
+        with guard("export.ports.start", message="an endpoint of this process could not start"):
+            start()  # an endpoint must never stop the engine
 
 
 def _reset_for_tests() -> None:
