@@ -279,7 +279,7 @@ def run(args) -> dict:
         rec.on = False
         threading.setprofile(None)
     tokens = len(out[0].outputs[0].token_ids)
-    steps = rec.hooks.get("core.step", 0)
+    steps = len(rec.steps)  # outermost step hooks entered: one per engine step (EngineCore.step)
     from opentelemetry import trace
 
     flush = getattr(trace.get_tracer_provider(), "force_flush", None)
