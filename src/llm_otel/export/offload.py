@@ -75,6 +75,7 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode,
 from llm_otel.errors import guard, process_errors
 from llm_otel.export.drops import DropCounter
 from llm_otel.semconv import attributes as A
+from llm_otel.semconv import metrics as M
 
 logger = logging.getLogger("llm_otel")
 
@@ -348,15 +349,11 @@ class OffloadBuffer:
         """Count lost spans in ``llm_otel.spans.dropped`` and lost metric observations in
         ``llm_otel.metric_points.dropped`` of ``meter_provider``."""
         self.drops.bind(meter_provider)
-        try:
-            from llm_otel.semconv import metrics as M
-
+        with guard("export.offload.metric_drops",
+                   message="cannot create the metric drop counter; lost metric observations are not counted"):
             self._metric_drops = meter_provider.get_meter("llm_otel").create_counter(
                 M.LLM_OTEL_METRIC_POINTS_DROPPED, unit=M.LLM_OTEL_METRIC_POINTS_DROPPED_UNIT,
                 description="GenAI metric observations this process could not hand to its exporter process.")
-        except Exception as exc:  # noqa: BLE001
-            process_errors().report("export.offload.metric_drops", exc, "cannot create the metric drop counter; "
-                                    "lost metric observations are not counted")
 
     def push_metric(self, record: tuple) -> None:
         """One metric observation ``(instrument attribute, value, attributes, (trace_id, span_id,
