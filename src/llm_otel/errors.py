@@ -50,7 +50,8 @@ class HookErrors:
         if meter is not None:
             self._counter = meter.create_counter(
                 M.LLM_OTEL_INSTRUMENTATION_ERRORS, unit=M.LLM_OTEL_INSTRUMENTATION_ERRORS_UNIT,
-                description="Exceptions raised inside llm-otel hooks, caught and kept away from the engine.")
+                description="Exceptions raised inside llm-otel (its hooks, exporters, lifecycle, GPU helpers), "
+                            "caught and kept away from the engine.")
         self._logged: set[str] = set()
         self._lock = threading.Lock()
         self.counts: dict[str, int] = {}

@@ -106,7 +106,7 @@ def apply_hooks(hooks: list[Hook], adapter: Any, engine: str) -> list[AppliedHoo
             original = vars(owner)[attribute]
             wrapt.wrap_function_wrapper(owner, attribute, factory(hook.qualname))
         except Exception as exc:  # noqa: BLE001 - a broken hook must not break the application
-            process_errors().report(f"wrap {hook.qualname}", exc, f"could not wrap {hook.qualname}; this hook is skipped")
+            process_errors().report(hook.qualname, exc, f"could not wrap {hook.qualname}; this hook is skipped")
             continue
         applied.append(AppliedHook(hook, owner, attribute, original))
     resolved_groups = {a.hook.group for a in applied if a.hook.group}

@@ -126,7 +126,7 @@ LLM_HEALTH_FACTOR = 'llm.health.factor'
 """The factor that lowers the health score most (largest weighted deficit). Type: enum (string). Origin: llm-otel."""
 
 LLM_INSTRUMENTATION_HOOK = 'llm.instrumentation.hook'
-"""The instrumentation hook that failed (engine target it wraps). Type: string. Origin: llm-otel."""
+"""Where llm-otel failed - a hook (the engine target it wraps, or its adapter factory) or a component site such as export.offload.writer. Type: string. Origin: llm-otel."""
 
 LLM_INTER_TOKEN_LATENCY_MAX = 'llm.inter_token_latency.max'
 """Largest inter-token latency of the request, seconds. Type: double. Origin: llm-otel."""

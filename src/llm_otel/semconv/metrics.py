@@ -122,7 +122,7 @@ LLM_OTEL_GPU_RING_OVERWRITTEN = 'llm_otel.gpu.ring.overwritten'
 LLM_OTEL_GPU_RING_OVERWRITTEN_UNIT = '{record}'
 
 LLM_OTEL_INSTRUMENTATION_ERRORS = 'llm_otel.instrumentation.errors'
-"""Exceptions raised inside llm-otel's hooks, caught and kept away from the engine. Instrument: counter, unit: {error}."""
+"""Exceptions raised inside llm-otel (its hooks, exporters, lifecycle, GPU helpers), caught and kept away from the engine. Instrument: counter, unit: {error}."""
 LLM_OTEL_INSTRUMENTATION_ERRORS_UNIT = '{error}'
 
 LLM_OTEL_METRIC_POINTS_DROPPED = 'llm_otel.metric_points.dropped'
