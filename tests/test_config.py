@@ -7,7 +7,7 @@ import pytest
 from llm_otel.config import ConfigError, Settings
 
 
-def test_defaults():
+def test_settings_without_environment_have_the_documented_defaults():
     s = Settings.from_env({})
     assert s.capture_content is False and s.token_events == 4 and s.logprobs_top_k == 5
     assert s.vllm_engine_events is True and s.console == "auto"

@@ -51,7 +51,9 @@ def pypi_run(receiver, tiny_model):
     return {"result": result, "spans": spans, "stderr": done.stderr}
 
 
-def test_c06_real_2024_lightllm_is_the_code_under_test(pypi_run):
+def test_c06_the_real_2024_lightllm_package_is_imported_and_its_layout_recognised_without_warnings(pypi_run):
+    """C06 (an integration broke when the engine renamed an internal module): the run imports the real
+    2024 LightLLM from PyPI (not a layout copy) and every hook target of that layout resolves."""
     assert os.path.abspath(pypi_run["result"]["lightllm_file"]).startswith(os.path.abspath(PYPI))
     assert "unknown layout" not in pypi_run["stderr"] and "not found" not in pypi_run["stderr"]
 

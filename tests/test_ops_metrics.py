@@ -166,7 +166,7 @@ def test_unsampled_request_finished_inside_another_sampled_span_takes_no_exempla
 # --- sampling probability -----------------------------------------------------------------------
 @pytest.mark.parametrize("sampler, expected", [(TraceIdRatioBased(0.25), 0.25), (ParentBased(TraceIdRatioBased(0.1)), 0.1),
                                                (ParentBased(ALWAYS_OFF), 0.0)])
-def test_sampling_probability_gauge(sampler, expected):
+def test_sampling_probability_gauge_reports_the_sdk_samplers_probability(sampler, expected):
     cap = make_captured(sampler=sampler)
     assert cap.telemetry.instruments.observe_sampling(cap.tracer_provider)
     assert [p.value for p in _points(cap, M.LLM_OTEL_SAMPLING_PROBABILITY)] == [expected]

@@ -23,23 +23,23 @@ def _promtool() -> str:
     return path
 
 
-def test_examples_exist():
+def test_alert_rules_rule_tests_and_dashboards_are_shipped():
     assert H.rules_files() and H.rule_test_files() and H.dashboards()
 
 
 @pytest.mark.parametrize("path", H.rules_files(), ids=lambda p: p.name)
-def test_promtool_check_rules(path):
+def test_alert_rules_pass_promtool_check(path):
     run = subprocess.run([_promtool(), "check", "rules", str(path)], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
 
 
 @pytest.mark.parametrize("path", H.rule_test_files(), ids=lambda p: p.name)
-def test_promtool_test_rules(path):
+def test_alert_rule_unit_tests_pass_under_promtool(path):
     run = subprocess.run([_promtool(), "test", "rules", str(path)], capture_output=True, text=True, cwd=path.parent)
     assert run.returncode == 0, run.stdout + run.stderr
 
 
-def test_promtool_check_example_config():
+def test_example_prometheus_config_passes_promtool_check():
     path = H.PROMETHEUS_DIR / "prometheus.yml"
     run = subprocess.run([_promtool(), "check", "config", str(path)], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr

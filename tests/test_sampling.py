@@ -57,7 +57,7 @@ def probability_of(result) -> float | None:
 
 
 @pytest.mark.parametrize("th, p", [("0", 1.0), ("c", 0.25), ("e666", 0.1), ("fd70a4", 0.01), ("aaab", 1 / 3)])
-def test_specification_threshold_encodings(th, p):
+def test_thresholds_from_the_specification_parse_to_their_probability_and_serialise_back(th, p):
     threshold = OtelTraceState.parse(TraceState([("ot", f"th:{th}")])).threshold
     assert (MAX_THRESHOLD - threshold) / MAX_THRESHOLD == pytest.approx(p, rel=1e-4)
     assert serialize_th(threshold) == th
@@ -325,7 +325,7 @@ def test_bad_sampler_arguments_raise_config_error(arg):
         traces_sampler_factory(arg)
 
 
-def test_policy_rejects_nonsense():
+def test_policy_rejects_negative_hysteresis_or_interval_and_a_base_outside_0_1():
     for kwargs in ({"hysteresis": -1}, {"interval_s": -1}, {"base": 5}, {"base": 0}):
         with pytest.raises(ValueError):
             UtilizationPolicy(**kwargs)

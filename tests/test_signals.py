@@ -264,7 +264,7 @@ class Clock:
         return self.t
 
 
-def test_health_score_maths():
+def test_health_score_weighs_latency_errors_gpu_and_uptime_and_names_the_dominant_factor():
     clock = Clock()
     h = HealthScore(latency_target_s=1.0, max_error_rate=0.05, warmup_s=60, clock=clock)
     # no requests yet, no GPU, just started: (0.4 + 0.3 + 0.1 * 0) / 0.8
@@ -345,7 +345,7 @@ def get(url: str) -> tuple[int, dict]:
     ((0.9, "none", {"latency": 1.0}, "warn", True), 200, None),
     ((0.9, "none", {"latency": 1.0}, "ok", False), 503, "telemetry exporter unreachable"),
 ])
-def test_healthz_status_codes(report, code, reason):
+def test_healthz_answers_503_with_the_reason_when_unhealthy_and_200_otherwise(report, code, reason):
     server = HealthServer(lambda: report, port=0).start()
     try:
         status, body = get(f"http://127.0.0.1:{server.port}/healthz")
@@ -428,7 +428,7 @@ def test_cli_serve_health_rejects_a_bad_port(port, message, capsys):
 
 
 @pytest.mark.parametrize("warmup, code", [("0", 200), ("3600", 503)])
-def test_cli_serve_health(warmup, code):
+def test_cli_serve_health_answers_healthz_with_the_warmup_applied(warmup, code):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
     env.update(LLM_OTEL_HEALTH_WARMUP_S=warmup, LLM_OTEL_HEALTH_WEIGHTS="gpu=1,uptime=1", OTEL_TRACES_EXPORTER="none")
     proc = subprocess.Popen([sys.executable, "-m", "llm_otel.cli", "serve-health", "--port", "0"], env=env,

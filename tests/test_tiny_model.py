@@ -34,7 +34,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return ensure_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
-def test_directory_contents(built: pathlib.Path) -> None:
+def test_build_publishes_every_model_file_and_the_marker_by_rename_in_under_20_mib(built: pathlib.Path) -> None:
     for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
         assert (built / name).is_file(), name
     assert (built / MARKER_NAME).read_text(encoding="utf-8").strip() == BUILD_FORMAT
@@ -46,7 +46,7 @@ def test_directory_contents(built: pathlib.Path) -> None:
     assert size < 20 * 1024 * 1024
 
 
-def test_config_matches_spec(built: pathlib.Path) -> None:
+def test_built_config_is_a_two_layer_llama_with_head_dim_64_and_a_2048_vocabulary(built: pathlib.Path) -> None:
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(built)
@@ -88,7 +88,7 @@ def test_tokenizer_round_trip_and_bos(built: pathlib.Path) -> None:
     assert max(tok.get_vocab().values()) < 2048
 
 
-def test_chat_template(built: pathlib.Path) -> None:
+def test_chat_template_renders_role_tags_and_the_generation_prompt(built: pathlib.Path) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(built)
@@ -102,14 +102,16 @@ def test_chat_template(built: pathlib.Path) -> None:
     assert plain.endswith("<|end|>")
 
 
-def test_deterministic_across_builds(built: pathlib.Path, tmp_path: pathlib.Path) -> None:
+def test_two_builds_are_byte_identical(built: pathlib.Path, tmp_path: pathlib.Path) -> None:
     other = ensure_tiny_model(tmp_path / "again")
     assert other != built
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (other / name).read_bytes() == (built / name).read_bytes(), name
 
 
-def test_default_path(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
+def test_default_path_is_under_llm_otel_cache_dir_else_the_home_cache(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
     monkeypatch.setenv("LLM_OTEL_CACHE_DIR", str(tmp_path))
     assert default_tiny_model_path() == tmp_path / "tiny-llama"
     monkeypatch.delenv("LLM_OTEL_CACHE_DIR")
@@ -124,7 +126,7 @@ def _fake_build(out: pathlib.Path, say: object) -> None:
         (out / name).write_text(name, encoding="utf-8")
 
 
-def test_refuses_foreign_directory(tmp_path: pathlib.Path) -> None:
+def test_a_directory_holding_other_files_is_refused_and_left_untouched(tmp_path: pathlib.Path) -> None:
     target = tmp_path / "mine"
     target.mkdir()
     (target / "precious.txt").write_text("keep me", encoding="utf-8")
@@ -165,7 +167,9 @@ def test_stale_and_empty_targets_are_replaced(
     ]
 
 
-def test_concurrent_builders(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_concurrent_builders_all_get_the_one_published_model(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def slow_fake_build(out: pathlib.Path, say: object) -> None:
         time.sleep(0.05)
         _fake_build(out, say)

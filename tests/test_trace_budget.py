@@ -230,7 +230,7 @@ def test_the_sdk_entry_point_reads_the_budget_from_the_environment(monkeypatch):
 
 @pytest.mark.parametrize("kwargs", [dict(traces_per_s=0), dict(traces_per_s=1, burst_s=0),
                                     dict(traces_per_s=1, time_constant_s=-1), dict(traces_per_s=-2)])
-def test_budget_rejects_nonsense(kwargs):
+def test_budget_rejects_invalid_parameters(kwargs):
     with pytest.raises(ValueError):
         TraceBudget(**kwargs)
 

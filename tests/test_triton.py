@@ -188,7 +188,9 @@ def test_c11_http_async_infer_span_ends_when_result_is_retrieved(triton, receive
     client.close()
 
 
-def test_c11_http_aio_infer(triton, receiver, cap):
+def test_c11_http_aio_infer_gets_a_client_span_whose_child_is_the_triton_server_span(triton, receiver, cap):
+    """C11 (Triton client and server traces not joined): ``tritonclient.http.aio``'s ``infer`` gets a CLIENT
+    span with the call's attributes, and Triton's own server span is its child."""
     async def main():
         async with httpaio.InferenceServerClient(triton.http_url) as client:
             return await client.infer("text_echo", text_inputs(httpaio), request_id="hx1")
@@ -315,7 +317,11 @@ def test_c11_grpc_stream_requests_timed_and_server_spans_under_the_stream(triton
     client.close()
 
 
-def test_c11_grpc_aio_infer_and_stream_infer(triton, receiver, cap):
+def test_c11_grpc_aio_unary_call_joins_the_server_trace_and_stream_requests_nest_under_the_stream_span(
+        triton, receiver, cap):
+    """C11 (Triton client and server traces not joined): ``tritonclient.grpc.aio``'s ``infer`` joins the
+    server's trace; each request of ``stream_infer`` gets its own span, timed, under ``llm.triton.stream``
+    (the stream's one traceparent), with the server's spans under the stream."""
     async def requests():
         for rid in ("a1", "a2"):
             yield {"model_name": "tok_stream", "inputs": text_inputs(grpcclient, max_tokens=3), "request_id": rid}
