@@ -31,6 +31,7 @@ from llm_otel.telemetry.errors import HookErrors
 from llm_otel.telemetry.metrics import Instruments
 from llm_otel.telemetry.record import RequestRecord
 from llm_otel.telemetry.spans import SpanBuilder
+from llm_otel.telemetry.stages import StageRecord, emit_stage
 from llm_otel.telemetry.steps import StepContext, StepTracker
 
 logger = logging.getLogger("llm_otel")
@@ -282,3 +283,22 @@ class Telemetry:
             A.GEN_AI_OPERATION_NAME: operation, A.GEN_AI_PROVIDER_NAME: provider,
             A.GEN_AI_REQUEST_MODEL: model, A.ERROR_TYPE: error_type}, max(0.0, time.time() - arrival_s),
             trace.set_span_in_context(span) if span.is_recording() else None)
+
+    # --- stage spans of engine processes past the frontend (telemetry/stages.py) ----------------
+    def start_stage(self, stage: str, request_id: int, parent: otel_context.Context, *, group_id: int,
+                    choice_index: int, start_ns: int, queued_ns: int | None = None,
+                    frontend_arrival_s: Any = None, output_tokens: int | None = None,
+                    logit_top_k: int = 0) -> StageRecord:
+        """A :class:`~llm_otel.telemetry.stages.StageRecord` for one sampled sub-request entering an
+        engine process stage at ``start_ns`` (epoch ns): ``stage`` is ``stages.ROUTER`` or
+        ``stages.INFER``, ``parent`` the Context of its request span (from the engine's carrier).
+        No span exists until :meth:`end_stage`. Raises ValueError for an unknown stage."""
+        return StageRecord(stage, request_id, parent, group_id=group_id, choice_index=choice_index,
+                           start_ns=start_ns, token_id_cap=self.settings.token_events, queued_ns=queued_ns,
+                           frontend_arrival_s=frontend_arrival_s, output_tokens=output_tokens,
+                           logit_top_k=logit_top_k)
+
+    def end_stage(self, rec: StageRecord, end_ns: int | None = None) -> None:
+        """The sub-request left the stage at ``end_ns`` (epoch ns, default now): its stage span (and
+        ``llm.logit_dist`` when the record kept logit rows), built once from the record."""
+        emit_stage(self.tracer, self.settings, rec, time.time_ns() if end_ns is None else end_ns)

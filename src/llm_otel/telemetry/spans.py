@@ -140,14 +140,10 @@ class SpanBuilder:
         # in the same step (speculative decoding) have latency 0
         token_times = itertools.islice(itertools.chain.from_iterable(map(itertools.repeat, times, counts)),
                                        st.token_events)  # each token's step time, first N tokens
-        prev = (rec.arrival_ns - rec.mono_offset_ns) / 1e9  # arrival on the engine's clock
-        for i, t in enumerate(token_times):
-            ev = {A.LLM_TOKEN_INDEX: i, A.LLM_TOKEN_LATENCY: max(0.0, t - prev)}
-            if st.capture_content and i < len(rec.head_token_ids):
-                # token ids decode back to the completion with the model's tokenizer: content
-                ev[A.LLM_TOKEN_ID] = int(rec.head_token_ids[i])
-            span.add_event(S.EVENT_LLM_TOKEN, ev, timestamp=min(max(rec.epoch_ns(t), first_ns), last_ns))
-            prev = t
+        # token ids decode back to the completion with the model's tokenizer: content
+        add_token_events(span, token_times, (rec.arrival_ns - rec.mono_offset_ns) / 1e9,  # arrival, engine clock
+                         rec.head_token_ids, with_ids=st.capture_content, per_second=1.0,
+                         stamp=lambda t: min(max(rec.epoch_ns(t), first_ns), last_ns))
         dropped = 0
         # stall events: steps whose inter-token latency exceeds k x median
         if threshold is not None:
@@ -204,6 +200,24 @@ class SpanBuilder:
             span.set_status(Status(StatusCode.ERROR, rec.error_message or rec.error_type))
         span.set_attributes(attrs)
         span.end(end_time=end_ns)
+
+
+def add_token_events(span, token_times, start, token_ids, *, with_ids: bool, per_second: float, stamp) -> None:
+    """One ``llm.token`` event per time in ``token_times`` (an iterable already cut to the events
+    wanted), with its index and its latency since the previous token (the first: since ``start``).
+
+    ``token_times`` / ``start`` are in one clock whose unit is ``1 / per_second`` s (request spans:
+    engine monotonic s, ``per_second=1.0``; stage spans: epoch ns, ``1e9``); ``stamp(t)`` gives
+    the event's epoch ns. ``token_ids[i]`` goes on event ``i`` when ``with_ids`` (content capture
+    only: ids decode back to the text) and there is one.
+    """
+    prev = start
+    for i, t in enumerate(token_times):
+        ev = {A.LLM_TOKEN_INDEX: i, A.LLM_TOKEN_LATENCY: max(0, t - prev) / per_second}
+        if with_ids and i < len(token_ids):
+            ev[A.LLM_TOKEN_ID] = int(token_ids[i])
+        span.add_event(S.EVENT_LLM_TOKEN, ev, timestamp=stamp(t))
+        prev = t
 
 
 def emit_logit_dist(tracer: Tracer, settings: Settings, parent, *, source: str, start_ns: int, end_ns: int,
