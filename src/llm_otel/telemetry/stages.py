@@ -109,11 +109,13 @@ class StageRecord:
     def on_token(self, token_id: Any, logprob: Any, now_ns: int) -> None:
         """One token the engine produced at ``now_ns`` (epoch ns), with its sampled log-prob (nats).
 
-        Raises ValueError/TypeError (and records nothing) when the id or log-prob is not a number.
+        Raises ValueError/TypeError (and records nothing) when the log-prob, or an id that is kept
+        (the first ``token_id_cap``), is not a number.
         """
-        token_id, logprob = int(token_id), float(logprob)
-        if len(self.token_ids) < self.token_id_cap:
-            self.token_ids.append(token_id)
+        logprob = float(logprob)
+        ids = self.token_ids
+        if len(ids) < self.token_id_cap:
+            ids.append(int(token_id))
         self.token_times.append(now_ns)
         self.logprob_sum += logprob
         self.output_tokens = (self.output_tokens or 0) + 1
