@@ -296,6 +296,65 @@ def test_the_exporter_process_exits_when_its_serving_process_is_killed(receiver,
     pytest.fail("the exporter process outlived its killed serving process")
 
 
+BLACK_HOLE_APP = """
+    import signal, sys, time
+    from llm_otel.config import Settings
+    from llm_otel.export.providers import build_providers
+    tp, _ = build_providers(Settings(console="off", adaptive_sampling="off"), shutdown_on_exit=False)
+    tracer = tp.get_tracer("t")
+    for i in range(30000):  # more frames than the pipe holds: the writer thread blocks in a write
+        tracer.start_span("x", attributes={"pad": "y" * 200}).end()
+    time.sleep(1)
+    print(tp.buffer._proc.pid, flush=True)
+    if sys.argv[1] == "killed":
+        signal.pause()
+    tp.shutdown(timeout_millis=2000)
+"""
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie waiting for init to reap it counts: it runs nothing and holds no socket)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "State:\tZ" in f.read()
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+@pytest.mark.parametrize("end", ["final_flush", "killed"])
+def test_with_a_collector_that_never_answers_the_exporter_process_ends_with_its_serving_process(end):
+    """Review finding (issue 19, F4): with a collector that accepts connections and never answers,
+    the exporter process sat in one export timeout after another for the frames still in its pipe
+    and outlived its serving process (4-30 s). It must end with the final flush's deadline, or one
+    flush deadline (2 s) after its serving process was killed."""
+    import socket
+
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(64)
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
+        env.update(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=f"http://127.0.0.1:{hole.getsockname()[1]}",
+                   OTEL_EXPORTER_OTLP_INSECURE="true", OTEL_METRICS_EXPORTER="none", OTEL_TRACES_SAMPLER="always_on",
+                   LLM_OTEL_FLUSH_DEADLINE_S="2")
+        serving = subprocess.Popen([sys.executable, "-c", textwrap.dedent(BLACK_HOLE_APP), end], env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        exporter_pid = int(serving.stdout.readline())
+        if end == "killed":
+            serving.kill()
+        assert serving.wait(30) in (0, -signal.SIGKILL)
+        gone_by = time.monotonic() + (1.0 if end == "final_flush" else 2.0 + 1.5)
+        while time.monotonic() < gone_by and not _gone(exporter_pid):
+            time.sleep(0.05)
+        alive = not _gone(exporter_pid)
+        if alive:
+            os.kill(exporter_pid, signal.SIGKILL)
+        assert not alive, f"the exporter process outlived its serving process ({end})"
+    finally:
+        hole.close()
+
+
 GENAI_REQUEST_METRICS = (M.GEN_AI_SERVER_REQUEST_DURATION, M.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN,
                          M.GEN_AI_SERVER_TIME_PER_OUTPUT_TOKEN, M.LLM_SERVER_INTER_TOKEN_LATENCY,
                          M.LLM_SERVER_OUTPUT_TOKEN_RATE, M.LLM_SERVER_REQUEST_QUEUE_TIME, M.LLM_SERVER_TOKEN_USAGE,
