@@ -159,7 +159,7 @@ def test_a_killed_exporter_process_costs_counted_spans_and_a_new_one_takes_over(
     tp.shutdown()
 
 
-def test_spans_ended_while_the_exporter_process_is_down_are_counted(receiver):
+def test_spans_ended_while_the_exporter_process_is_down_are_counted(receiver, caplog):
     receiver.clear()
     tp, reader = _offload(receiver)
     buffer = tp.buffer
@@ -174,6 +174,9 @@ def test_spans_ended_while_the_exporter_process_is_down_are_counted(receiver):
     tp.force_flush(5_000)
     assert _drops(reader).get(DOWN) == 4
     assert buffer.failed == 4
+    # one line, naming the exporter process (not the collector) and the reason (review finding F3)
+    lines = [r.getMessage() for r in caplog.records if "span(s) dropped" in r.getMessage()]
+    assert len(lines) == 1 and "exporter process is not running" in lines[0] and "-9" in lines[0], lines
     tp.shutdown()
 
 

@@ -434,7 +434,7 @@ class OffloadBuffer:
             return
         self.failed += n
         self.last_error = why
-        self.drops.failed(n, error_type)
+        self.drops.failed(n, error_type, why)
 
     # --- writer thread ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -607,7 +607,7 @@ class OffloadBuffer:
                     if failed:
                         self.last_error = error
                         self.failed += failed
-                        self.drops.failed(failed)
+                        self.drops.failed(failed, "export_failed", error)
                     elif exported:
                         self.drops.succeeded()
                 elif kind == "flushed":
