@@ -27,6 +27,7 @@ from llm_otel.semconv import SCHEMA_URL
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import spans as S
 from llm_otel.signals import Signals, SignalsConfig
+from llm_otel.telemetry.client import ClientCalls
 from llm_otel.telemetry.errors import HookErrors
 from llm_otel.telemetry.metrics import Instruments
 from llm_otel.telemetry.record import RequestRecord
@@ -282,3 +283,9 @@ class Telemetry:
             A.GEN_AI_OPERATION_NAME: operation, A.GEN_AI_PROVIDER_NAME: provider,
             A.GEN_AI_REQUEST_MODEL: model, A.ERROR_TYPE: error_type}, max(0.0, time.time() - arrival_s),
             trace.set_span_in_context(span) if span.is_recording() else None)
+
+    def client_calls(self, provider: str) -> ClientCalls:
+        """Spans and GenAI client metrics of a client library's calls (``provider``: its
+        ``gen_ai.provider.name``); see :mod:`llm_otel.telemetry.client`. Each call builds the
+        client histograms on this telemetry's meter: an adapter asks once, at ``instrument()``."""
+        return ClientCalls(self, provider)
