@@ -27,6 +27,7 @@ from llm_otel.semconv import SCHEMA_URL
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import spans as S
 from llm_otel.signals import Signals, SignalsConfig
+from llm_otel.telemetry.client import ClientCalls
 from llm_otel.telemetry.errors import HookErrors
 from llm_otel.telemetry.metrics import Instruments
 from llm_otel.telemetry.record import RequestRecord
@@ -284,6 +285,12 @@ class Telemetry:
             A.GEN_AI_REQUEST_MODEL: model, A.ERROR_TYPE: error_type}, max(0.0, time.time() - arrival_s),
             trace.set_span_in_context(span) if span.is_recording() else None)
 
+    def client_calls(self, provider: str) -> ClientCalls:
+        """Spans and GenAI client metrics of a client library's calls (``provider``: its
+        ``gen_ai.provider.name``); see :mod:`llm_otel.telemetry.client`. Each call builds the
+        client histograms on this telemetry's meter: an adapter asks once, at ``instrument()``."""
+        return ClientCalls(self, provider)
+
     # --- stage spans of engine processes past the frontend (telemetry/stages.py) ----------------
     def start_stage(self, stage: str, request_id: int, parent: otel_context.Context, *, group_id: int,
                     choice_index: int, start_ns: int, queued_ns: int | None = None,
@@ -302,3 +309,9 @@ class Telemetry:
         """The sub-request left the stage at ``end_ns`` (epoch ns, default now): its stage span (and
         ``llm.logit_dist`` when the record kept logit rows), built once from the record."""
         emit_stage(self.tracer, self.settings, rec, time.time_ns() if end_ns is None else end_ns)
+
+    @staticmethod
+    def request_context(rec: RequestRecord, parent: otel_context.Context | None = None) -> otel_context.Context:
+        """``parent`` (default: the current context) with ``rec``'s request span as the current
+        span: for engine work run under the request, so that what it creates is the span's child."""
+        return trace.set_span_in_context(rec.span, parent)

@@ -49,7 +49,6 @@ import time
 from typing import Any
 
 from opentelemetry import context as otel_context
-from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from llm_otel.instrumentation.lightllm import carrier as C
@@ -325,7 +324,8 @@ class HttpAdapter:
             state.records[i] = rec
         self.live[gid] = state
         first = state.records[0].span
-        state.context = otel_context.set_value(_STATE_KEY, state, trace.set_span_in_context(first, state.parent))
+        state.context = otel_context.set_value(_STATE_KEY, state,
+                                               self.telemetry.request_context(state.records[0], state.parent))
         if multimodal_params is not None:
             carrier = carrier_from_span(first)
             if TRACEPARENT in carrier:

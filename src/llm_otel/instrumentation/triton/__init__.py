@@ -76,7 +76,7 @@ class TritonClientInstrumentor(BaseInstrumentor):
         if tracer_provider is None and meter_provider is None:
             ensure_providers(settings)
         telemetry = Telemetry(tracer_provider, meter_provider, settings, scope=__name__)
-        self.adapter = TritonAdapter(telemetry, meter_provider)
+        self.adapter = TritonAdapter(telemetry)
         self._applied = apply_hooks(HOOKS, self.adapter, "tritonclient")
 
     def _uninstrument(self, **kwargs: Any) -> None:
