@@ -52,6 +52,7 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from llm_otel.instrumentation.lightllm import carrier as C
 from llm_otel.instrumentation.vllm.engine_core import StepSpanBudget
+from llm_otel.listeners import RequestFacts
 from llm_otel.propagation import TRACEPARENT, TRACESTATE, carrier_from_span, context_from_carrier, extract_carrier
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import spans as S
@@ -150,15 +151,16 @@ def engine_version() -> str:
 class _HttpRequest:
     """One ``generate`` call (a group of ``n`` choices) in an HTTP worker."""
 
-    __slots__ = ("arrival_s", "parent", "kind", "operation", "attrs", "group_id", "records", "shm_reqs",
+    __slots__ = ("arrival_s", "parent", "kind", "operation", "attrs", "headers", "group_id", "records", "shm_reqs",
                  "health", "aborted", "done", "context")
 
-    def __init__(self, arrival_s: float, parent, kind, operation: str, attrs: dict) -> None:
+    def __init__(self, arrival_s: float, parent, kind, operation: str, attrs: dict, headers=None) -> None:
         self.arrival_s = arrival_s
         self.parent = parent
         self.kind = kind
         self.operation = operation
         self.attrs = attrs
+        self.headers = headers  # the HTTP request's headers, for request classes (llm_otel.signals)
         self.group_id: int | None = None
         self.records: dict[int, RequestRecord] = {}
         self.shm_reqs: list = []
@@ -271,11 +273,13 @@ class HttpAdapter:
             return None
         request = bound.get("request")
         inbound = None
+        headers = None
         kind = SpanKind.INTERNAL
         operation = "text_completion"
         if request is not None:
             kind = SpanKind.SERVER
-            inbound = context_from_carrier(extract_carrier(getattr(request, "headers", None) or {}))
+            headers = getattr(request, "headers", None)
+            inbound = context_from_carrier(extract_carrier(headers or {}))
             path = str(getattr(getattr(request, "url", None), "path", "") or "")
             if "chat" in path:
                 operation = "chat"
@@ -301,7 +305,7 @@ class HttpAdapter:
         n = getattr(sp, "n", None) or getattr(sp, "best_of", None)
         if isinstance(n, int) and n > 1:
             attrs[A.GEN_AI_REQUEST_CHOICE_COUNT] = n
-        state = _HttpRequest(time.time(), parent, kind, operation, attrs)
+        state = _HttpRequest(time.time(), parent, kind, operation, attrs, headers)
         state.context = otel_context.set_value(_STATE_KEY, state, parent)
         if gid is not None:  # 2024 layout: start now, the carrier must be on the object before it is sent
             choices = n if isinstance(n, int) and n > 0 else 1
@@ -319,7 +323,8 @@ class HttpAdapter:
             rec = self.telemetry.start_request(
                 str(gid + i), operation=state.operation, provider=PROVIDER, model=self.model,
                 arrival_s=state.arrival_s, input_tokens=int(input_tokens), kind=state.kind, parent=state.parent,
-                engine_version=self.version, choice_index=i, request_attributes=state.attrs)
+                engine_version=self.version, choice_index=i, request_attributes=state.attrs,
+                facts=RequestFacts(state.headers))
             state.records[i] = rec
         self.live[gid] = state
         first = state.records[0].span
@@ -394,6 +399,7 @@ class HttpAdapter:
             return
         token_id = metadata.get("id") if isinstance(metadata, dict) else None
         rec.on_tokens([int(token_id) if isinstance(token_id, int) else -1], now)
+        self.telemetry.on_tokens(1, now)  # LightLLM yields each token of each choice on its own
         if isinstance(metadata, dict):
             if not rec.input_tokens and isinstance(metadata.get("prompt_tokens"), int):
                 rec.input_tokens = metadata["prompt_tokens"]
