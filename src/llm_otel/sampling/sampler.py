@@ -240,7 +240,7 @@ def traces_sampler_factory(arg: str | None = None, traces_per_s: float | None = 
     ``LLM_OTEL_TRACES_PER_S`` from the environment (the SDK configurator passes only ``arg``).
     Raises ConfigError for a bad argument or budget.
     """
-    from llm_otel.config import ConfigError, Settings
+    from llm_otel.config import ConfigError, traces_per_s as configured_traces_per_s
 
     floor, ceiling = 0.01, 1.0
     if arg:
@@ -255,6 +255,6 @@ def traces_sampler_factory(arg: str | None = None, traces_per_s: float | None = 
         raise ConfigError(f"OTEL_TRACES_SAMPLER_ARG={arg!r}: expected 'floor[,ceiling]' with "
                           "0 < floor <= ceiling <= 1")
     if traces_per_s is None:
-        traces_per_s = Settings.from_env().traces_per_s
+        traces_per_s = configured_traces_per_s()
     budget = trace_budget(traces_per_s)
     return adaptive_sampler(UtilizationPolicy(floor=floor, ceiling=ceiling), budget=budget)
