@@ -144,18 +144,23 @@ class Telemetry:
         self.listeners = listeners
         self._start_listeners = tuple(li for li in listeners if getattr(li, "on_start", None) is not None)
         self._finish_listeners = tuple(li for li in listeners if getattr(li, "on_finish", None) is not None)
-        self._token_hooks = token_hooks(listeners)  # per step: a tuple of bound methods, no lookups
+        hooks = self._token_hooks = token_hooks(listeners)
+        # per step, no lookup and no allocation: with one listener counting tokens (the signals,
+        # normally) the adapter's call goes straight to its bound method, else to the loop below
+        self.on_tokens = hooks[0] if len(hooks) == 1 else self._dispatch_tokens
 
     def on_tokens(self, count: int, engine_mono: float) -> None:
         """Output tokens an engine step produced (``count``; ``engine_mono``: the step's engine
-        monotonic seconds), for every listener that counts them (hot path: O(1), no allocation).
-        The tokens of each request go on its record (``rec.on_tokens``) as before."""
-        if count:
-            try:
-                for hook in self._token_hooks:
-                    hook(count, engine_mono)
-            except Exception as exc:  # noqa: BLE001
-                self.errors.report("telemetry.tokens", exc)
+        monotonic seconds), for every listener that counts them (hot path: O(1), no allocation;
+        adapters call it once per step - or per streamed token - and from inside their hook's
+        failure guard, which reports a listener that raises). The tokens of each request go on
+        its record (``rec.on_tokens``) as before. (Replaced per instance by the listeners' own
+        bound method or :meth:`_dispatch_tokens` when listeners are registered.)"""
+        self._dispatch_tokens(count, engine_mono)
+
+    def _dispatch_tokens(self, count: int, engine_mono: float) -> None:
+        for hook in self._token_hooks:
+            hook(count, engine_mono)
 
     def attach_kv_source(self, source) -> None:
         """One engine's KV usage for the VRAM pressure level: ``source() -> (blocks held by live
