@@ -15,6 +15,12 @@ request the head decision dropped that ended in error or breached an SLO) are ke
 threshold, so they do not bias adjusted counts.
 
 Usage: ``TracerProvider(sampler=adaptive_sampler())`` or ``OTEL_TRACES_SAMPLER=llm_otel_adaptive``.
+
+Modules: :mod:`.policy` (utilisation -> probability, threshold quantisation), :mod:`.budget` (trace
+budget), :mod:`.drift` (drift detector and its request-lifecycle listener), :mod:`.occupancy`
+(engine occupancy, the default poller), :mod:`.sampler` (the composable root sampler, the SDK
+wrapper, factories, and :class:`Sampling`: the parts a sampler was built with, which llm-otel's
+providers return to ``instrument()`` for ``Telemetry``).
 """
 
 from llm_otel.sampling.budget import TraceBudget, trace_budget

@@ -1,13 +1,17 @@
 """Serving signals for SLA tiers and load balancing: request classes, tier SLO checks, KV-cache
 footprint per request, token efficiency, VRAM pressure levels and a health score (+ ``/healthz``).
 
-:class:`Signals` is created by :class:`llm_otel.telemetry.Telemetry` (one per ``instrument()``);
-adapters call :meth:`Signals.classify` and :meth:`Signals.admit` when a request starts,
-:meth:`Signals.on_tokens` once per engine step, and the core calls :meth:`Signals.on_finish`.
-Its background thread (started when an engine registers, :meth:`Signals.attach_engine`) feeds
-the VRAM pressure monitor once a second. Formulas, units and sources: docs/signals.md.
+:class:`Signals` (:mod:`.service`) is created by :class:`llm_otel.telemetry.Telemetry` (one per
+``instrument()``) and listens to its request lifecycle (:mod:`llm_otel.listeners`): every engine's
+requests are classified and admitted at start (:meth:`Signals.on_start`), counted per engine step
+(:meth:`Signals.on_tokens`) and checked against their tier at finish (:meth:`Signals.on_finish`);
+adapters call only ``Telemetry``. Its background thread (started when an engine reports its KV
+pool, ``Telemetry.attach_kv_source``) feeds the VRAM pressure monitor once a second. Formulas,
+units and sources: docs/signals.md.
 
-Configuration (environment, read once; invalid values raise ConfigError at ``instrument()``):
+Configuration (:class:`SignalsConfig` in :mod:`.config`, ``Settings.signals``; read and validated
+by :func:`llm_otel.config.signals_settings` once; invalid values raise ConfigError at
+``instrument()``):
 
 ``LLM_OTEL_CLASS_HEADERS`` (unset) dimension:source pairs, see :mod:`.classes`;
 ``LLM_OTEL_CLASS_MAX_VALUES`` (20) metric labels per dimension before ``other``;
