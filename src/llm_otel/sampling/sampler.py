@@ -209,14 +209,6 @@ class Sampling:
         """The poller when it reads GPU utilisation (signals share it), None for engine occupancy."""
         return self.poller if self.occupancy is None else None
 
-    def attach_engine_load(self, source) -> bool:
-        """Let the sampler follow one engine's ``source() -> (requests, capacity) | None``; False
-        when it follows a GPU (or a poller of the application's) instead."""
-        if self.occupancy is None:
-            return False
-        self.occupancy.attach(source)
-        return True
-
     def stop(self) -> None:
         """Stop the poller's thread (a forked process that builds its own)."""
         if self.poller is not None:

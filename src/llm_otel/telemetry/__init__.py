@@ -99,6 +99,8 @@ class Telemetry:
         # provider with it; None with any other sampler: no drift detector, no engine load
         self.sampling = sampling if sampling is not None else sampling_of(provider)
         self.sampling_root = self.sampling.root if self.sampling is not None else None
+        # engines attach their load here when the sampler follows engine occupancy (no GPU)
+        self._occupancy = self.sampling.occupancy if self.sampling is not None else None
         # request classes, tiers, KV footprint, VRAM pressure, health; the signals (health score,
         # token efficiency) share the sampler's poller only when it reads GPU utilisation
         signals = Signals(meter, signals_config or self.settings.signals,
@@ -180,7 +182,10 @@ class Telemetry:
         ``source() -> (requests held, max concurrent requests)``, or None once the engine is gone
         (see :class:`llm_otel.sampling.EngineOccupancy`). Returns False (and keeps nothing) when
         this process's sampler does not use engine occupancy."""
-        return self.sampling is not None and self.sampling.attach_engine_load(source)
+        if self._occupancy is None:
+            return False
+        self._occupancy.attach(source)
+        return True
 
     @property
     def steps(self) -> StepTracker:
