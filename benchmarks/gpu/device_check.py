@@ -393,7 +393,7 @@ def check_mrv2_hook(env: Env, results: dict, failures: list):
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from llm_otel.config import Settings
-    from llm_otel.instrumentation.vllm.engine_core import CARRIER_KEY, CARRIER_TOPK_KEY
+    from llm_otel.instrumentation.vllm.carrier import CARRIER_KEY, CARRIER_TOPK_KEY
     from llm_otel.instrumentation.vllm.worker import WorkerAdapter
     from llm_otel.telemetry import Telemetry
 

@@ -27,7 +27,9 @@ from typing import Any, Callable
 from opentelemetry.trace import SpanKind
 
 from llm_otel.export.ports import serving_started
-from llm_otel.instrumentation.vllm.engine_core import CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY, EngineCoreAdapter
+from llm_otel.instrumentation.vllm.carrier import CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY
+from llm_otel.instrumentation.vllm.engine_core import EngineCoreAdapter
+from llm_otel.instrumentation.vllm.fields import class_fields, kv_spec
 from llm_otel.propagation import carrier_from_span, context_from_carrier, extract_carrier
 from llm_otel.semconv import attributes as A
 from llm_otel.signals import kv_source_for
@@ -145,7 +147,7 @@ class VLLMAdapter:
             if isinstance(capacity, int) and capacity > 0:
                 self.telemetry.attach_engine_load(_occupancy_source(state, capacity))
         # cache_config.num_gpu_blocks is known once the engine core reported its KV pool
-        state.kv = KVSpec.from_vllm(getattr(engine, "vllm_config", None))
+        state.kv = kv_spec(getattr(engine, "vllm_config", None))
         if first and state.kv is not None:
             self.telemetry.signals.attach_kv_source(kv_source_for(state, lambda s: s.kv))
 
@@ -380,7 +382,8 @@ class VLLMAdapter:
         if inbound is not None:
             inbound.started += 1
         signals = self.telemetry.signals
-        class_attrs, class_labels, tier = signals.classify(inbound.headers if inbound is not None else None, request)
+        class_attrs, class_labels, tier = signals.classify(inbound.headers if inbound is not None else None,
+                                                         class_fields(request))
         attrs.update(class_attrs)
         rec = self.telemetry.start_request(
             rid, operation=_operation.get() or "text_completion", provider=PROVIDER, model=model,
