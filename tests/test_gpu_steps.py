@@ -13,7 +13,7 @@ import time
 
 import pytest
 from conftest import make_captured
-from opentelemetry.trace import Link, SpanKind
+from opentelemetry.trace import SpanKind
 
 from llm_otel.gpu import ring as R
 from llm_otel.telemetry.steps import EngineSteps, StepTracker, step_parent
@@ -119,7 +119,7 @@ def test_the_core_step_api_builds_the_step_span_with_links_and_the_device_child_
     req = cap.telemetry.tracer.start_span("text_completion m")
     assert engine.start([], start_ns=time.time_ns(), batch_size=1) is None  # no sampled request: no span
     start_ns = time.time_ns()
-    span = engine.start([Link(req.get_span_context())], start_ns=start_ns, batch_size=1, prefill_tokens=3,
+    span = engine.start([req.get_span_context()], start_ns=start_ns, batch_size=1, prefill_tokens=3,
                         decode_tokens=0, preempted=0)
     trace_id, span_id, sampled = engine.ids(span)
     ctx = steps.begin(["a"], parent=step_parent(trace_id, span_id, sampled))
@@ -146,7 +146,7 @@ def test_in_process_worker_step_puts_device_times_on_a_child_of_the_engine_cores
     steps = tracker(cap)
     engine = EngineSteps(cap.telemetry)
     req = cap.telemetry.tracer.start_span("text_completion m")
-    span = engine.start([Link(req.get_span_context())], start_ns=time.time_ns(), batch_size=1)  # engine core
+    span = engine.start([req.get_span_context()], start_ns=time.time_ns(), batch_size=1)  # engine core
     ctx = steps.begin(["a"], parent=span.get_span_context())  # worker, same process
     steps.end(ctx)  # worker done
     end_ns = time.time_ns()

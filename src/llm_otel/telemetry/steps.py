@@ -103,20 +103,21 @@ class EngineSteps:
         """Whether a step span may start now; ask before collecting the batch's links."""
         return self.budget.ready()
 
-    def start(self, links: Sequence[Link], *, start_ns: int, batch_size: int, prefill_tokens: int | None = None,
-              decode_tokens: int | None = None, preempted: int | None = None) -> Span | None:
-        """Start the step span (takes one token of the budget); None when ``links`` is empty
-        (no sampled request in the batch: no span).
+    def start(self, requests: Sequence[SpanContext], *, start_ns: int, batch_size: int,
+              prefill_tokens: int | None = None, decode_tokens: int | None = None,
+              preempted: int | None = None) -> Span | None:
+        """Start the step span (takes one token of the budget) with a link to each request span;
+        None when ``requests`` is empty (no sampled request in the batch: no span).
 
         Args:
-            links: one :class:`~opentelemetry.trace.Link` per sampled request span of the batch.
+            requests: the SpanContext of each sampled request span of the batch (the links).
             start_ns: the step's start, epoch ns.
             batch_size: requests scheduled in the step.
             prefill_tokens / decode_tokens: prompt / output tokens the step computes (None: the
                 engine does not tell; the attribute is absent).
             preempted: requests the scheduler preempted in this step (None: unknown).
         """
-        if not links:
+        if not requests:
             return None
         self.budget.take()
         attrs = {A.LLM_ENGINE_STEP_BATCH_SIZE: batch_size}
@@ -126,8 +127,9 @@ class EngineSteps:
             attrs[A.LLM_ENGINE_STEP_DECODE_TOKENS] = decode_tokens
         if preempted is not None:
             attrs[A.LLM_ENGINE_STEP_PREEMPTED] = preempted
-        return self.telemetry.tracer.start_span(S.LLM_ENGINE_STEP, kind=SpanKind.INTERNAL, links=list(links),
-                                                attributes=attrs, start_time=start_ns)
+        return self.telemetry.tracer.start_span(S.LLM_ENGINE_STEP, kind=SpanKind.INTERNAL,
+                                                links=[Link(sc) for sc in requests], attributes=attrs,
+                                                start_time=start_ns)
 
     @staticmethod
     def finish(span: Span, *, end_ns: int | None = None, cpu_time_s: float | None = None) -> None:

@@ -532,9 +532,9 @@ class RouterAdapter:
             return await coro
         finally:
             try:
-                links = [st.link for st in (self.reqs.get(request_id(getattr(r, "request_id", None))) for r in reqs)
-                         if st]
-                span = self.step_spans.start(links, start_ns=start_ns, batch_size=len(reqs))
+                linked = [st.link.context for st in (self.reqs.get(request_id(getattr(r, "request_id", None)))
+                                                     for r in reqs) if st]
+                span = self.step_spans.start(linked, start_ns=start_ns, batch_size=len(reqs))
                 if span is not None:
                     self.step_spans.finish(span)
             except Exception as exc:  # noqa: BLE001

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from opentelemetry.trace import SpanContext
-
 from llm_otel.propagation import parse_traceparent
 
 CARRIER_KEY = "llm_otel.traceparent"  # key in vLLM SamplingParams.extra_args
@@ -29,7 +27,7 @@ CARRIER_TOPK_KEY = "llm_otel.logit_top_k"  # present: the worker computes llm.lo
 STEP_CARRIER_ATTR = "llm_otel_step"  # on vLLM's SchedulerOutput: (trace_id, span_id, sampled) of the step span
 
 
-def request_span_context(sampling_params: Any) -> SpanContext | None:
+def request_span_context(sampling_params: Any) -> Any:
     """The request span's SpanContext from a request's ``SamplingParams.extra_args``
     (:data:`CARRIER_KEY`); None when the request carries none (unsampled, or not ours)."""
     extra = getattr(sampling_params, "extra_args", None)

@@ -24,8 +24,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from opentelemetry.trace import Link
-
 from llm_otel.instrumentation.vllm.carrier import request_span_context, set_step_ids, step_has_prefill, step_tokens
 from llm_otel.telemetry import Telemetry
 from llm_otel.telemetry.engine_state import EngineStateMetrics, PhaseClock, SchedulerState, engine_state_instruments
@@ -45,7 +43,7 @@ class EngineCoreAdapter:
 
     def __init__(self, telemetry: Telemetry) -> None:
         self.telemetry = telemetry
-        self._links: dict[str, Link | None] = {}
+        self._request_spans: dict[str, Any] = {}  # req id -> sampled request SpanContext | None
         self._last_output: Any = None
         self._step_start_ns: int | None = None
         self._span: Any = None
@@ -122,17 +120,17 @@ class EngineCoreAdapter:
 
         return wrapper
 
-    def _link(self, requests: dict, req_id: str) -> Link | None:
-        if req_id in self._links:
-            return self._links[req_id]
-        link = None
+    def _request_span(self, requests: dict, req_id: str) -> Any:
+        """The sampled request span's SpanContext of ``req_id`` (None: unsampled), read once per request."""
+        if req_id in self._request_spans:
+            return self._request_spans[req_id]
         req = requests.get(req_id)
         sc = request_span_context(getattr(req, "sampling_params", None))
-        if sc is not None and sc.trace_flags.sampled:
-            link = Link(sc)
-        if len(self._links) < MAX_CACHED_LINKS:
-            self._links[req_id] = link
-        return link
+        if sc is not None and not sc.trace_flags.sampled:
+            sc = None
+        if len(self._request_spans) < MAX_CACHED_LINKS:
+            self._request_spans[req_id] = sc
+        return sc
 
     def _start(self, scheduler: Any, output: Any) -> None:
         """Start the step span for the batch ``schedule()`` returned (only if a request in it is
@@ -140,19 +138,19 @@ class EngineCoreAdapter:
         requests = scheduler.requests
         scheduled: dict[str, int] = output.num_scheduled_tokens
         for req_id in output.finished_req_ids or ():
-            self._links.pop(req_id, None)
+            self._request_spans.pop(req_id, None)
         if not self.step_spans.ready():
             return
-        links = []
+        linked = []
         for req_id in scheduled:
-            link = self._link(requests, req_id)
-            if link is not None:
-                links.append(link)
-        if not links:
+            sc = self._request_span(requests, req_id)
+            if sc is not None:
+                linked.append(sc)
+        if not linked:
             return
         prefill, decode = step_tokens(output)
         start_ns = self._step_start_ns if self._step_start_ns is not None else time.time_ns()
-        span = self.step_spans.start(links, start_ns=start_ns, batch_size=len(scheduled), prefill_tokens=prefill,
+        span = self.step_spans.start(linked, start_ns=start_ns, batch_size=len(scheduled), prefill_tokens=prefill,
                                      decode_tokens=decode, preempted=len(output.preempted_req_ids or ()))
         if self._step_start_ns is None:  # schedule() outside a hooked step: nothing would end it
             self.step_spans.finish(span)
