@@ -85,3 +85,58 @@ def test_triton_adapter_never_calls_the_tracer_or_meter():
     package = INSTRUMENTATION / "triton"
     assert (package / "adapter.py").is_file()
     assert package_uses(package) == []
+
+
+# Uses of the OpenTelemetry API under instrumentation/vllm/ that are not the span model, each with
+# why it stays there; anything else (a new use, or one more of these) fails the test below.
+_VLLM_ALLOWED = {
+    # VLLMInstrumentor resolves the process's tracer provider to hand it to Telemetry (setup)
+    ("vllm/__init__.py", "from opentelemetry import trace"): 2,
+    ("vllm/__init__.py", "get_tracer_provider()"): 2,
+    # the request span's kind (SERVER or INTERNAL), a value passed to Telemetry.start_request
+    ("vllm/adapter.py", "from opentelemetry.trace import SpanKind"): 1,
+    # plugin.py builds the providers of vLLM's engine-core and worker processes (export setup)
+    ("vllm/plugin.py", "from opentelemetry.sdk.metrics import MeterProvider"): 1,
+    ("vllm/plugin.py", "from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader"): 1,
+    ("vllm/plugin.py", "from opentelemetry.sdk.resources import Resource"): 1,
+    ("vllm/plugin.py", "from opentelemetry.sdk.trace import TracerProvider"): 1,
+    ("vllm/plugin.py", "from opentelemetry.sdk.trace.export import BatchSpanProcessor"): 1,
+    # StepTracker.end(ctx): the core's step API, not Span.end
+    ("vllm/worker.py", "end()"): 1,
+}
+_STEP_SPAN_NAMES = frozenset({"LLM_ENGINE_STEP", "LLM_ENGINE_STEP_DEVICE", "llm.engine.step", "llm.engine.step.device"})
+
+
+def step_span_names(source: str, filename: str = "<string>") -> list[str]:
+    """``file:line: name`` for each mention of the step spans' names (semconv constant or literal)."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        name = node.attr if isinstance(node, ast.Attribute) else node.value if isinstance(node, ast.Constant) else None
+        if isinstance(name, str) and name in _STEP_SPAN_NAMES:
+            found.append(f"{filename}:{node.lineno}: {name}")
+    return found
+
+
+def test_the_step_span_check_finds_what_the_vllm_engine_core_used_to_do():
+    before = "span = self.telemetry.tracer.start_span(S.LLM_ENGINE_STEP, links=links)\n"
+    assert step_span_names(before) == ["<string>:1: LLM_ENGINE_STEP"]
+    assert step_span_names("name = 'llm.engine.step.device'\n") == ["<string>:1: llm.engine.step.device"]
+    assert {u.split(": ", 1)[1] for u in otel_uses(before)} == {".tracer", "start_span()"}
+
+
+def test_vllm_and_lightllm_adapters_never_build_step_spans():
+    """``llm.engine.step`` and ``llm.engine.step.device`` are built by ``telemetry/steps.py`` for
+    every engine: no vLLM or LightLLM adapter module names them, and nothing under
+    ``instrumentation/vllm/`` reaches the tracer or meter (beyond the listed setup uses)."""
+    uses: dict[tuple[str, str], int] = {}
+    for use in package_uses(INSTRUMENTATION / "vllm"):
+        filename, _, what = use.split(":", 2)
+        uses[(filename, what.strip())] = uses.get((filename, what.strip()), 0) + 1
+    assert uses == _VLLM_ALLOWED
+    names = [n for package in ("vllm", "lightllm") for path in sorted((INSTRUMENTATION / package).rglob("*.py"))
+             for n in step_span_names(path.read_text(), str(path.relative_to(INSTRUMENTATION)))]
+    assert names == []
+    # and the core does name them: the check looks for the right names
+    steps = INSTRUMENTATION.parent / "telemetry" / "steps.py"
+    assert {n.rsplit(": ", 1)[1] for n in step_span_names(steps.read_text())} == {"LLM_ENGINE_STEP",
+                                                                                   "LLM_ENGINE_STEP_DEVICE"}
