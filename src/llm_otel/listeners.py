@@ -6,7 +6,7 @@ serving signals (request classes, tiers, KV footprint, SLO checks, health) - are
 calls at three points, so that an engine adapter calls only ``Telemetry`` and every engine feeds
 every listener::
 
-    rec = telemetry.start_request(..., facts=RequestFacts(headers, engine_request, kv))
+    rec = telemetry.start_request(..., facts=RequestFacts(headers, engine_fields, kv))
         -> listener.on_start(rec, facts)        once, after the live request span started
     telemetry.on_tokens(count, engine_mono)
         -> listener.on_tokens(count, engine_mono)  once per engine step (or per streamed token)
@@ -36,14 +36,15 @@ class RequestFacts(NamedTuple):
     Attributes:
         headers: the inbound request's headers (a Starlette ``Headers``, a mapping, or a list of
             ``(name, value)`` pairs), None for an offline request.
-        engine_request: the engine's own request object where request classes may come from its
-            fields (vLLM ``EngineCoreRequest``), else None.
+        engine_fields: the engine's request-class sources as text, keyed ``engine:priority`` /
+            ``engine:lora`` (None or absent: missing), read by the engine adapter (vLLM:
+            :func:`llm_otel.instrumentation.vllm.fields.class_fields`), else None.
         kv: the KV-cache geometry of the engine serving it (:class:`llm_otel.signals.kv.KVSpec`),
             None when unknown.
     """
 
     headers: Any = None
-    engine_request: Any = None
+    engine_fields: Optional[Mapping[str, Optional[str]]] = None
     kv: Any = None
 
 

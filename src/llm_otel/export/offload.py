@@ -434,7 +434,7 @@ class OffloadBuffer:
             return
         self.failed += n
         self.last_error = why
-        self.drops.failed(n, error_type)
+        self.drops.failed(n, error_type, why)
 
     # --- writer thread ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -607,7 +607,7 @@ class OffloadBuffer:
                     if failed:
                         self.last_error = error
                         self.failed += failed
-                        self.drops.failed(failed)
+                        self.drops.failed(failed, "export_failed", error)
                     elif exported:
                         self.drops.succeeded()
                 elif kind == "flushed":
@@ -631,6 +631,11 @@ class OffloadBuffer:
             self._closed = True
             self._wake.set()
         if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            # the writer thread is blocked in a write: the exporter process stopped reading (an
+            # export to a collector that never answers); at the final flush it ends now, with the
+            # deadline, instead of outliving this process by one export timeout per queued frame
+            if final:
+                self._end_process(self._proc, deadline, close_stdin=False)
             return False
         try:
             self._drain_locked()
@@ -653,20 +658,31 @@ class OffloadBuffer:
                 if proc is None or proc.poll() is not None:
                     break
                 self._reply_cv.wait(min(0.05, max(0.0, deadline - time.monotonic())))
-        if final and proc is not None:
-            # the exporter process ends with its serving process's deadline: what it still holds
-            # then is reported lost (in_flight) like the in-process batch processor's queue
-            try:
-                proc.stdin.close()
-            except OSError:
-                pass
-            try:
-                proc.wait(max(0.0, min(0.5, deadline - time.monotonic() - 0.05)))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            except Exception:  # noqa: BLE001
-                pass
+        if final:
+            self._end_process(proc, deadline, close_stdin=True)
         return ok and self.in_flight == 0
+
+    @staticmethod
+    def _end_process(proc: subprocess.Popen | None, deadline: float, close_stdin: bool) -> None:
+        """End the exporter process with its serving process's deadline: what it still holds then
+        is reported lost (``in_flight``) like the in-process batch processor's queue.
+        ``close_stdin`` False when the writer thread may be blocked writing to it (closing would
+        wait for that write)."""
+        if proc is None:
+            return
+        try:
+            if close_stdin:
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
+                proc.wait(max(0.0, min(0.5, deadline - time.monotonic() - 0.05)))
+            else:
+                proc.kill()
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        except Exception:  # noqa: BLE001 - already gone
+            pass
 
 
 class _ResourceMark:
@@ -925,6 +941,7 @@ def main() -> int:
     frame = _read_frame(stdin)
     if frame is None or frame[0] != "init":
         return 2
+    _exit_with_parent(os.getppid())
     resource = Resource(frame[1], frame[2] or None)
     limits = SpanLimits()
     exporter = span_exporter_from_env(os.environ)
@@ -972,6 +989,28 @@ def main() -> int:
         except Exception:  # noqa: BLE001
             pass
     return 0
+
+
+def _exit_with_parent(parent: int) -> None:
+    """End this exporter process one flush deadline (``LLM_OTEL_FLUSH_DEADLINE_S``) after its
+    serving process is gone. Normally stdin's end stops it, but frames still in the pipe are read
+    first, and with a collector that never answers each export waits its full timeout: without
+    this an exporter process could outlive a killed server by one timeout per queued frame."""
+    from llm_otel.config import Settings
+    from llm_otel.export.lifecycle import DEFAULT_DEADLINE_S
+
+    try:
+        grace = Settings.from_env().flush_deadline_s
+    except Exception:  # noqa: BLE001 - the serving process reported the bad setting
+        grace = DEFAULT_DEADLINE_S
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        time.sleep(grace)  # what is left in the pipe gets this long, as the serving process's flush did
+        os._exit(0)
+
+    threading.Thread(target=watch, name="llm-otel-offload-parent", daemon=True).start()
 
 
 class _ChildMetrics:

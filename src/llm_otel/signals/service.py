@@ -107,10 +107,12 @@ class Signals:
         self._own_poller = False
 
     # --- request path ----------------------------------------------------------------------
-    def classify(self, headers: Any = None, engine_request: Any = None) -> tuple[dict, dict, Tier | None]:
-        """Span attributes, metric attributes and tier of one request. Never raises."""
+    def classify(self, headers: Any = None,
+                 engine_fields: Mapping[str, str | None] | None = None) -> tuple[dict, dict, Tier | None]:
+        """Span attributes, metric attributes and tier of one request (``engine_fields``: see
+        :meth:`~llm_otel.signals.classes.ClassExtractor.extract`). Never raises."""
         try:
-            values, labels = self.classes.extract(headers, engine_request)
+            values, labels = self.classes.extract(headers, engine_fields)
             if self.config.model_revision is not None and "revision" not in values:
                 values["revision"] = labels["revision"] = self.config.model_revision
             tier = self.tiers.tier_for(values) if self.tiers is not None else None
@@ -125,9 +127,9 @@ class Signals:
 
     def on_start(self, rec: Any, facts: RequestFacts) -> SpanNotes:
         """Lifecycle listener at request start: classify it from ``facts`` (headers, engine
-        request), admit it (labels and tier on the record, KV estimate of the prompt) and return
+        fields), admit it (labels and tier on the record, KV estimate of the prompt) and return
         what goes on its span (class and tier attributes, KV prompt bytes, a VRAM pressure event)."""
-        span_attrs, metric_attrs, tier = self.classify(facts.headers, facts.engine_request)
+        span_attrs, metric_attrs, tier = self.classify(facts.headers, facts.engine_fields)
         notes = self._admission(rec, metric_attrs, tier, facts.kv)
         return notes._replace(request_attributes=span_attrs) if span_attrs else notes
 

@@ -4,7 +4,7 @@ Lifecycle of a request as an adapter sees it::
 
     rec = telemetry.start_request(request_id, operation="text_completion", model=..., arrival_s=...,
                                   input_tokens=len(prompt_token_ids), kind=SpanKind.INTERNAL,
-                                  facts=RequestFacts(headers, engine_request, kv))
+                                  facts=RequestFacts(headers, engine_fields, kv))
     rec.on_event("queued", t); rec.on_tokens(ids, t); rec.on_logprobs(ids, lps)   # hot path
     telemetry.on_tokens(tokens_this_step, t)                                      # once per step
     rec.finish_reason = "stop"
@@ -34,6 +34,7 @@ from llm_otel.semconv import SCHEMA_URL
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import spans as S
 from llm_otel.signals import Signals, SignalsConfig
+from llm_otel.telemetry.client import ClientCalls
 from llm_otel.telemetry.errors import HookErrors
 from llm_otel.telemetry.metrics import Instruments
 from llm_otel.telemetry.record import RequestRecord
@@ -216,7 +217,7 @@ class Telemetry:
 
         The span is named ``{operation} {model}``; ``parent`` defaults to the current context.
         ``prompt_text`` is attached only when content capture is on (truncated). ``facts``
-        (headers, engine request, KV geometry; :class:`llm_otel.listeners.RequestFacts`) go to the
+        (headers, engine class fields, KV geometry; :class:`llm_otel.listeners.RequestFacts`) go to the
         lifecycle listeners' ``on_start`` - request classes, tier, KV estimate - whose notes land on
         the span; adapters always pass it (an empty ``RequestFacts()`` when they know nothing).
         None: no listener sees the start (a caller that classifies and admits the request itself).
@@ -377,3 +378,9 @@ class Telemetry:
             A.GEN_AI_OPERATION_NAME: operation, A.GEN_AI_PROVIDER_NAME: provider,
             A.GEN_AI_REQUEST_MODEL: model, A.ERROR_TYPE: error_type}, max(0.0, time.time() - arrival_s),
             trace.set_span_in_context(span) if span.is_recording() else None)
+
+    def client_calls(self, provider: str) -> ClientCalls:
+        """Spans and GenAI client metrics of a client library's calls (``provider``: its
+        ``gen_ai.provider.name``); see :mod:`llm_otel.telemetry.client`. Each call builds the
+        client histograms on this telemetry's meter: an adapter asks once, at ``instrument()``."""
+        return ClientCalls(self, provider)

@@ -51,13 +51,13 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from llm_otel.instrumentation.lightllm import carrier as C
-from llm_otel.instrumentation.vllm.engine_core import StepSpanBudget
 from llm_otel.listeners import RequestFacts
 from llm_otel.propagation import TRACEPARENT, TRACESTATE, carrier_from_span, context_from_carrier, extract_carrier
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import spans as S
 from llm_otel.telemetry import RequestRecord, Telemetry
 from llm_otel.telemetry.spans import emit_logit_dist
+from llm_otel.telemetry.steps import EngineSteps
 
 PROVIDER = "lightllm"
 _STATE_KEY = otel_context.create_key("llm_otel.lightllm.http_request")
@@ -461,9 +461,10 @@ class RouterAdapter:
     def __init__(self, telemetry: Telemetry) -> None:
         self.telemetry = telemetry
         self.reqs: dict[int, _RouterReq] = {}
-        # LLM_OTEL_STEP_SPANS_PER_S: the same token bucket as vLLM's engine core (one router = one
-        # engine loop); a step serving no sampled request takes nothing from it
-        self.budget = StepSpanBudget(telemetry.settings.step_spans_per_s)
+        # llm.engine.step through the core's step API: LLM_OTEL_STEP_SPANS_PER_S, the same budget
+        # as vLLM's engine core (one router = one engine loop); a step serving no sampled request
+        # takes nothing from it
+        self.step_spans = EngineSteps(telemetry)
 
     def add_req(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
@@ -519,7 +520,7 @@ class RouterAdapter:
 
     def decode_batch(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
-            if not self.reqs or not self.budget.ready():
+            if not self.reqs or not self.step_spans.ready():
                 return wrapped(*args, **kwargs)
             try:
                 batch = _bind(wrapped, args, kwargs).get("batch") or getattr(instance, "running_batch", None)
@@ -537,14 +538,11 @@ class RouterAdapter:
             return await coro
         finally:
             try:
-                links = [st.link for st in (self.reqs.get(request_id(getattr(r, "request_id", None))) for r in reqs)
-                         if st]
-                if links:
-                    self.budget.take()
-                    span = self.telemetry.tracer.start_span(
-                        S.LLM_ENGINE_STEP, kind=SpanKind.INTERNAL, links=links, start_time=start_ns,
-                        attributes={A.LLM_ENGINE_STEP_BATCH_SIZE: len(reqs)})
-                    span.end()
+                linked = [st.link.context for st in (self.reqs.get(request_id(getattr(r, "request_id", None)))
+                                                     for r in reqs) if st]
+                span = self.step_spans.start(linked, start_ns=start_ns, batch_size=len(reqs))
+                if span is not None:
+                    self.step_spans.finish(span)
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
 

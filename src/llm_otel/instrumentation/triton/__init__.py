@@ -77,7 +77,7 @@ class TritonClientInstrumentor(BaseInstrumentor):
         if tracer_provider is None and meter_provider is None:
             sampling = ensure_providers(settings) or sampling
         telemetry = Telemetry(tracer_provider, meter_provider, settings, scope=__name__, sampling=sampling)
-        self.adapter = TritonAdapter(telemetry, meter_provider)
+        self.adapter = TritonAdapter(telemetry)
         self._applied = apply_hooks(HOOKS, self.adapter, "tritonclient")
 
     def _uninstrument(self, **kwargs: Any) -> None:

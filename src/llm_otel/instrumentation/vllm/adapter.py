@@ -27,10 +27,12 @@ from typing import Any, Callable
 from opentelemetry.trace import SpanKind
 
 from llm_otel.export.ports import serving_started
-from llm_otel.instrumentation.vllm.engine_core import CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY, EngineCoreAdapter
+from llm_otel.instrumentation.vllm.carrier import CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY
+from llm_otel.instrumentation.vllm.engine_core import EngineCoreAdapter
+from llm_otel.instrumentation.vllm.fields import class_fields, kv_spec
 from llm_otel.propagation import carrier_from_span, context_from_carrier, extract_carrier
-from llm_otel.semconv import attributes as A
 from llm_otel.listeners import RequestFacts
+from llm_otel.semconv import attributes as A
 from llm_otel.signals import kv_source_for
 from llm_otel.signals.kv import KVSpec
 from llm_otel.telemetry import RequestRecord, Telemetry
@@ -146,7 +148,7 @@ class VLLMAdapter:
             if isinstance(capacity, int) and capacity > 0:
                 self.telemetry.attach_engine_load(_occupancy_source(state, capacity))
         # cache_config.num_gpu_blocks is known once the engine core reported its KV pool
-        state.kv = KVSpec.from_vllm(getattr(engine, "vllm_config", None))
+        state.kv = kv_spec(getattr(engine, "vllm_config", None))
         if first and state.kv is not None:
             self.telemetry.attach_kv_source(kv_source_for(state, lambda s: s.kv))
 
@@ -387,7 +389,7 @@ class VLLMAdapter:
             arrival_s=float(request.arrival_time), input_tokens=len(prompt_ids) if prompt_ids is not None else 0,
             engine_version=self.version, choice_index=int(request_index or 0),
             request_attributes=attrs, user_logprobs=user_logprobs, prompt_text=prompt,
-            facts=RequestFacts(inbound.headers if inbound is not None else None, request, state.kv))
+            facts=RequestFacts(inbound.headers if inbound is not None else None, class_fields(request), state.kv))
         rec.vocab_size = state.vocab_size
         if lora_name:  # metric dimensions: the adapter name bounded per process, and the base model
             bounded = self._lora_metric_name(model)
