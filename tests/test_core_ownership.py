@@ -87,53 +87,94 @@ def test_triton_adapter_never_calls_the_tracer_or_meter():
     assert package_uses(package) == []
 
 
-def _function_lines(source: str, qualname: str) -> range:
-    """Lines of the function ``Class.function`` in ``source`` (empty when it is not there)."""
-    cls, name = qualname.split(".")
-    for node in ast.parse(source).body:
-        if isinstance(node, ast.ClassDef) and node.name == cls:
-            for item in node.body:
-                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == name:
-                    return range(item.lineno, item.end_lineno + 1)
-    return range(0)
-
-
-# LightLLM uses of the OpenTelemetry API that build no span and no instrument, each with its reason
-_LIGHTLLM_DATA = {
-    # the span kind the core's start_request takes (SERVER when there is an HTTP request)
-    "lightllm/adapter.py": {"from opentelemetry.trace import SpanKind"},
-    # the HTTP worker's tracer provider handed to the exporter process's prewarm (export/offload.py)
-    "lightllm/process.py": {"from opentelemetry import trace", "get_tracer_provider()"},
+# Uses of the OpenTelemetry API under instrumentation/vllm/ that are not the span model, each with
+# why it stays there; anything else (a new use, or one more of these) fails the test below.
+_VLLM_ALLOWED = {
+    # VLLMInstrumentor resolves the process's tracer provider to hand it to Telemetry (setup)
+    ("vllm/__init__.py", "from opentelemetry import trace"): 2,
+    ("vllm/__init__.py", "get_tracer_provider()"): 2,
+    # the request span's kind (SERVER or INTERNAL), a value passed to Telemetry.start_request
+    ("vllm/adapter.py", "from opentelemetry.trace import SpanKind"): 1,
+    # plugin.py builds the providers of vLLM's engine-core and worker processes (export setup)
+    ("vllm/plugin.py", "from opentelemetry.sdk.metrics import MeterProvider"): 1,
+    ("vllm/plugin.py", "from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader"): 1,
+    ("vllm/plugin.py", "from opentelemetry.sdk.resources import Resource"): 1,
+    ("vllm/plugin.py", "from opentelemetry.sdk.trace import TracerProvider"): 1,
+    ("vllm/plugin.py", "from opentelemetry.sdk.trace.export import BatchSpanProcessor"): 1,
+    # StepTracker.end(ctx): the core's step API, not Span.end
+    ("vllm/worker.py", "end()"): 1,
 }
-# the router's llm.engine.step: step spans move into telemetry/steps.py for every engine (issue 21)
-_LIGHTLLM_STEP_FUNCTION = "RouterAdapter._step"
+_STEP_SPAN_NAMES = frozenset({"LLM_ENGINE_STEP", "LLM_ENGINE_STEP_DEVICE", "llm.engine.step", "llm.engine.step.device"})
+
+
+def step_span_names(source: str, filename: str = "<string>") -> list[str]:
+    """``file:line: name`` for each mention of the step spans' names (semconv constant or literal)."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        name = node.attr if isinstance(node, ast.Attribute) else node.value if isinstance(node, ast.Constant) else None
+        if isinstance(name, str) and name in _STEP_SPAN_NAMES:
+            found.append(f"{filename}:{node.lineno}: {name}")
+    return found
+
+
+def test_the_step_span_check_finds_what_the_vllm_engine_core_used_to_do():
+    before = "span = self.telemetry.tracer.start_span(S.LLM_ENGINE_STEP, links=links)\n"
+    assert step_span_names(before) == ["<string>:1: LLM_ENGINE_STEP"]
+    assert step_span_names("name = 'llm.engine.step.device'\n") == ["<string>:1: llm.engine.step.device"]
+    assert {u.split(": ", 1)[1] for u in otel_uses(before)} == {".tracer", "start_span()"}
+
+
+def test_vllm_and_lightllm_adapters_never_build_step_spans():
+    """``llm.engine.step`` and ``llm.engine.step.device`` are built by ``telemetry/steps.py`` for
+    every engine: no vLLM or LightLLM adapter module names them, and nothing under
+    ``instrumentation/vllm/`` reaches the tracer or meter (beyond the listed setup uses)."""
+    uses: dict[tuple[str, str], int] = {}
+    for use in package_uses(INSTRUMENTATION / "vllm"):
+        filename, _, what = use.split(":", 2)
+        uses[(filename, what.strip())] = uses.get((filename, what.strip()), 0) + 1
+    assert uses == _VLLM_ALLOWED
+    names = [n for package in ("vllm", "lightllm") for path in sorted((INSTRUMENTATION / package).rglob("*.py"))
+             for n in step_span_names(path.read_text(), str(path.relative_to(INSTRUMENTATION)))]
+    assert names == []
+    # and the core does name them: the check looks for the right names
+    steps = INSTRUMENTATION.parent / "telemetry" / "steps.py"
+    assert {n.rsplit(": ", 1)[1] for n in step_span_names(steps.read_text())} == {"LLM_ENGINE_STEP",
+                                                                                   "LLM_ENGINE_STEP_DEVICE"}
+
+
+# Uses of the OpenTelemetry API under instrumentation/lightllm/ that are not the span model, each
+# with why it stays there; anything else (a new use, or one more of these) fails the test below.
+_LIGHTLLM_ALLOWED = {
+    # the request span's kind (SERVER with an HTTP request, else INTERNAL), a value passed to
+    # Telemetry.start_request
+    ("lightllm/adapter.py", "from opentelemetry.trace import SpanKind"): 1,
+    # the HTTP worker hands its tracer provider to the exporter process's prewarm (export setup)
+    ("lightllm/process.py", "from opentelemetry import trace"): 1,
+    ("lightllm/process.py", "get_tracer_provider()"): 1,
+}
 
 
 def test_lightllm_adapter_builds_no_request_or_stage_spans():
     """instrumentation/lightllm/ never calls the tracer or meter: the HTTP worker's request spans
     come from ``Telemetry.start_request`` / ``finish``, the router's ``llm.router.request`` and the
     model-infer worker's ``llm.infer.request`` (token events, ``llm.logit_dist``) from the
-    ``StageRecord`` it fills and ``Telemetry.end_stage`` (telemetry/stages.py). Allowed: the
-    router's step-span function until step spans move to telemetry/steps.py, and the data uses in
-    ``_LIGHTLLM_DATA``."""
+    ``StageRecord`` it fills and ``Telemetry.end_stage`` (telemetry/stages.py), the router's
+    ``llm.engine.step`` from ``EngineSteps`` (telemetry/steps.py)."""
     package = INSTRUMENTATION / "lightllm"
     assert (package / "adapter.py").is_file()
-    step = _function_lines((package / "adapter.py").read_text(), _LIGHTLLM_STEP_FUNCTION)
-    left = []
+    uses: dict[tuple[str, str], int] = {}
     for use in package_uses(package):
-        filename, line, what = use.split(":", 2)
-        if filename == "lightllm/adapter.py" and int(line) in step:
-            continue
-        if what.strip() in _LIGHTLLM_DATA.get(filename, ()):
-            continue
-        left.append(use)
-    assert left == []
-    # what main's adapter did, the check finds (the router's and the worker's own span building)
-    old = "\n".join([
+        filename, _, what = use.split(":", 2)
+        uses[(filename, what.strip())] = uses.get((filename, what.strip()), 0) + 1
+    assert uses == _LIGHTLLM_ALLOWED
+    # what the adapter did before (the router and the worker building their own spans), the check finds
+    before = "\n".join([
         "class RouterAdapter:",
         "    def _released(self, rid, facts):",
         "        span = self.telemetry.tracer.start_span(S.LLM_ROUTER_REQUEST, context=st.parent)",
         "        span.add_event(S.EVENT_LLM_REQUEST_QUEUED, timestamp=st.queued_ns)",
+        "        span.set_status(Status(StatusCode.ERROR, 'aborted'))",
         "        span.end(end_time=end_ns)",
     ])
-    assert sorted(u.split(": ", 1)[1] for u in otel_uses(old)) == [".tracer", "add_event()", "end()", "start_span()"]
+    assert sorted(u.split(": ", 1)[1] for u in otel_uses(before)) == [
+        ".tracer", "add_event()", "end()", "set_status()", "start_span()"]

@@ -44,7 +44,7 @@ def test_router_stage_span_is_queued_to_released_with_queue_events_under_the_req
     assert [(e.name, e.timestamp) for e in span.events] == [("llm.request.queued", T0),
                                                             ("llm.request.scheduled", T0 + 2 * MS)]
     assert span.status.status_code == StatusCode.UNSET
-    assert captured.telemetry.start_stage(ROUTER, 1, parent, group_id=1, choice_index=0, start_ns=T0).link.context \
+    assert captured.telemetry.start_stage(ROUTER, 1, parent, group_id=1, choice_index=0, start_ns=T0).span_context \
         == req.get_span_context()  # step spans link to the request through the record
 
 

@@ -271,3 +271,9 @@ def emit_logit_dist(tracer: Tracer, settings: Settings, parent, *, source: str, 
     if nonfinite.any():
         span.set_status(Status(StatusCode.ERROR, f"{int(nonfinite.sum())} decode step(s) with non-finite logits"))
     span.end(end_time=end_ns)
+
+
+def emit_logit_dist_for(telemetry, parent, **arrays) -> None:
+    """:func:`emit_logit_dist` on ``telemetry``'s tracer and settings: what an engine adapter
+    calls (adapters never hold the tracer). ``arrays``: :func:`emit_logit_dist`'s keywords."""
+    emit_logit_dist(telemetry.tracer, telemetry.settings, parent, **arrays)

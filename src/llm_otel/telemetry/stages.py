@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import Link, SpanKind, Status, StatusCode, Tracer
+from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 
 from llm_otel.config import Settings
 from llm_otel.semconv import attributes as A
@@ -54,7 +54,7 @@ class StageRecord:
         choice_index: index of the choice within its request (LightLLM: ``request_id - group_id``).
         group_id: id of the request the choice belongs to (LightLLM ``group_req_id``).
         parent: Context of the choice's request span (from the carrier); the stage span's parent.
-        link: a Link to that request span (for step spans that served the request).
+        span_context: that request span's SpanContext (step spans that served the request link to it).
         start_ns: epoch ns the request entered this stage (queued, or admitted to the worker).
         queued_ns: epoch ns it was queued (``llm.request.queued`` event), or None.
         scheduled_ns: epoch ns the scheduler admitted it to a batch, or None.
@@ -72,7 +72,7 @@ class StageRecord:
             nonfinite, sampled_logprob)``.
     """
 
-    __slots__ = ("stage", "request_id", "choice_index", "group_id", "parent", "link", "start_ns",
+    __slots__ = ("stage", "request_id", "choice_index", "group_id", "parent", "span_context", "start_ns",
                  "queued_ns", "scheduled_ns", "frontend_arrival_s", "input_tokens", "output_tokens",
                  "cached_tokens", "token_times", "token_ids", "token_id_cap", "logprob_sum", "resumed",
                  "logit_top_k", "logit_rows", "finish_reason", "aborted")
@@ -88,7 +88,7 @@ class StageRecord:
         self.choice_index = choice_index
         self.group_id = group_id
         self.parent = parent
-        self.link = Link(trace.get_current_span(parent).get_span_context())
+        self.span_context = trace.get_current_span(parent).get_span_context()
         self.start_ns = start_ns
         self.queued_ns = queued_ns
         self.scheduled_ns: int | None = None

@@ -9,8 +9,8 @@ router-driven step (links to the requests it served). Model-infer worker (``Infe
 released, per-token timing, sampled-token log-probs). Router and worker spans are children of the
 request span of their choice, found through the carrier (carrier.py); both are built by the core
 (:mod:`llm_otel.telemetry.stages`) from one :class:`StageRecord` per sub-request that the adapter
-fills and hands to ``Telemetry.end_stage`` - the adapter calls no tracer (the router's step span
-aside, which moves to ``telemetry/steps.py``).
+fills and hands to ``Telemetry.end_stage``; the router's ``llm.engine.step`` through the core's
+step API (``telemetry/steps.py``). The adapter calls no tracer or meter.
 
 Engine fields read (ModelTC/lightllm main @ fc72ffab unless noted):
 
@@ -52,12 +52,13 @@ from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind
 
 from llm_otel.instrumentation.lightllm import carrier as C
-from llm_otel.instrumentation.vllm.engine_core import StepSpanBudget
+from llm_otel.listeners import RequestFacts
 from llm_otel.propagation import TRACEPARENT, TRACESTATE, carrier_from_span, context_from_carrier, extract_carrier
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import spans as S
 from llm_otel.telemetry import RequestRecord, Telemetry
 from llm_otel.telemetry.stages import INFER, ROUTER, StageRecord
+from llm_otel.telemetry.steps import EngineSteps
 
 PROVIDER = "lightllm"
 _STATE_KEY = otel_context.create_key("llm_otel.lightllm.http_request")
@@ -151,15 +152,16 @@ def engine_version() -> str:
 class _HttpRequest:
     """One ``generate`` call (a group of ``n`` choices) in an HTTP worker."""
 
-    __slots__ = ("arrival_s", "parent", "kind", "operation", "attrs", "group_id", "records", "shm_reqs",
+    __slots__ = ("arrival_s", "parent", "kind", "operation", "attrs", "headers", "group_id", "records", "shm_reqs",
                  "health", "aborted", "done", "context")
 
-    def __init__(self, arrival_s: float, parent, kind, operation: str, attrs: dict) -> None:
+    def __init__(self, arrival_s: float, parent, kind, operation: str, attrs: dict, headers=None) -> None:
         self.arrival_s = arrival_s
         self.parent = parent
         self.kind = kind
         self.operation = operation
         self.attrs = attrs
+        self.headers = headers  # the HTTP request's headers, for request classes (llm_otel.signals)
         self.group_id: int | None = None
         self.records: dict[int, RequestRecord] = {}
         self.shm_reqs: list = []
@@ -272,11 +274,13 @@ class HttpAdapter:
             return None
         request = bound.get("request")
         inbound = None
+        headers = None
         kind = SpanKind.INTERNAL
         operation = "text_completion"
         if request is not None:
             kind = SpanKind.SERVER
-            inbound = context_from_carrier(extract_carrier(getattr(request, "headers", None) or {}))
+            headers = getattr(request, "headers", None)
+            inbound = context_from_carrier(extract_carrier(headers or {}))
             path = str(getattr(getattr(request, "url", None), "path", "") or "")
             if "chat" in path:
                 operation = "chat"
@@ -302,7 +306,7 @@ class HttpAdapter:
         n = getattr(sp, "n", None) or getattr(sp, "best_of", None)
         if isinstance(n, int) and n > 1:
             attrs[A.GEN_AI_REQUEST_CHOICE_COUNT] = n
-        state = _HttpRequest(time.time(), parent, kind, operation, attrs)
+        state = _HttpRequest(time.time(), parent, kind, operation, attrs, headers)
         state.context = otel_context.set_value(_STATE_KEY, state, parent)
         if gid is not None:  # 2024 layout: start now, the carrier must be on the object before it is sent
             choices = n if isinstance(n, int) and n > 0 else 1
@@ -320,7 +324,8 @@ class HttpAdapter:
             rec = self.telemetry.start_request(
                 str(gid + i), operation=state.operation, provider=PROVIDER, model=self.model,
                 arrival_s=state.arrival_s, input_tokens=int(input_tokens), kind=state.kind, parent=state.parent,
-                engine_version=self.version, choice_index=i, request_attributes=state.attrs)
+                engine_version=self.version, choice_index=i, request_attributes=state.attrs,
+                facts=RequestFacts(state.headers))
             state.records[i] = rec
         self.live[gid] = state
         first = state.records[0].span
@@ -396,6 +401,7 @@ class HttpAdapter:
             return
         token_id = metadata.get("id") if isinstance(metadata, dict) else None
         rec.on_tokens([int(token_id) if isinstance(token_id, int) else -1], now)
+        self.telemetry.on_tokens(1, now)  # LightLLM yields each token of each choice on its own
         if isinstance(metadata, dict):
             if not rec.input_tokens and isinstance(metadata.get("prompt_tokens"), int):
                 rec.input_tokens = metadata["prompt_tokens"]
@@ -443,9 +449,10 @@ class RouterAdapter:
     def __init__(self, telemetry: Telemetry) -> None:
         self.telemetry = telemetry
         self.reqs: dict[int, StageRecord] = {}  # llm.router.request records by sub-request id
-        # LLM_OTEL_STEP_SPANS_PER_S: the same token bucket as vLLM's engine core (one router = one
-        # engine loop); a step serving no sampled request takes nothing from it
-        self.budget = StepSpanBudget(telemetry.settings.step_spans_per_s)
+        # llm.engine.step through the core's step API: LLM_OTEL_STEP_SPANS_PER_S, the same budget
+        # as vLLM's engine core (one router = one engine loop); a step serving no sampled request
+        # takes nothing from it
+        self.step_spans = EngineSteps(telemetry)
 
     def add_req(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
@@ -502,7 +509,7 @@ class RouterAdapter:
 
     def decode_batch(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
-            if not self.reqs or not self.budget.ready():
+            if not self.reqs or not self.step_spans.ready():
                 return wrapped(*args, **kwargs)
             try:
                 batch = _bind(wrapped, args, kwargs).get("batch") or getattr(instance, "running_batch", None)
@@ -520,14 +527,11 @@ class RouterAdapter:
             return await coro
         finally:
             try:
-                links = [st.link for st in (self.reqs.get(request_id(getattr(r, "request_id", None))) for r in reqs)
-                         if st]
-                if links:
-                    self.budget.take()
-                    span = self.telemetry.tracer.start_span(
-                        S.LLM_ENGINE_STEP, kind=SpanKind.INTERNAL, links=links, start_time=start_ns,
-                        attributes={A.LLM_ENGINE_STEP_BATCH_SIZE: len(reqs)})
-                    span.end()
+                linked = [st.span_context for st in (self.reqs.get(request_id(getattr(r, "request_id", None)))
+                                                     for r in reqs) if st]
+                span = self.step_spans.start(linked, start_ns=start_ns, batch_size=len(reqs))
+                if span is not None:
+                    self.step_spans.finish(span)
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
 
