@@ -12,16 +12,15 @@ tests/test_export_process.py::test_span_trees_are_identical_to_the_in_process_pa
 from __future__ import annotations
 
 import pickle
-import random
 
 import numpy as np
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from test_export_process import SeededIds  # the same id sequence for both paths
 
 from llm_otel.config import Settings
 from llm_otel.export import offload
@@ -35,17 +34,6 @@ FIELDS = ("name", "trace_id", "span_id", "flags", "trace_state", "parent", "kind
           "events", "links", "status", "scope")
 
 
-class SeededIds(IdGenerator):
-    def __init__(self, seed: int) -> None:
-        self._rng = random.Random(seed)
-
-    def generate_span_id(self) -> int:
-        return self._rng.getrandbits(64) or 1
-
-    def generate_trace_id(self) -> int:
-        return self._rng.getrandbits(128) or 1
-
-
 class Sink:
     """Stands in for the provider's :class:`OffloadBuffer`: keeps what the serving process hands it,
     pickled and unpickled as the pipe to the exporter process would carry it."""
@@ -53,10 +41,9 @@ class Sink:
     def __init__(self) -> None:
         self.records: list[tuple] = []
 
-    def push(self, record: tuple) -> None:
+    def push(self, record: tuple, spans: int = 1) -> None:
+        assert spans == (record[1] if record[0] is None else 1)
         self.records.append(pickle.loads(pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)))
-
-    push_tree = push
 
 
 def _requests(telemetry: Telemetry) -> None:

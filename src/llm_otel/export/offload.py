@@ -18,6 +18,11 @@ cap, OTLP settings from the ``OTEL_EXPORTER_OTLP_*`` environment it inherits).
 
 Guarantees:
 
+* **Request children built there.** ``llm.prompt`` and ``llm.token_stream`` of a finished request
+  go as one tree record (:meth:`OffloadTracer.ship_children`): ids and sampling decided here, the
+  record's raw arrays; the exporter process runs the same
+  :meth:`~llm_otel.telemetry.spans.SpanBuilder.children` on them (:func:`expand_trees`). A tree
+  counts as its spans in the drop counters and the exporter process's acknowledgements.
 * **Never blocks, bounded memory.** ``span.end()`` appends to a deque; when
   ``LLM_OTEL_EXPORT_PROCESS_BUFFER`` records (default 8192 spans) are waiting, new spans are
   dropped and counted in ``llm_otel.spans.dropped`` (``error.type=export_process_backlog``).
@@ -283,10 +288,10 @@ class OffloadTracer(trace_api.Tracer):
         if children:
             if settings is not self._settings[0]:
                 self._settings = (settings, settings_fields(settings))
-            span._buffer.push_tree((
+            span._buffer.push((
                 None, len(children), self._scope,
                 (trace_id, parent.span_id, False, int(parent.trace_flags), tuple(parent.trace_state.items())),
-                tuple(children), end_ns, self._settings[1], rec.span_fields(settings.capture_content)))
+                tuple(children), end_ns, self._settings[1], rec.span_fields(settings.capture_content)), len(children))
         return True
 
     def start_as_current_span(self, name, context=None, kind=SpanKind.INTERNAL, attributes=None, links=(),
@@ -477,7 +482,11 @@ class OffloadBuffer:
         return _span_count(queued) + max(0, self._sent - self._acked)
 
     # --- caller side: O(1), never blocks --------------------------------------------------------
-    def push(self, record: tuple) -> None:
+    def push(self, record: tuple, spans: int = 1) -> None:
+        """One span record (:meth:`OffloadSpan.end`), or a tree record
+        (:meth:`OffloadTracer.ship_children`: ``(None, spans, ...)``) from which the exporter
+        process builds ``spans`` spans: one record either way, and a full buffer loses (and
+        counts) all its spans."""
         if self._pid != _PID[0]:
             if self.disowned:
                 return
@@ -486,27 +495,7 @@ class OffloadBuffer:
             return
         queue = self._queue
         if len(queue) >= self.capacity:
-            self._lose(1, BACKLOG, "the exporter process falls behind")
-            return
-        queue.append(record)
-        if self._thread is None:
-            self._start_thread()
-        elif len(queue) >= _BATCH:
-            self._wake.set()
-
-    def push_tree(self, record: tuple) -> None:
-        """A tree record (:meth:`OffloadTracer.ship_children`: ``(None, spans, ...)``): the exporter
-        process builds ``record[1]`` spans from it. Same bound as :meth:`push` (one record), and a
-        full buffer loses (and counts) all its spans."""
-        if self._pid != _PID[0]:
-            if self.disowned:
-                return
-            self._start_state()
-        if self._closed:
-            return
-        queue = self._queue
-        if len(queue) >= self.capacity:
-            self._lose(record[1], BACKLOG, "the exporter process falls behind")
+            self._lose(spans, BACKLOG, "the exporter process falls behind")
             return
         queue.append(record)
         if self._thread is None:
