@@ -41,21 +41,47 @@ def _percentiles(values) -> tuple[float, float, float, float]:
 
 
 class SpanBuilder:
-    """Emits ``llm.prompt`` / ``llm.token_stream`` / ``llm.logit_dist`` under a request span."""
+    """Emits ``llm.prompt`` / ``llm.token_stream`` / ``llm.logit_dist`` under a request span.
+
+    When ``tracer`` sends its spans to an exporter process (an
+    :class:`~llm_otel.export.offload.OffloadTracer` with ``ship_children``), ``llm.prompt`` and
+    ``llm.token_stream`` are built there from the record's raw arrays by this same class
+    (:meth:`children`); their ids and sampling decisions are still made here.
+    """
 
     def __init__(self, tracer: Tracer, settings: Settings) -> None:
         self.tracer = tracer
         self.settings = settings
+        # OffloadTracer.ship_children(rec, end_ns, settings) -> bool, else None (SDK / application tracer)
+        self._ship = getattr(tracer, "ship_children", None)
 
     def emit(self, rec: RequestRecord, end_ns: int) -> None:
         """Finish ``rec.span`` at ``end_ns`` (epoch ns) after creating its children.
 
         Only for a recording span; attributes and status of the request span are set here too.
         """
-        span = rec.span
+        end_ns = max(end_ns, rec.arrival_ns)
+        ship = self._ship
+        if ship is not None and ship(rec, end_ns, self.settings):
+            if rec.logprob_rows and rec.step_times:  # llm.logit_dist (a few % of requests) stays here
+                start_ns = rec.arrival_ns
+                first_ns = min(max(rec.epoch_ns(rec.step_times[0]), start_ns), end_ns)
+                last_ns = min(max(rec.epoch_ns(rec.step_times[-1]), start_ns), end_ns)
+                self._logit_dist(rec, trace.set_span_in_context(rec.span), first_ns, last_ns)
+        else:
+            ctx = trace.set_span_in_context(rec.span)
+            first_ns, last_ns = self.children(rec, ctx, end_ns)
+            if first_ns is not None and rec.logprob_rows:
+                self._logit_dist(rec, ctx, first_ns, last_ns)
+        self._finish_request_span(rec, end_ns)
+
+    def children(self, rec: RequestRecord, ctx, end_ns: int) -> tuple[int | None, int | None]:
+        """Create ``llm.prompt`` and (when a token came) ``llm.token_stream`` under ``ctx`` (the
+        request span's Context) with this builder's tracer; ``end_ns`` >= arrival (epoch ns).
+        Returns the first and last token's epoch ns, clamped into the request (None without tokens).
+        Runs in the serving process, or in the exporter process on a record rebuilt from
+        :meth:`RequestRecord.span_fields` (``ctx`` None there: the tracer knows the parent)."""
         start_ns = rec.arrival_ns
-        end_ns = max(end_ns, start_ns)
-        ctx = trace.set_span_in_context(span)
         clamp = lambda t: min(max(t, start_ns), end_ns)  # noqa: E731
 
         first_ns = clamp(rec.epoch_ns(rec.step_times[0])) if rec.step_times else None
@@ -102,10 +128,7 @@ class SpanBuilder:
 
         if first_ns is not None:
             self._token_stream(rec, ctx, first_ns, last_ns, preempt_in_decode)
-            if rec.logprob_rows:
-                self._logit_dist(rec, ctx, first_ns, last_ns)
-
-        self._finish_request_span(rec, end_ns)
+        return first_ns, last_ns
 
     def _token_stream(self, rec: RequestRecord, ctx, first_ns: int, last_ns: int, preempts: list[int]) -> None:
         st = self.settings

@@ -477,7 +477,7 @@ class VLLMAdapter:
             result = wrapped(*args, **kwargs)
             try:
                 if pending:
-                    self._after_step(state, instance, pending)
+                    self._after_step(state, instance, pending, ts)
                 elif pending is None:  # our pre-pass failed: still end what vLLM has finished
                     self._reap(state, instance)
             except Exception as exc:  # noqa: BLE001
@@ -506,16 +506,18 @@ class VLLMAdapter:
             lp = out.new_logprobs
             if lp is not None and rec.logprob_cap:
                 rec.on_logprobs(lp.logprob_token_ids, lp.logprobs)
-            pending.append((rec, out, ts))
+            pending += rec, out  # flat (record, output) pairs: no tuple per request and step
         return pending
 
-    def _after_step(self, state: _EngineState, output_processor: Any, pending: list) -> None:
+    def _after_step(self, state: _EngineState, output_processor: Any, pending: list, ts: float) -> None:
         live = output_processor.request_states
         produced = 0
-        for rec, out, ts in pending:
-            if out.new_token_ids:
-                rec.on_tokens(out.new_token_ids, ts)  # after vLLM trimmed tokens past a stop string
-                produced += len(out.new_token_ids)
+        pairs = iter(pending)
+        for rec, out in zip(pairs, pairs):
+            ids = out.new_token_ids
+            if ids:
+                rec.on_tokens(ids, ts)  # after vLLM trimmed tokens past a stop string
+                produced += len(ids)
             if out.request_id in live:
                 continue
             reason = out.finish_reason
@@ -531,7 +533,7 @@ class VLLMAdapter:
                 del rec.logprob_rows[rec.num_output_tokens:]
             self.telemetry.finish(rec)
         if produced:
-            self.telemetry.on_tokens(produced, pending[0][2])
+            self.telemetry.on_tokens(produced, ts)
 
     def _reap(self, state: _EngineState, output_processor: Any) -> None:
         """End the records of requests vLLM no longer tracks (after a failure of our own code)."""
