@@ -141,8 +141,11 @@ def bench_logits(rounds: int) -> dict:
 
 def bench_ring(rounds: int) -> dict:
     """The NumPy ring (host clock) through the StepTracker, as an engine adapter drives it: begin and
-    end around each step (engine thread), then the drain that completes the step spans."""
-    from llm_otel.telemetry.steps import StepTracker
+    end around each step (engine thread), then the drain that emits each step's device span
+    (``llm.engine.step.device`` under the step span whose ids came from the engine core)."""
+    import itertools
+
+    from llm_otel.telemetry.steps import StepTracker, step_parent
 
     tel = _telemetry(True)
     tracker = StepTracker(tel, backend="numpy", capacity=1 << 16, nvtx=False)
@@ -150,8 +153,10 @@ def bench_ring(rounds: int) -> dict:
     ids = [f"req-{i}" for i in range(64)]
     tracker.drain()
 
+    span_ids = itertools.count(1)
+
     def step():
-        tracker.end(tracker.begin(ids, phase="decode"))
+        tracker.end(tracker.begin(ids, parent=step_parent(1, next(span_ids)), phase="decode"))
 
     n = 2_000
     per_step = best_per_op(step, n, rounds) / 1

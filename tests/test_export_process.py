@@ -159,7 +159,7 @@ def test_a_killed_exporter_process_costs_counted_spans_and_a_new_one_takes_over(
     tp.shutdown()
 
 
-def test_spans_ended_while_the_exporter_process_is_down_are_counted(receiver):
+def test_spans_ended_while_the_exporter_process_is_down_are_counted(receiver, caplog):
     receiver.clear()
     tp, reader = _offload(receiver)
     buffer = tp.buffer
@@ -174,6 +174,9 @@ def test_spans_ended_while_the_exporter_process_is_down_are_counted(receiver):
     tp.force_flush(5_000)
     assert _drops(reader).get(DOWN) == 4
     assert buffer.failed == 4
+    # one line, naming the exporter process (not the collector) and the reason (review finding F3)
+    lines = [r.getMessage() for r in caplog.records if "span(s) dropped" in r.getMessage()]
+    assert len(lines) == 1 and "exporter process is not running" in lines[0] and "-9" in lines[0], lines
     tp.shutdown()
 
 
@@ -294,6 +297,65 @@ def test_the_exporter_process_exits_when_its_serving_process_is_killed(receiver,
             pass
         time.sleep(0.1)
     pytest.fail("the exporter process outlived its killed serving process")
+
+
+BLACK_HOLE_APP = """
+    import signal, sys, time
+    from llm_otel.config import Settings
+    from llm_otel.export.providers import build_providers
+    tp, _ = build_providers(Settings(console="off", adaptive_sampling="off"), shutdown_on_exit=False)
+    tracer = tp.get_tracer("t")
+    for i in range(30000):  # more frames than the pipe holds: the writer thread blocks in a write
+        tracer.start_span("x", attributes={"pad": "y" * 200}).end()
+    time.sleep(1)
+    print(tp.buffer._proc.pid, flush=True)
+    if sys.argv[1] == "killed":
+        signal.pause()
+    tp.shutdown(timeout_millis=2000)
+"""
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie waiting for init to reap it counts: it runs nothing and holds no socket)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "State:\tZ" in f.read()
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+@pytest.mark.parametrize("end", ["final_flush", "killed"])
+def test_with_a_collector_that_never_answers_the_exporter_process_ends_with_its_serving_process(end):
+    """Review finding (issue 19, F4): with a collector that accepts connections and never answers,
+    the exporter process sat in one export timeout after another for the frames still in its pipe
+    and outlived its serving process (4-30 s). It must end with the final flush's deadline, or one
+    flush deadline (2 s) after its serving process was killed."""
+    import socket
+
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(64)
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
+        env.update(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=f"http://127.0.0.1:{hole.getsockname()[1]}",
+                   OTEL_EXPORTER_OTLP_INSECURE="true", OTEL_METRICS_EXPORTER="none", OTEL_TRACES_SAMPLER="always_on",
+                   LLM_OTEL_FLUSH_DEADLINE_S="2")
+        serving = subprocess.Popen([sys.executable, "-c", textwrap.dedent(BLACK_HOLE_APP), end], env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        exporter_pid = int(serving.stdout.readline())
+        if end == "killed":
+            serving.kill()
+        assert serving.wait(30) in (0, -signal.SIGKILL)
+        gone_by = time.monotonic() + (1.0 if end == "final_flush" else 2.0 + 1.5)
+        while time.monotonic() < gone_by and not _gone(exporter_pid):
+            time.sleep(0.05)
+        alive = not _gone(exporter_pid)
+        if alive:
+            os.kill(exporter_pid, signal.SIGKILL)
+        assert not alive, f"the exporter process outlived its serving process ({end})"
+    finally:
+        hole.close()
 
 
 GENAI_REQUEST_METRICS = (M.GEN_AI_SERVER_REQUEST_DURATION, M.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN,

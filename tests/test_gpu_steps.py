@@ -1,6 +1,10 @@
-"""The core's StepContext API (llm_otel.telemetry.steps): begin/end around a model execution,
-ring records drained into step spans, request device time - the whole pipeline on the NumPy
-(host clock) ring, which is what runs wherever there is no GPU."""
+"""The core's step API (llm_otel.telemetry.steps): ``llm.engine.step`` spans built by
+EngineSteps for the layer that schedules; begin/end around a model execution, ring records
+drained into the step's device child span ``llm.engine.step.device``, request device time - the
+whole pipeline on the NumPy (host clock) ring, which is what runs wherever there is no GPU.
+
+The step span is always owned and ended by the layer that schedules (issue 21): the tracker
+never ends it, in whichever process the model runs."""
 
 from __future__ import annotations
 
@@ -9,10 +13,10 @@ import time
 
 import pytest
 from conftest import make_captured
-from opentelemetry.trace import Link, SpanKind
+from opentelemetry.trace import SpanKind
 
 from llm_otel.gpu import ring as R
-from llm_otel.telemetry.steps import StepTracker, step_parent
+from llm_otel.telemetry.steps import EngineSteps, StepTracker, step_parent
 
 DEVICE_KEYS = {"llm.engine.step.device.start_ns", "llm.engine.step.device.end_ns",
                "llm.engine.step.device.duration", "llm.engine.step.device.queue_delay",
@@ -25,25 +29,29 @@ def tracker(cap, **kw):
     return StepTracker(cap.telemetry, start_thread=False, **kw)
 
 
-def test_step_span_gets_device_times_and_ends_at_the_given_time():
+def test_device_times_go_on_a_child_of_the_step_span_which_its_owner_ends():
     cap = make_captured()
     steps = tracker(cap)
     span = cap.telemetry.tracer.start_span("llm.engine.step", start_time=time.time_ns())
-    ctx = steps.begin(["a", "b"], span=span, phase="decode")
+    ctx = steps.begin(["a", "b"], parent=span.get_span_context(), phase="decode")
     time.sleep(0.002)
-    end_ns = time.time_ns() + 1000
-    steps.end(ctx, span_end_ns=end_ns)
-    assert cap.finished() == []  # ended only once its records are drained
+    steps.end(ctx)
+    assert cap.finished() == []  # emitted only once its records are drained
     assert steps.drain() == 1
     (s,) = cap.finished()
+    assert s.name == "llm.engine.step.device" and s.parent.span_id == span.get_span_context().span_id
     a = s.attributes
     assert DEVICE_KEYS <= set(a) and a["llm.engine.step.device.clock"] == "host"
     assert a["llm.engine.step.device.end_ns"] - a["llm.engine.step.device.start_ns"] == \
         round(a["llm.engine.step.device.duration"] * 1e9)
     assert a["llm.engine.step.device.duration"] >= 0.002
     assert ctx.launch_ns <= a["llm.engine.step.device.start_ns"] <= a["llm.engine.step.device.end_ns"]
-    assert s.end_time == end_ns
-    assert s.context.span_id == ctx.span_id
+    assert (s.start_time, s.end_time) == (a["llm.engine.step.device.start_ns"], a["llm.engine.step.device.end_ns"])
+    assert span.get_span_context().span_id == ctx.span_id
+    assert span.is_recording()  # the tracker never ends the step span: its owner does
+    end_ns = time.time_ns() + 1000
+    span.end(end_time=end_ns)
+    assert cap.finished()[-1].end_time == end_ns and not DEVICE_KEYS & set(cap.finished()[-1].attributes)
 
 
 def test_request_device_time_accumulates_over_the_steps_that_served_it():
@@ -51,7 +59,7 @@ def test_request_device_time_accumulates_over_the_steps_that_served_it():
     steps = tracker(cap)
     durations = {"a": 0, "b": 0}
     for batch in (["a", "b"], ["a"], ["a", "b"]):
-        ctx = steps.begin(batch, span=cap.telemetry.tracer.start_span("llm.engine.step"))
+        ctx = steps.begin(batch, parent=cap.telemetry.tracer.start_span("llm.engine.step").get_span_context())
         steps.end(ctx)
         steps.drain()
         for rid in batch:
@@ -68,7 +76,7 @@ def test_telemetry_finish_puts_device_time_on_the_request_span():
     rec = t.start_request("r1", operation="text_completion", provider="vllm", model="m",
                           arrival_s=time.time(), input_tokens=3)
     for _ in range(2):
-        ctx = t.steps.begin(["r1"])  # the tracker starts its own llm.engine.step span
+        ctx = t.steps.begin(["r1"])  # no step span: device time only
         t.steps.end(ctx)
     rec.on_tokens([1, 2], time.monotonic())
     t.finish(rec)
@@ -104,42 +112,52 @@ def test_unsampled_remote_step_emits_nothing_but_still_counts_device_time():
     assert steps.request_device_time("a")[1] == 1
 
 
-def test_own_step_span_links_to_the_requests():
+def test_the_core_step_api_builds_the_step_span_with_links_and_the_device_child_under_it():
     cap = make_captured()
     steps = tracker(cap)
+    engine = EngineSteps(cap.telemetry)
     req = cap.telemetry.tracer.start_span("text_completion m")
-    ctx = steps.begin(["a"], links=[Link(req.get_span_context())], attributes={"llm.engine.step.batch_size": 1})
+    assert engine.start([], start_ns=time.time_ns(), batch_size=1) is None  # no sampled request: no span
+    start_ns = time.time_ns()
+    span = engine.start([req.get_span_context()], start_ns=start_ns, batch_size=1, prefill_tokens=3,
+                        decode_tokens=0, preempted=0)
+    trace_id, span_id, sampled = engine.ids(span)
+    ctx = steps.begin(["a"], parent=step_parent(trace_id, span_id, sampled))
     steps.end(ctx)
     steps.drain()
-    (s,) = cap.finished()
-    assert s.name == "llm.engine.step" and [l.context.span_id for l in s.links] == [req.get_span_context().span_id]
-    assert s.attributes["llm.engine.step.batch_size"] == 1 and DEVICE_KEYS <= set(s.attributes)
-
-
-def test_span_owned_by_the_engine_core_is_completed_by_the_in_process_worker_step():
-    """vLLM with one GPU: engine core and worker share a process (UniProcExecutor)."""
-    cap = make_captured()
-    steps = tracker(cap)
-    span = cap.telemetry.tracer.start_span("llm.engine.step")
-    steps.register_span(span)  # engine core, after schedule()
-    ctx = steps.begin(["a"], parent=span.get_span_context())  # worker, same process
-    steps.end(ctx)  # worker done; the span's end time is the core's
-    steps.drain()
-    assert cap.finished() == []
     end_ns = time.time_ns()
-    assert steps.release_span(span, end_ns) is True
-    steps.drain()
-    (s,) = cap.finished()
-    assert s.end_time == end_ns and DEVICE_KEYS <= set(s.attributes)  # no separate device span
+    engine.finish(span, end_ns=end_ns, cpu_time_s=0.001)
+    dev, s = cap.finished()
+    assert s.name == "llm.engine.step" and s.kind == SpanKind.INTERNAL
+    assert [l.context.span_id for l in s.links] == [req.get_span_context().span_id]
+    assert s.parent is None and (s.start_time, s.end_time) == (start_ns, end_ns)
+    assert dict(s.attributes) == {"llm.engine.step.batch_size": 1, "llm.engine.step.prefill_tokens": 3,
+                                  "llm.engine.step.decode_tokens": 0, "llm.engine.step.preempted": 0,
+                                  "llm.engine.step.cpu_time": 0.001}
+    assert dev.name == "llm.engine.step.device" and dev.parent.span_id == s.context.span_id
+    assert dev.context.trace_id == s.context.trace_id
+    assert dev.attributes["llm.engine.step.batch_size"] == 1 and DEVICE_KEYS <= set(dev.attributes)
 
 
-def test_release_without_a_local_step_leaves_the_span_to_its_owner():
+def test_in_process_worker_step_puts_device_times_on_a_child_of_the_engine_cores_span():
+    """vLLM with one GPU: engine core and worker share a process (UniProcExecutor); the layout is
+    the multi-process one's: the core ends its span, the device timing is a child span."""
     cap = make_captured()
     steps = tracker(cap)
-    span = cap.telemetry.tracer.start_span("llm.engine.step")
-    steps.register_span(span)
-    assert steps.release_span(span, time.time_ns()) is False  # worker in another process
-    assert cap.finished() == [] and steps._local_spans == {}
+    engine = EngineSteps(cap.telemetry)
+    req = cap.telemetry.tracer.start_span("text_completion m")
+    span = engine.start([req.get_span_context()], start_ns=time.time_ns(), batch_size=1)  # engine core
+    ctx = steps.begin(["a"], parent=span.get_span_context())  # worker, same process
+    steps.end(ctx)  # worker done
+    end_ns = time.time_ns()
+    engine.finish(span, end_ns=end_ns)  # the core ends its span at its own time, drained or not
+    (s,) = cap.finished()
+    assert s.name == "llm.engine.step" and s.end_time == end_ns and not DEVICE_KEYS & set(s.attributes)
+    steps.drain()
+    s, dev = cap.finished()
+    assert dev.name == "llm.engine.step.device" and dev.parent.span_id == s.context.span_id
+    assert DEVICE_KEYS <= set(dev.attributes)
+    assert s.start_time <= dev.start_time <= dev.end_time <= s.end_time
 
 
 def test_steps_without_records_are_completed_after_the_timeout():
@@ -150,12 +168,12 @@ def test_steps_without_records_are_completed_after_the_timeout():
             return super().poll()[:0]
 
     steps = tracker(cap, backend=Silent(8), step_timeout_s=0.0)
-    ctx = steps.begin(["a"], span=cap.telemetry.tracer.start_span("llm.engine.step"))
+    ctx = steps.begin(["a"], parent=step_parent(1, 2))
     steps.end(ctx)
     time.sleep(0.001)
     steps.drain()
-    (s,) = cap.finished()
-    assert not DEVICE_KEYS & set(s.attributes)
+    assert ctx.completed and ctx.device_duration_ns is None and steps._pending == {}
+    assert cap.finished() == []  # no device times: no device span
     assert steps.counts["completed_without_device"] == 1
 
 
@@ -163,7 +181,7 @@ def test_c13_ring_overflow_is_counted_in_a_self_metric():
     cap = make_captured()
     steps = tracker(cap, capacity=16)
     for _ in range(20):  # 40 records, nobody draining
-        steps.end(steps.begin(["a"], span=cap.telemetry.tracer.start_span("llm.engine.step")))
+        steps.end(steps.begin(["a"], parent=cap.telemetry.tracer.start_span("llm.engine.step").get_span_context()))
     steps.drain()
     (point,) = cap.metric_points("llm_otel.gpu.ring.overwritten")
     assert point.value == 24 and point.attributes == {"llm.gpu.ring.backend": "numpy"}
@@ -186,15 +204,18 @@ class Exploding(R.NumpyRing):
 def test_a_device_error_mid_run_turns_timing_off_with_one_log_line_and_spans_still_end(caplog):
     cap = make_captured()
     steps = tracker(cap, backend=Exploding(fail_after=3))
+    parents = [step_parent(1, i) for i in range(1, 5)]
+    ctxs = []
     with caplog.at_level(logging.WARNING, logger="llm_otel"):
-        for _ in range(4):
-            steps.end(steps.begin(["a"], span=cap.telemetry.tracer.start_span("llm.engine.step")))
+        for parent in parents:
+            ctxs.append(steps.begin(["a"], parent=parent))
+            steps.end(ctxs[-1])
             steps.drain()
     assert steps.backend == "off"
-    spans = cap.finished()
-    assert len(spans) == 4  # every step span ended
-    assert DEVICE_KEYS <= set(spans[0].attributes)  # before the error
-    assert not DEVICE_KEYS & set(spans[-1].attributes)
+    assert all(ctx.completed for ctx in ctxs)  # every step completed
+    (dev,) = cap.finished()  # device times (and so a device span) only before the error
+    assert dev.parent.span_id == 1 and DEVICE_KEYS <= set(dev.attributes)
+    assert [ctx.device_duration_ns is not None for ctx in ctxs] == [True, False, False, False]
     lines = [r for r in caplog.records if "GPU step timing turned off" in r.getMessage()]
     assert len(lines) == 1
     assert cap.telemetry.errors.counts == {}  # handled, not a hook failure
@@ -212,10 +233,10 @@ def test_asking_for_cupy_without_it_logs_once_and_runs_without_a_ring(caplog):
         steps = tracker(cap, backend="cupy")
     assert steps.backend == "off"
     assert len([r for r in caplog.records if "GPU step timing off" in r.getMessage()]) == 1
-    span = cap.telemetry.tracer.start_span("llm.engine.step")
-    steps.end(steps.begin(["a"], span=span), span_end_ns=123)
-    (s,) = cap.finished()
-    assert s.end_time == 123  # ended at once
+    ctx = steps.begin(["a"], parent=step_parent(1, 2))
+    steps.end(ctx)
+    assert ctx.completed and ctx.device_duration_ns is None  # completed at once
+    assert cap.finished() == []
 
 
 def test_end_of_none_and_bad_input_never_raise():
@@ -229,11 +250,11 @@ def test_end_of_none_and_bad_input_never_raise():
 def test_drain_thread_completes_steps_without_anyone_calling_drain():
     cap = make_captured()
     steps = StepTracker(cap.telemetry, backend="numpy", nvtx=False, drain_period_s=0.001)
-    steps.end(steps.begin(["a"], span=cap.telemetry.tracer.start_span("llm.engine.step")))
+    steps.end(steps.begin(["a"], parent=step_parent(1, 2)))
     deadline = time.monotonic() + 5
     while not cap.finished() and time.monotonic() < deadline:
         time.sleep(0.005)
-    assert len(cap.finished()) == 1
+    assert [s.name for s in cap.finished()] == ["llm.engine.step.device"]
     steps.close()
     assert steps.backend == "off"
 
@@ -241,9 +262,10 @@ def test_drain_thread_completes_steps_without_anyone_calling_drain():
 def test_close_completes_pending_steps():
     cap = make_captured()
     steps = tracker(cap)
-    steps.begin(["a"], span=cap.telemetry.tracer.start_span("llm.engine.step"))  # never ended
+    ctx = steps.begin(["a"], parent=step_parent(1, 2))  # never ended
     steps.close()
-    assert len(cap.finished()) == 1
+    assert ctx.completed and steps._pending == {}
+    assert cap.finished() == []  # no end record: no device times, no device span
 
 
 def test_c12_no_prompt_text_reaches_nvtx_messages_or_ring_records():
@@ -271,34 +293,21 @@ def test_c12_no_prompt_text_reaches_nvtx_messages_or_ring_records():
 def test_a_step_that_is_never_ended_is_completed_after_the_timeout():
     cap = make_captured()
     steps = tracker(cap, step_timeout_s=0.0)
-    ctx = steps.begin(["a"], span=cap.telemetry.tracer.start_span("llm.engine.step"))
+    ctx = steps.begin(["a"], parent=step_parent(1, 2))
     time.sleep(0.001)
     steps.drain()
-    (s,) = cap.finished()
-    assert s.end_time == ctx.launch_ns and steps._pending == {}
-
-
-def test_records_drained_before_the_owner_releases_complete_the_span_at_release():
-    cap = make_captured()
-    steps = tracker(cap)
-    span = cap.telemetry.tracer.start_span("llm.engine.step")
-    steps.register_span(span)
-    steps.end(steps.begin(["a"], parent=span.get_span_context()))
-    steps.drain()  # both records read; the span still waits for its owner
+    assert ctx.completed and ctx.device_duration_ns is None and steps._pending == {}
     assert cap.finished() == []
-    assert steps.release_span(span, 42) is True
-    (s,) = cap.finished()  # completed by release itself, no further drain needed
-    assert s.end_time == 42 and DEVICE_KEYS <= set(s.attributes)
 
 
 def test_a_step_begun_before_the_ring_was_ready_ends_at_once_without_device_times():
     cap = make_captured()
     steps = tracker(cap, backend="off")  # as while CuPy is still being imported in the background
-    ctx = steps.begin(["a"], span=cap.telemetry.tracer.start_span("llm.engine.step"))
+    ctx = steps.begin(["a"], parent=step_parent(1, 2))
     steps.ring = ring = R.NumpyRing(8)  # the ring becomes ready mid-step
-    steps.end(ctx, span_end_ns=7)
-    (s,) = cap.finished()
-    assert s.end_time == 7 and not DEVICE_KEYS & set(s.attributes)
+    steps.end(ctx)
+    assert ctx.completed and ctx.device_duration_ns is None  # at once, without device times
+    assert cap.finished() == []
     assert len(ring.poll()) == 0  # no orphan end record
     assert steps.wait_ready(0) is True
 
@@ -307,7 +316,7 @@ def test_ended_requests_drop_their_sums_and_the_sums_are_bounded():
     cap = make_captured()
     steps = tracker(cap, max_requests=3)
     for rid in ("a", "b", "c", "d"):
-        steps.end(steps.begin([rid], span=cap.telemetry.tracer.start_span("llm.engine.step")))
+        steps.end(steps.begin([rid]))
     steps.drain()
     assert list(steps._requests) == ["b", "c", "d"]  # "a", the oldest, went first
     steps.end_requests(["c"])
@@ -318,7 +327,6 @@ def test_ended_requests_drop_their_sums_and_the_sums_are_bounded():
     ({"request_ids": None}, "request_ids must be an iterable of request ids, got NoneType"),
     ({"request_ids": "r1"}, "request_ids must be an iterable of request ids, got str"),
     ({"request_ids": 7}, "request_ids must be an iterable of request ids, got int"),
-    ({"request_ids": ["a"], "span": "span"}, "span must be an OpenTelemetry Span, got str"),
     ({"request_ids": ["a"], "parent": object()}, "parent must be a SpanContext, got object"),
 ])
 def test_bad_input_to_begin_is_one_log_line_without_traceback_and_starts_no_span(kwargs, problem, caplog):
@@ -346,15 +354,15 @@ def test_bad_input_to_begin_is_one_log_line_without_traceback_and_starts_no_span
     points = [p for p in cap.metric_points("llm_otel.instrumentation.errors")
               if p.attributes.get("llm.instrumentation.hook") == "gpu.step.begin"]
     assert [(p.attributes["error.type"], p.value) for p in points] == [("invalid_input", 2)]
-    steps.end(steps.begin(("a", "b")))  # good input still works after
+    steps.end(steps.begin(("a", "b"), parent=step_parent(1, 2)))  # good input still works after
     steps.drain()
-    assert [s.name for s in cap.finished()] == ["llm.engine.step"]
+    assert [s.name for s in cap.finished()] == ["llm.engine.step.device"]
 
 
 def test_bad_input_to_end_is_one_log_line_and_a_real_step_still_ends(caplog):
     cap = make_captured()
     steps = tracker(cap)
-    ctx = steps.begin(iter(["a", "b"]))  # any iterable, read once
+    ctx = steps.begin(iter(["a", "b"]), parent=step_parent(1, 2))  # any iterable, read once
     assert ctx.request_ids == ("a", "b")
     with caplog.at_level(logging.DEBUG, logger="llm_otel"):
         steps.end("not a context")
@@ -363,4 +371,4 @@ def test_bad_input_to_end_is_one_log_line_and_a_real_step_still_ends(caplog):
     assert cap.telemetry.errors.counts == {"gpu.step.end": 1}
     steps.end(ctx)
     steps.drain()
-    assert [s.name for s in cap.finished()] == ["llm.engine.step"]
+    assert [s.name for s in cap.finished()] == ["llm.engine.step.device"]

@@ -20,7 +20,8 @@ import types
 import pytest
 from conftest import make_captured
 
-from llm_otel.instrumentation.vllm.engine_core import CARRIER_KEY, STEP_CARRIER_ATTR, EngineCoreAdapter
+from llm_otel.instrumentation.vllm.carrier import CARRIER_KEY, STEP_CARRIER_ATTR
+from llm_otel.instrumentation.vllm.engine_core import EngineCoreAdapter
 from llm_otel.instrumentation.vllm.worker import WorkerAdapter
 
 TID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -119,7 +120,7 @@ def test_step_ids_travel_on_the_scheduler_output_and_the_worker_process_emits_th
     worker_cap.telemetry.steps.close()
 
 
-def test_with_the_model_in_the_engine_core_process_the_step_span_itself_gets_device_times():
+def test_with_the_model_in_the_engine_core_process_the_device_times_go_on_a_child_of_the_step_span():
     cap = make_captured()  # vLLM UniProcExecutor (one GPU): one process, one Telemetry
     core, worker = EngineCoreAdapter(cap.telemetry), WorkerAdapter(cap.telemetry)
     scheduler, runner = Scheduler({"a": "00f067aa0ba902b7"}), Runner()
@@ -128,12 +129,15 @@ def test_with_the_model_in_the_engine_core_process_the_step_span_itself_gets_dev
     cap.telemetry.steps.drain()
     spans = cap.finished()
     steps = [s for s in spans if s.name == "llm.engine.step"]
-    assert len(steps) == 3
-    # the first step started the tracker; from then on the core's own span is completed
-    assert [s.name for s in spans].count("llm.engine.step.device") == 1
-    for s in steps[1:]:
-        a = s.attributes
-        assert a["llm.engine.step.device.duration"] >= 0.001 and a["llm.engine.step.cpu_time"] > 0
+    devices = {d.parent.span_id: d for d in spans if d.name == "llm.engine.step.device"}
+    assert len(steps) == 3 and len(devices) == 3  # the same layout as with the worker in its own process
+    for s in steps:
+        assert s.attributes["llm.engine.step.cpu_time"] > 0
+        assert not any(k.startswith("llm.engine.step.device.") for k in s.attributes)
+        dev = devices[s.context.span_id]
+        a = dev.attributes
+        assert dev.context.trace_id == s.context.trace_id
+        assert a["llm.engine.step.device.duration"] >= 0.001
         assert s.start_time <= a["llm.engine.step.device.start_ns"] <= a["llm.engine.step.device.end_ns"] <= s.end_time
     cap.telemetry.steps.close()
 
@@ -238,13 +242,13 @@ def test_step_spans_are_limited_to_the_configured_rate_per_second():
     """LLM_OTEL_STEP_SPANS_PER_S (default 10): a token bucket with a burst of one second; steps
     beyond it carry no span and no step ids to the worker; 0 turns step spans off."""
     from llm_otel.config import Settings
-    from llm_otel.instrumentation.vllm.engine_core import StepSpanBudget
+    from llm_otel.telemetry.steps import StepSpanBudget
 
     cap = make_captured(Settings.from_env({}))  # the default rate
     core, worker = EngineCoreAdapter(cap.telemetry), WorkerAdapter(cap.telemetry)
     now = [100.0]
-    core.budget = StepSpanBudget(cap.telemetry.settings.step_spans_per_s, clock=lambda: now[0])
-    assert core.budget.rate == 10.0
+    core.step_spans.budget = StepSpanBudget(cap.telemetry.settings.step_spans_per_s, clock=lambda: now[0])
+    assert core.step_spans.budget.rate == 10.0
     scheduler, runner = Scheduler({"a": "00f067aa0ba902b7"}), Runner()
     for _ in range(25):  # all within the same instant: the burst only
         engine_step(core, worker, scheduler, runner)

@@ -23,7 +23,9 @@ from llm_otel.config import ConfigError, Settings
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import metrics as M
 from llm_otel.telemetry import Telemetry
-from llm_otel.telemetry.engine_state import DECODE, IDLE, PREFILL, EngineStateMetrics, PhaseClock, step_has_prefill
+from llm_otel.instrumentation.vllm.carrier import step_has_prefill
+from llm_otel.instrumentation.vllm.engine_core import scheduler_state
+from llm_otel.telemetry.engine_state import DECODE, IDLE, PREFILL, EngineStateMetrics, PhaseClock
 from llm_otel.telemetry.metrics import MAX_ERROR_TYPES, OTHER, sampling_probability_reader
 
 prom = pytest.importorskip("opentelemetry.exporter.prometheus")
@@ -220,13 +222,13 @@ def test_engine_state_from_real_vllm_scheduler_stats():
     metrics, reader = _engine_metrics()
     first = PrefixCacheStats()
     first.record(num_tokens=64, num_hits=32, preempted=False)
-    metrics.on_scheduler_stats(SchedulerStats(num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.4,
-                                              prefix_cache_stats=first), "tiny")
+    metrics.on_step_state(scheduler_state(SchedulerStats(num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.4,
+                                                         prefix_cache_stats=first)), "tiny")
     second = PrefixCacheStats()
     second.record(num_tokens=100, num_hits=0, preempted=False)
     second.record(num_tokens=50, num_hits=50, preempted=True)  # re-admitted after preemption: not counted
-    metrics.on_scheduler_stats(SchedulerStats(num_running_reqs=4, num_waiting_reqs=0, kv_cache_usage=0.5,
-                                              prefix_cache_stats=second), "tiny")
+    metrics.on_step_state(scheduler_state(SchedulerStats(num_running_reqs=4, num_waiting_reqs=0, kv_cache_usage=0.5,
+                                                         prefix_cache_stats=second)), "tiny")
     attrs = {A.GEN_AI_PROVIDER_NAME: "vllm", A.GEN_AI_REQUEST_MODEL: "tiny"}
     values = _values(reader)
     assert values[M.LLM_SERVER_PREFIX_CACHE_QUERIES] == [(attrs, 164)]
@@ -240,7 +242,7 @@ def test_engine_without_scheduler_stats_leaves_metrics_absent_with_one_log_line(
     metrics, reader = _engine_metrics()
     with caplog.at_level(logging.INFO, logger="llm_otel"):
         for _ in range(5):
-            metrics.on_scheduler_stats(None, "tiny")
+            metrics.on_step_state(scheduler_state(None), "tiny")
     assert _values(reader) == {}
     assert sum("no scheduler statistics" in r.getMessage() for r in caplog.records) == 1
 
@@ -253,8 +255,8 @@ def test_older_stats_without_kv_or_prefix_fields_leave_only_those_absent(caplog)
 
     metrics, reader = _engine_metrics()
     with caplog.at_level(logging.INFO, logger="llm_otel"):
-        metrics.on_scheduler_stats(OldSchedulerStats(), "tiny")
-        metrics.on_scheduler_stats(OldSchedulerStats(), "tiny")
+        metrics.on_step_state(scheduler_state(OldSchedulerStats()), "tiny")
+        metrics.on_step_state(scheduler_state(OldSchedulerStats()), "tiny")
     values = _values(reader)
     assert M.LLM_SERVER_KV_CACHE_USAGE not in values and M.LLM_SERVER_PREFIX_CACHE_HITS not in values
     assert values[M.LLM_SERVER_REQUESTS_RUNNING][0][1] == 1

@@ -121,8 +121,10 @@ def test_engine_request_fields_as_class_sources():
         priority = 0
         lora_request = LoRA()
 
+    from llm_otel.instrumentation.vllm.fields import class_fields  # the vLLM adapter reads them
+
     ex = ClassExtractor(parse_class_sources("priority:engine:priority,revision:engine:lora"))
-    assert ex.extract(None, Request())[0] == {"priority": "0", "revision": "canary-7"}
+    assert ex.extract(None, class_fields(Request()))[0] == {"priority": "0", "revision": "canary-7"}
 
 
 @pytest.mark.parametrize("raw", ["tenant", "colour:x-colour", "tenant:bad header", "tenant:engine:foo",

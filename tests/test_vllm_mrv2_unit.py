@@ -21,7 +21,7 @@ from conftest import make_captured
 
 from llm_otel.config import Settings
 from llm_otel.gpu.capture import capture_gate
-from llm_otel.instrumentation.vllm.engine_core import CARRIER_KEY, CARRIER_TOPK_KEY
+from llm_otel.instrumentation.vllm.carrier import CARRIER_KEY, CARRIER_TOPK_KEY
 from llm_otel.instrumentation.vllm.worker import WorkerAdapter
 
 torch = pytest.importorskip("torch")

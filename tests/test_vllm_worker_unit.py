@@ -12,7 +12,7 @@ from conftest import make_captured
 
 from llm_otel.config import Settings
 
-from llm_otel.instrumentation.vllm.engine_core import CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY
+from llm_otel.instrumentation.vllm.carrier import CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY
 from llm_otel.instrumentation.vllm.worker import WorkerAdapter
 
 torch = pytest.importorskip("torch")

@@ -73,8 +73,12 @@ def instrument(tracer_provider: Any = None, meter_provider: Any = None, *, engin
         settings = Settings.from_env(env)
         validate_exporter_env(env)
         os.environ.update(changes)
+    # the adaptive sampler's parts of the providers built here, handed to each engine's Telemetry
+    # explicitly (None with the application's providers: Telemetry then uses the sampler of the
+    # provider passed, when it is llm-otel's)
+    sampling = None
     if tracer_provider is None and meter_provider is None and not _in_vllm_engine_process():
-        ensure_providers(settings)
+        sampling = ensure_providers(settings)
     done = []
     for name, (module, path) in _ENGINES.items():
         if engines is not None and name not in engines:
@@ -83,7 +87,8 @@ def instrument(tracer_provider: Any = None, meter_provider: Any = None, *, engin
             continue
         inst = _instrumentor(path)
         if not inst.is_instrumented_by_opentelemetry:
-            inst.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider, settings=settings)
+            inst.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider, settings=settings,
+                            sampling=sampling)
         elif tracer_provider is not None or meter_provider is not None:
             logger.warning("llm-otel: %s is already instrumented; the providers passed now are ignored "
                            "(call uninstrument() first to change them)", name)

@@ -8,32 +8,41 @@ import threading
 from opentelemetry import metrics, trace
 
 from llm_otel.config import Settings
+from llm_otel.sampling import Sampling
 
 logger = logging.getLogger("llm_otel")
 _lock = threading.Lock()
+# the sampler parts of the global tracer provider installed here (None: none installed here, or
+# it samples without llm-otel's adaptive sampler)
+_installed_sampling: Sampling | None = None
 
 
-def ensure_providers(settings: Settings) -> bool:
+def ensure_providers(settings: Settings) -> Sampling | None:
     """Install tracer/meter providers built from the environment where the application has none.
 
-    Returns True when at least one provider was created here. Providers set by the application
-    (or by ``opentelemetry-instrument`` with a distro) are left alone. Providers created here are
-    flushed by this process's lifecycle (:mod:`llm_otel.export.lifecycle`) within
-    ``LLM_OTEL_FLUSH_DEADLINE_S`` at exit, not by the SDK's unbounded exit handler.
+    Returns the parts of llm-otel's adaptive sampler (:class:`llm_otel.sampling.Sampling`) that
+    the global tracer provider installed here - now or by an earlier call - samples with, for the
+    ``Telemetry`` the caller builds; None when the global tracer provider is the application's (or
+    samples otherwise). Providers set by the application (or by ``opentelemetry-instrument`` with
+    a distro) are left alone. Providers created here are flushed by this process's lifecycle
+    (:mod:`llm_otel.export.lifecycle`) within ``LLM_OTEL_FLUSH_DEADLINE_S`` at exit, not by the
+    SDK's unbounded exit handler.
     """
     from llm_otel.export.lifecycle import lifecycle
-    from llm_otel.export.providers import build_providers
+    from llm_otel.export.providers import build_providers_and_sampling
 
+    global _installed_sampling
     with _lock:
         need_tracer = isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
         need_meter = type(metrics.get_meter_provider()).__name__ == "_ProxyMeterProvider"
         if not (need_tracer or need_meter):
-            return False
-        tracer_provider, meter_provider = build_providers(settings, shutdown_on_exit=False)
+            return _installed_sampling
+        tracer_provider, meter_provider, sampling = build_providers_and_sampling(settings, shutdown_on_exit=False)
         life = lifecycle(deadline_s=settings.flush_deadline_s)
         if need_tracer:
             trace.set_tracer_provider(tracer_provider)
             life.add(tracer_provider=tracer_provider, exporters=exporters_of(tracer_provider))
+            _installed_sampling = sampling
         else:
             tracer_provider.shutdown()
         if need_meter:
@@ -41,7 +50,7 @@ def ensure_providers(settings: Settings) -> bool:
             life.add(meter_provider=meter_provider, exporters=exporters_of(meter_provider))
         else:
             meter_provider.shutdown()
-        return True
+        return _installed_sampling
 
 
 def exporters_of(provider) -> list:

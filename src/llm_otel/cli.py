@@ -65,23 +65,23 @@ def run_demo_command(prompts: int, max_tokens: int, model_dir: str | None) -> in
     return run_demo(prompts=prompts, max_tokens=max_tokens, model_dir=model_dir)
 
 
-def _doctor_prometheus(env, say, api_servers: int = 1, dp_size: int = 1, serve_port: int | None = None) -> bool:
+def _doctor_prometheus(env, settings, say, api_servers: int = 1, dp_size: int = 1,
+                       serve_port: int | None = None) -> bool:
     """The ports each serving process would listen on (llm_otel.export.ports: Prometheus with
     OTEL_METRICS_EXPORTER=prometheus, /healthz with LLM_OTEL_HEALTH_PORT) for ``api_servers`` API
     servers and ``dp_size`` engine cores: the scheme, collisions, ports already taken. False when
     some process's metrics or health endpoint could not be served."""
     import socket
 
-    from llm_otel.config import ConfigError
+    from llm_otel.config import ConfigError, prometheus_host
     from llm_otel.export.ports import scheme
     from llm_otel.export.providers import exporter_choice
-    from llm_otel.signals import SignalsConfig
 
     base = None
     host = "localhost"
     if exporter_choice(env, "METRICS") == "prometheus":
         try:
-            from llm_otel.export.prometheus import DEFAULT_HOST, prometheus_port
+            from llm_otel.export.prometheus import prometheus_port
         except ImportError as exc:
             say("FAIL", f"OTEL_METRICS_EXPORTER=prometheus needs opentelemetry-exporter-prometheus "
                         f"(pip install 'llm-otel[prometheus]'): {exc}")
@@ -91,12 +91,9 @@ def _doctor_prometheus(env, say, api_servers: int = 1, dp_size: int = 1, serve_p
         except ConfigError as exc:
             say("FAIL", str(exc))
             return False
-        host = (env.get("OTEL_EXPORTER_PROMETHEUS_HOST") or DEFAULT_HOST).strip()
-    try:
-        signals = SignalsConfig.from_env(env)
-    except ConfigError:
-        signals = None  # reported by the configuration check
-    health = signals.health_port if signals is not None else None
+        host = prometheus_host(env)
+    signals = settings.signals
+    health = signals.health_port
     if base is None and health is None:
         return True
     rows, collisions = scheme(base, api_servers, dp_size, health, (serve_port,) if serve_port else ())
@@ -172,11 +169,8 @@ def doctor(env=None, out=None, *, api_servers: int = 1, dp_size: int = 1, serve_
         print(f"[{status:>4}] {text}", file=out, flush=True)
 
     try:
-        Settings.from_env(env)
+        settings = Settings.from_env(env)  # incl. class headers, tier table, VRAM and health settings
         validate_exporter_env(env)  # exporters and OTLP protocols, endpoint or not
-        from llm_otel.signals import SignalsConfig
-
-        SignalsConfig.from_env(env)  # class headers, tier table, VRAM and health settings
         say("ok", "configuration (OTEL_* / LLM_OTEL_*) is valid")
     except ConfigError as exc:
         say("FAIL", f"configuration: {exc}")
@@ -187,10 +181,10 @@ def doctor(env=None, out=None, *, api_servers: int = 1, dp_size: int = 1, serve_
         say("FAIL", str(exc))
         return 1
     if exporter is None:
-        say("info", _spans_destination(env, exporter_choice(env, "TRACES"), Settings.from_env(env).console))
+        say("info", _spans_destination(env, exporter_choice(env, "TRACES"), settings.console))
     else:
         say("info", "spans (and the GenAI request metrics, with OTLP metrics) of the frontend/application are exported "
-            "by an exporter process (LLM_OTEL_EXPORT_PROCESS=true)" if Settings.from_env(env).export_process
+            "by an exporter process (LLM_OTEL_EXPORT_PROCESS=true)" if settings.export_process
             else "spans are exported in process (LLM_OTEL_EXPORT_PROCESS=false)")
         provider = TracerProvider()
         span = provider.get_tracer("llm_otel.doctor").start_span("llm_otel.doctor.probe")
@@ -241,8 +235,8 @@ def doctor(env=None, out=None, *, api_servers: int = 1, dp_size: int = 1, serve_
         if metrics_choice == "none":
             say("info", "OTEL_METRICS_EXPORTER=none: metrics are not exported")
         elif metrics_choice != "prometheus":
-            say("info", _metrics_destination(env, metrics_choice, Settings.from_env(env).console))
-    ok = _doctor_prometheus(env, say, api_servers, dp_size, serve_port) and ok
+            say("info", _metrics_destination(env, metrics_choice, settings.console))
+    ok = _doctor_prometheus(env, settings, say, api_servers, dp_size, serve_port) and ok
     if importlib.util.find_spec("vllm") is None:
         say("info", "vLLM not installed")
     else:
@@ -285,12 +279,12 @@ def serve_health(port: int, host: str = "127.0.0.1") -> int:
     Returns 2 when the configuration is invalid or the port cannot be bound."""
     from opentelemetry.sdk.metrics import MeterProvider
 
-    from llm_otel.config import ConfigError
-    from llm_otel.signals import Signals, SignalsConfig
+    from llm_otel.config import ConfigError, signals_settings
+    from llm_otel.signals import Signals
     from llm_otel.signals.health import HealthServer
 
     try:
-        config = SignalsConfig.from_env()
+        config = signals_settings()
     except ConfigError as exc:
         print(f"llm-otel serve-health: {exc}", file=sys.stderr)
         return 2

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
+
+if TYPE_CHECKING:
+    from llm_otel.signals.config import SignalsConfig
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -126,6 +129,9 @@ class Settings:
         export_process_buffer: ``LLM_OTEL_EXPORT_PROCESS_BUFFER`` (8192). Ended spans that may wait
             for the exporter process; beyond it new spans are dropped and counted in
             ``llm_otel.spans.dropped`` (``error.type=export_process_backlog``).
+        signals: the serving-signal settings (:class:`llm_otel.signals.config.SignalsConfig`:
+            request classes, tier table, VRAM pressure, health score; variables and defaults in
+            :mod:`llm_otel.signals`), read by :func:`signals_settings`.
         console: ``LLM_OTEL_CONSOLE`` (auto). ``tree`` / ``json`` / ``off``: console output used when
             no ``OTEL_EXPORTER_OTLP_*ENDPOINT`` is set; ``auto`` = ``tree``.
     """
@@ -154,6 +160,7 @@ class Settings:
     otlp_max_request_bytes: int = 3 * 1024 * 1024
     export_process: bool = True
     export_process_buffer: int = 8192
+    signals: "SignalsConfig" = dataclasses.field(default_factory=lambda: _default_signals())
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -175,17 +182,23 @@ class Settings:
             outlier_ttft_s=_optional_float(env, "LLM_OTEL_OUTLIER_TTFT_S"),
             outlier_e2e_s=_optional_float(env, "LLM_OTEL_OUTLIER_E2E_S"),
             adaptive_sampling=_choice(env, "LLM_OTEL_ADAPTIVE_SAMPLING", "auto", {"auto", "on", "off"}),
-            traces_per_s=_float(env, "LLM_OTEL_TRACES_PER_S", 10.0, lo=0.0),
+            traces_per_s=traces_per_s(env),
             console=_choice(env, "LLM_OTEL_CONSOLE", "auto", {"auto", "tree", "json", "off"}),
             gpu_steps=_choice(env, "LLM_OTEL_GPU_STEPS", "auto", {"auto", "cupy", "numpy", "off"}),
             gpu_ring_capacity=_int(env, "LLM_OTEL_GPU_RING_CAPACITY", 4096, lo=16, hi=1 << 24),
             nvtx=_bool(env, "LLM_OTEL_NVTX", True),
             flush_deadline_s=_float(env, "LLM_OTEL_FLUSH_DEADLINE_S", 2.0, lo=0.0, hi=300.0),
-            otlp_max_request_bytes=_int(env, "LLM_OTEL_OTLP_MAX_REQUEST_BYTES", 3 * 1024 * 1024,
-                                        lo=64 * 1024, hi=1 << 30),
+            otlp_max_request_bytes=otlp_max_request_bytes(env),
             export_process=_bool(env, "LLM_OTEL_EXPORT_PROCESS", True),
             export_process_buffer=_int(env, "LLM_OTEL_EXPORT_PROCESS_BUFFER", 8192, lo=1, hi=1 << 24),
+            signals=signals_settings(env),
         )
+
+
+def _default_signals():
+    from llm_otel.signals.config import SignalsConfig  # (llm_otel.signals imports this module)
+
+    return SignalsConfig()
 
 
 def _capture(env: Mapping[str, str]) -> bool:
@@ -297,3 +310,164 @@ def validate_exporter_env(env: Mapping[str, str]) -> None:
     for signal in ("TRACES", "METRICS"):
         exporter_setting(env, signal)
         otlp_protocol(env, signal)
+
+
+# --- serving signals (llm_otel.signals) -------------------------------------------------------
+def signals_settings(env: Mapping[str, str] | None = None):
+    """The serving-signal settings (:class:`llm_otel.signals.config.SignalsConfig`) from ``env``
+    (``os.environ``): request classes, tier table, VRAM pressure, health score. Variables and
+    defaults: :mod:`llm_otel.signals`. Raises ConfigError naming the variable (or the tier table
+    line)."""
+    from llm_otel.signals.classes import _VALID, parse_class_sources
+    from llm_otel.signals.config import SignalsConfig
+
+    env = os.environ if env is None else env
+    warn = _float(env, "LLM_OTEL_VRAM_WARN", 0.80, lo=0.01, hi=1.0)
+    critical = _float(env, "LLM_OTEL_VRAM_CRITICAL", 0.90, lo=0.01, hi=1.0)
+    if warn > critical:
+        raise ConfigError(f"LLM_OTEL_VRAM_WARN={warn} is above LLM_OTEL_VRAM_CRITICAL={critical}")
+    revision = (env.get("LLM_OTEL_MODEL_REVISION") or "").strip() or None
+    if revision is not None:
+        if len(revision) > 64 or not _VALID.fullmatch(revision):
+            raise ConfigError(f"LLM_OTEL_MODEL_REVISION={revision!r}: 1-64 of A-Z a-z 0-9 . _ : / @ + -")
+    port_raw = (env.get("LLM_OTEL_HEALTH_PORT") or "").strip()
+    return SignalsConfig(
+        class_sources=parse_class_sources(env.get("LLM_OTEL_CLASS_HEADERS")),
+        class_max_values=_int(env, "LLM_OTEL_CLASS_MAX_VALUES", 20, lo=1, hi=10_000),
+        class_max_len=_int(env, "LLM_OTEL_CLASS_MAX_LEN", 64, lo=1, hi=1024),
+        tiers=tier_table(env),
+        model_revision=revision,
+        vram_warn=warn,
+        vram_warn_hold_s=_float(env, "LLM_OTEL_VRAM_WARN_HOLD_S", 30.0, lo=0.0),
+        vram_critical=critical,
+        vram_critical_hold_s=_float(env, "LLM_OTEL_VRAM_CRITICAL_HOLD_S", 10.0, lo=0.0),
+        vram_clear_margin=_float(env, "LLM_OTEL_VRAM_CLEAR_MARGIN", 0.05, lo=0.0, hi=0.5),
+        vram_clear_hold_s=_float(env, "LLM_OTEL_VRAM_CLEAR_HOLD_S", 30.0, lo=0.0),
+        vram_source=_choice(env, "LLM_OTEL_VRAM_SOURCE", "auto", {"auto", "nvml", "kv_cache"}),
+        efficiency_window_s=_float(env, "LLM_OTEL_EFFICIENCY_WINDOW_S", 10.0, lo=0.1, hi=3600.0),
+        health_weights=_health_weights(env.get("LLM_OTEL_HEALTH_WEIGHTS")),
+        health_ttft_target_s=_float(env, "LLM_OTEL_HEALTH_TTFT_TARGET_S", 1.0, lo=1e-6),
+        health_max_error_rate=_float(env, "LLM_OTEL_HEALTH_MAX_ERROR_RATE", 0.05, lo=1e-6, hi=1.0),
+        health_gpu_knee=_float(env, "LLM_OTEL_HEALTH_GPU_KNEE", 0.85, lo=0.0, hi=0.999),
+        health_warmup_s=_float(env, "LLM_OTEL_HEALTH_WARMUP_S", 60.0, lo=0.0),
+        health_window_s=_float(env, "LLM_OTEL_HEALTH_WINDOW_S", 300.0, lo=1.0),
+        health_port=_int(env, "LLM_OTEL_HEALTH_PORT", 0, lo=0, hi=65535) if port_raw else None,
+        health_host=(env.get("LLM_OTEL_HEALTH_HOST") or "127.0.0.1").strip(),
+        health_min_score=_float(env, "LLM_OTEL_HEALTH_MIN_SCORE", 0.5, lo=0.0, hi=1.0),
+        exporter_endpoint=_health_exporter_endpoint(env),
+    )
+
+
+def _health_weights(raw: str | None) -> dict[str, float]:
+    from llm_otel.signals.health import DEFAULT_WEIGHTS, FACTORS
+
+    name = "LLM_OTEL_HEALTH_WEIGHTS"
+    if raw is None or not raw.strip():
+        return dict(DEFAULT_WEIGHTS)
+    out = {f: 0.0 for f in FACTORS}
+    for entry in raw.split(","):
+        key, sep, value = entry.strip().partition("=")
+        if not sep or key not in FACTORS:
+            raise ConfigError(f"{name}={raw!r}: entry {entry.strip()!r}: expected factor=weight, factor one of "
+                              f"{list(FACTORS)}")
+        try:
+            weight = float(value)
+        except ValueError:
+            raise ConfigError(f"{name}={raw!r}: weight {value!r} is not a number") from None
+        if not weight >= 0:
+            raise ConfigError(f"{name}={raw!r}: weights must be >= 0")
+        out[key] = weight
+    if sum(out.values()) <= 0:
+        raise ConfigError(f"{name}={raw!r}: at least one weight must be > 0")
+    return out
+
+
+def _health_exporter_endpoint(env: Mapping[str, str]) -> str | None:
+    """The OTLP traces endpoint the health score probes, or None when spans do not go over OTLP
+    (an invalid exporter variable is reported by ``instrument()``/``doctor``, not here)."""
+    try:
+        if exporter_setting(env, "TRACES") != "otlp":
+            return None
+    except ConfigError:
+        return None
+    return otlp_endpoint(env, "TRACES")
+
+
+def tier_table(env: Mapping[str, str] | None = None):
+    """The :class:`llm_otel.signals.tiers.TierTable` ``LLM_OTEL_TIERS_FILE`` or ``LLM_OTEL_TIERS``
+    defines, None when neither is set. Raises ConfigError for both set, an unreadable file or a
+    bad line."""
+    from llm_otel.signals.tiers import TierTable
+
+    env = os.environ if env is None else env
+    path = (env.get("LLM_OTEL_TIERS_FILE") or "").strip()
+    inline = (env.get("LLM_OTEL_TIERS") or "").strip()
+    if path and inline:
+        raise ConfigError("LLM_OTEL_TIERS and LLM_OTEL_TIERS_FILE are both set; use one")
+    if path:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                text = fh.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"LLM_OTEL_TIERS_FILE={path!r}: cannot read it ({exc})") from None
+        return TierTable.parse(text, f"LLM_OTEL_TIERS_FILE {path}")
+    if inline:
+        return TierTable.parse(inline, "LLM_OTEL_TIERS", separator=";")
+    return None
+
+
+# --- exporters (llm_otel.export) ---------------------------------------------------------------
+def otlp_endpoint(env: Mapping[str, str], signal: str) -> str | None:
+    """``OTEL_EXPORTER_OTLP_<signal>_ENDPOINT``, else ``OTEL_EXPORTER_OTLP_ENDPOINT``, else None."""
+    return env.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
+
+
+def signal_endpoint(env: Mapping[str, str], signal: str, proto: str) -> str:
+    """The endpoint as the OTLP exporter specification derives it: the signal's own variable as
+    given, else the general one (gRPC) or the general one plus ``/v1/traces`` / ``/v1/metrics``
+    (HTTP). KeyError when neither is set (check :func:`otlp_endpoint` first)."""
+    specific = env.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
+    if specific:
+        return specific
+    base = env["OTEL_EXPORTER_OTLP_ENDPOINT"]
+    if proto == "grpc":
+        return base
+    return base.rstrip("/") + ("/v1/traces" if signal == "TRACES" else "/v1/metrics")
+
+
+def traces_sampler(env: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """``(OTEL_TRACES_SAMPLER lower-cased or None, OTEL_TRACES_SAMPLER_ARG or None)``."""
+    name = (env.get("OTEL_TRACES_SAMPLER") or "").strip().lower() or None
+    return name, env.get("OTEL_TRACES_SAMPLER_ARG")
+
+
+def traces_per_s(env: Mapping[str, str] | None = None) -> float:
+    """``LLM_OTEL_TRACES_PER_S`` alone (the SDK configurator's sampler factory needs only it)."""
+    return _float(os.environ if env is None else env, "LLM_OTEL_TRACES_PER_S", 10.0, lo=0.0)
+
+
+def otlp_max_request_bytes(env: Mapping[str, str]) -> int:
+    """``LLM_OTEL_OTLP_MAX_REQUEST_BYTES`` (3 MiB), in [64 KiB, 1 GiB]."""
+    return _int(env, "LLM_OTEL_OTLP_MAX_REQUEST_BYTES", 3 * 1024 * 1024, lo=64 * 1024, hi=1 << 30)
+
+
+PROMETHEUS_PORT = 9464  # OpenTelemetry's default for OTEL_EXPORTER_PROMETHEUS_PORT
+PROMETHEUS_HOST = "localhost"
+
+
+def prometheus_base_port(env: Mapping[str, str]) -> int:
+    """``OTEL_EXPORTER_PROMETHEUS_PORT`` (9464), the port of the first frontend. Raises
+    ConfigError for anything but a port number in [1, 65534]."""
+    raw = (env.get("OTEL_EXPORTER_PROMETHEUS_PORT") or "").strip()
+    try:
+        base = int(raw) if raw else PROMETHEUS_PORT
+    except ValueError:
+        raise ConfigError(f"OTEL_EXPORTER_PROMETHEUS_PORT={raw!r}: expected a port number") from None
+    if not 0 < base < 65535:
+        raise ConfigError(f"OTEL_EXPORTER_PROMETHEUS_PORT={raw!r}: expected a port number in [1, 65534]")
+    return base
+
+
+def prometheus_host(env: Mapping[str, str]) -> str:
+    """``OTEL_EXPORTER_PROMETHEUS_HOST`` (``localhost``)."""
+    return (env.get("OTEL_EXPORTER_PROMETHEUS_HOST") or PROMETHEUS_HOST).strip()

@@ -101,9 +101,10 @@ class DropCounter:
             logger.info("llm-otel: span export to %s works again (%d span(s) lost in all so far)",
                         self.endpoint, self.dropped)
 
-    def failed(self, n: int, error_type: str = "export_failed") -> None:
+    def failed(self, n: int, error_type: str = "export_failed", why: str | None = None) -> None:
         """``n`` spans lost; ``error_type`` says why (``export_failed``: the collector did not take
-        them; ``export_process_backlog`` / ``export_process_down``: :mod:`llm_otel.export.offload`)."""
+        them; ``export_process_backlog`` / ``export_process_down`` / ``export_process_encoding``:
+        :mod:`llm_otel.export.offload`); ``why``: the error text for the log line."""
         with self._lock:
             self.dropped += n
             counter = self._counter
@@ -114,6 +115,18 @@ class DropCounter:
         if counter is not None:
             counter.add(n, {A.ERROR_TYPE: error_type})
         if first:
-            logger.warning("llm-otel: span export to %s failed, %d span(s) dropped; the engine keeps serving. "
-                           "Further drops are counted in %s, not logged, until an export succeeds",
-                           self.endpoint, n, M.LLM_OTEL_SPANS_DROPPED)
+            # the line names the failing part: the collector, or this process's own exporter process
+            what = _WHAT.get(error_type, "span export to {endpoint} failed").format(endpoint=self.endpoint)
+            logger.warning("llm-otel: %s%s, %d span(s) dropped; the engine keeps serving. Further drops are "
+                           "counted in %s{error.type=%s}, not logged, until an export succeeds",
+                           what, f" ({why})" if why else "", n, M.LLM_OTEL_SPANS_DROPPED, error_type)
+
+
+# the failing part per error.type, for the one log line of an outage (export_failed: the collector)
+_WHAT = {
+    "export_process_down": "the span exporter process is not running (a new one is started within 5 s; "
+                           "the collector at {endpoint} was not reached)",
+    "export_process_backlog": "the span exporter process is falling behind (its buffer is full; "
+                              "LLM_OTEL_EXPORT_PROCESS_BUFFER)",
+    "export_process_encoding": "span data could not be encoded for the exporter process",
+}

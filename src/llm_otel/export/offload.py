@@ -18,6 +18,11 @@ cap, OTLP settings from the ``OTEL_EXPORTER_OTLP_*`` environment it inherits).
 
 Guarantees:
 
+* **Request children built there.** ``llm.prompt`` and ``llm.token_stream`` of a finished request
+  go as one tree record (:meth:`OffloadTracer.ship_children`): ids and sampling decided here, the
+  record's raw arrays; the exporter process runs the same
+  :meth:`~llm_otel.telemetry.spans.SpanBuilder.children` on them (:func:`expand_trees`). A tree
+  counts as its spans in the drop counters and the exporter process's acknowledgements.
 * **Never blocks, bounded memory.** ``span.end()`` appends to a deque; when
   ``LLM_OTEL_EXPORT_PROCESS_BUFFER`` records (default 8192 spans) are waiting, new spans are
   dropped and counted in ``llm_otel.spans.dropped`` (``error.type=export_process_backlog``).
@@ -185,6 +190,36 @@ class OffloadSpan(trace_api.Span):
         return self
 
 
+# the children SpanBuilder.children creates, in its order (llm.token_stream only after a token)
+_CHILDREN = ("llm.prompt", "llm.token_stream")
+_PROMPT_ONLY = _CHILDREN[:1]
+# the Settings fields SpanBuilder.children reads
+_TREE_SETTINGS = ("stall_factor", "token_events", "max_stall_events", "capture_content")
+
+
+def _decides_children_alike(sampler) -> bool:
+    """True for samplers whose decision for a child with a valid parent depends on the parent
+    alone: the SDK's ``StaticSampler`` (always_on/off), ``ParentBased`` with its default
+    delegates for parents (and its ``TraceIdRatio`` root variant), llm-otel's adaptive sampler
+    (parent threshold for children)."""
+    from opentelemetry.sdk.trace import sampling
+
+    from llm_otel.sampling import _AdaptiveSampler
+
+    if type(sampler) in (sampling.StaticSampler, _AdaptiveSampler):
+        return True
+    if type(sampler) in (sampling.ParentBased, sampling.ParentBasedTraceIdRatio):
+        return all(type(getattr(sampler, name, None)) is sampling.StaticSampler for name in (
+            "_remote_parent_sampled", "_remote_parent_not_sampled", "_local_parent_sampled",
+            "_local_parent_not_sampled"))
+    return False
+
+
+def settings_fields(settings) -> tuple:
+    """The :data:`_TREE_SETTINGS` values of ``settings`` (a tree record carries them)."""
+    return tuple(getattr(settings, name) for name in _TREE_SETTINGS)
+
+
 def _copied(attributes) -> dict:
     return {key: tuple(value) if type(value) is list else value for key, value in attributes.items()}
 
@@ -203,6 +238,7 @@ class OffloadTracer(trace_api.Tracer):
     def __init__(self, provider: "OffloadTracerProvider", scope: tuple) -> None:
         self._provider = provider
         self._scope = scope
+        self._settings: tuple = (None, ())  # (Settings, settings_fields of it) of the last tree shipped
 
     def start_span(self, name: str, context=None, kind: SpanKind = SpanKind.INTERNAL, attributes=None,
                    links=(), start_time=None, record_exception=True, set_status_on_exception=True):
@@ -224,6 +260,41 @@ class OffloadTracer(trace_api.Tracer):
         return OffloadSpan(name, span_context, parent, kind, result.attributes,
                            tuple(link for link in links if link.context is not None and link.context.is_valid),
                            start_time if start_time is not None else time.time_ns(), self._scope, provider.buffer)
+
+    def ship_children(self, rec, end_ns: int, settings) -> bool:
+        """Have the exporter process build ``rec``'s ``llm.prompt`` and ``llm.token_stream``
+        (:meth:`llm_otel.telemetry.spans.SpanBuilder.children` runs there on the record's raw
+        arrays): their span ids and sampling decisions are made here, now, in the order and with
+        the calls :meth:`start_span` would make (the sampler sees the request span as parent; it
+        gets no attributes - the ones it adds are kept). Returns False, having done nothing, when
+        ``rec.span`` is not a recording span of this process's buffer (the caller builds the
+        children itself). ``end_ns``: the request's end, epoch ns, >= arrival."""
+        span = rec.span
+        if type(span) is not OffloadSpan or span._end is not None or span._buffer is not self._provider.buffer:
+            return False
+        provider = self._provider
+        parent = span._context
+        trace_id = parent.trace_id
+        context = trace_api.set_span_in_context(span)
+        sampler, ids = provider.sampler, provider.id_generator
+        children = []
+        result = None
+        for name in _CHILDREN if rec.step_times else _PROMPT_ONLY:
+            if result is None or not provider.children_decide_alike:
+                result = sampler.should_sample(context, trace_id, name, SpanKind.INTERNAL, None, ())
+                decision = (tuple(result.trace_state.items()) if result.trace_state else (),
+                            dict(result.attributes) if result.attributes else None)
+            span_id = ids.generate_span_id()
+            if result.decision.is_sampled():  # recording but not sampled: not exported, as in start_span
+                children.append((name, span_id, *decision))
+        if children:
+            if settings is not self._settings[0]:
+                self._settings = (settings, settings_fields(settings))
+            span._buffer.push((
+                None, len(children), self._scope,
+                (trace_id, parent.span_id, False, int(parent.trace_flags), tuple(parent.trace_state.items())),
+                tuple(children), end_ns, self._settings[1], rec.span_fields(settings.capture_content)), len(children))
+        return True
 
     def start_as_current_span(self, name, context=None, kind=SpanKind.INTERNAL, attributes=None, links=(),
                               start_time=None, record_exception=True, set_status_on_exception=True,
@@ -250,6 +321,10 @@ class OffloadTracerProvider(trace_api.TracerProvider):
         self.resource = resource
         self.sampler = sampler
         self.id_generator = id_generator
+        # the sampler decides a child of a given parent the same whatever its name and attributes
+        # (parent-based: the SDK's static and parent-based samplers, llm-otel's): one call serves
+        # both children of a request (OffloadTracer.ship_children); any other sampler is asked per child
+        self.children_decide_alike = _decides_children_alike(sampler)
         # started lazily, with the first span; prewarm() starts it now where llm-otel knows this
         # is a serving frontend (under opentelemetry-instrument every Python process builds one)
         self.buffer: OffloadBuffer | None = OffloadBuffer(dict(resource.attributes), resource.schema_url or "",
@@ -402,10 +477,15 @@ class OffloadBuffer:
 
     @property
     def in_flight(self) -> int:
-        return len(self._queue) + max(0, self._sent - self._acked)
+        queued = [r for r in list(self._queue) if type(r) is tuple]  # list(): one step, under the GIL
+        return _span_count(queued) + max(0, self._sent - self._acked)
 
     # --- caller side: O(1), never blocks --------------------------------------------------------
-    def push(self, record: tuple) -> None:
+    def push(self, record: tuple, spans: int = 1) -> None:
+        """One span record (:meth:`OffloadSpan.end`), or a tree record
+        (:meth:`OffloadTracer.ship_children`: ``(None, spans, ...)``) from which the exporter
+        process builds ``spans`` spans: one record either way, and a full buffer loses (and
+        counts) all its spans."""
         if self._pid != _PID[0]:
             if self.disowned:
                 return
@@ -414,7 +494,7 @@ class OffloadBuffer:
             return
         queue = self._queue
         if len(queue) >= self.capacity:
-            self._lose(1, BACKLOG, "the exporter process falls behind")
+            self._lose(spans, BACKLOG, "the exporter process falls behind")
             return
         queue.append(record)
         if self._thread is None:
@@ -433,7 +513,7 @@ class OffloadBuffer:
             return
         self.failed += n
         self.last_error = why
-        self.drops.failed(n, error_type)
+        self.drops.failed(n, error_type, why)
 
     # --- writer thread ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -480,7 +560,7 @@ class OffloadBuffer:
                     batch.append(queue.popleft())
             else:
                 batch = [queue.popleft() for _ in range(min(_BATCH, len(queue)))]
-            if not self._send(("spans", batch), len(batch)):
+            if not self._send(("spans", batch), _span_count(batch)):
                 return False
         return True
 
@@ -495,7 +575,7 @@ class OffloadBuffer:
                 data = pickle.dumps(frame, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception:  # noqa: BLE001 - a value pickle cannot take: lose that value, not the frame
                 frame = self._encodable(frame)
-                n = len(frame[1]) if frame[0] == "spans" else n
+                n = _span_count(frame[1]) if frame[0] == "spans" else n
                 data = pickle.dumps(frame, protocol=pickle.HIGHEST_PROTOCOL)
             proc.stdin.write(_HEADER.pack(len(data)) + data)
             proc.stdin.flush()
@@ -525,6 +605,9 @@ class OffloadBuffer:
                 continue
             except Exception:  # noqa: BLE001
                 pass
+            if kind == "spans" and record[0] is None:  # a tree record: plain values, cannot be cleaned
+                lost += record[1]
+                continue
             record, n = _clean_record(kind, record)
             dropped += n
             try:
@@ -605,7 +688,7 @@ class OffloadBuffer:
                     if failed:
                         self.last_error = error
                         self.failed += failed
-                        self.drops.failed(failed)
+                        self.drops.failed(failed, "export_failed", error)
                     elif exported:
                         self.drops.succeeded()
                 elif kind == "flushed":
@@ -633,6 +716,11 @@ class OffloadBuffer:
             self._closed = True
             self._wake.set()
         if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            # the writer thread is blocked in a write: the exporter process stopped reading (an
+            # export to a collector that never answers); at the final flush it ends now, with the
+            # deadline, instead of outliving this process by one export timeout per queued frame
+            if final:
+                self._end_process(self._proc, deadline, close_stdin=False)
             return False
         try:
             self._drain_locked()
@@ -655,20 +743,40 @@ class OffloadBuffer:
                 if proc is None or proc.poll() is not None:
                     break
                 self._reply_cv.wait(min(0.05, max(0.0, deadline - time.monotonic())))
-        if final and proc is not None:
-            # the exporter process ends with its serving process's deadline: what it still holds
-            # then is reported lost (in_flight) like the in-process batch processor's queue
-            try:
-                proc.stdin.close()
-            except OSError:
-                pass
-            try:
-                proc.wait(max(0.0, min(0.5, deadline - time.monotonic() - 0.05)))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            except Exception:  # noqa: BLE001
-                pass
+        if final:
+            self._end_process(proc, deadline, close_stdin=True)
         return ok and self.in_flight == 0
+
+    @staticmethod
+    def _end_process(proc: subprocess.Popen | None, deadline: float, close_stdin: bool) -> None:
+        """End the exporter process with its serving process's deadline: what it still holds then
+        is reported lost (``in_flight``) like the in-process batch processor's queue.
+        ``close_stdin`` False when the writer thread may be blocked writing to it (closing would
+        wait for that write)."""
+        if proc is None:
+            return
+        try:
+            if close_stdin:
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
+                proc.wait(max(0.0, min(0.5, deadline - time.monotonic() - 0.05)))
+            else:
+                proc.kill()
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+
+def _span_count(records) -> int:
+    """Spans in a batch of span records and tree records (``(None, spans, ...)``)."""
+    n = len(records)
+    for record in records:
+        if record[0] is None:
+            n += record[1] - 1
+    return n
 
 
 class _ResourceMark:
@@ -799,6 +907,11 @@ OFFLOADED_SIGNAL_INSTRUMENTS = {"kv_size": "record", "slo_checks": "add"}
 _OFFLOADED_KIND = {**OFFLOADED_INSTRUMENTS, **OFFLOADED_SIGNAL_INSTRUMENTS}
 
 
+# llm_otel.telemetry.metrics._NO_TRACE (the context of observations without an exemplar), bound by
+# offload_instruments (importing it here would import the telemetry package into every exporter process)
+_NO_TRACE: list = [None]
+
+
 class _RemoteInstrument:
     """Stands in for one SDK instrument in the serving process: ``record``/``add(value,
     attributes, context)`` become one tuple in the buffer; the exporter process records it into
@@ -812,7 +925,7 @@ class _RemoteInstrument:
 
     def record(self, amount, attributes=None, context=None) -> None:
         ids = None
-        if context is not None:
+        if context is not None and context is not _NO_TRACE[0]:  # _NO_TRACE: no exemplar, nothing to look up
             buffer = self._buffer
             last = buffer._exemplar_ids  # noqa: SLF001 - (context, ids) of the previous observation
             if last[0] is context:  # a finishing request records several instruments with one context
@@ -837,6 +950,9 @@ def offload_instruments(instruments, tracer_provider, meter_provider, scope: tup
     buffer = getattr(tracer_provider, "buffer", None)
     if not isinstance(buffer, OffloadBuffer) or getattr(tracer_provider, "metrics_with", None) is not meter_provider:
         return False
+    from llm_otel.telemetry.metrics import _NO_TRACE as no_trace
+
+    _NO_TRACE[0] = no_trace
     buffer._instruments_init = ("instruments", *scope, instruments.itl_every)  # noqa: SLF001
     for name in OFFLOADED_INSTRUMENTS:
         setattr(instruments, name, _RemoteInstrument(buffer, name))
@@ -867,6 +983,77 @@ def _write_frame(stream, frame) -> None:
 def _context(trace_id, span_id, is_remote, flags, state) -> SpanContext:
     return SpanContext(trace_id, span_id, is_remote=is_remote, trace_flags=TraceFlags(flags),
                        trace_state=TraceState(list(state)))
+
+
+class _SpanSink:
+    """Collects the span records :class:`OffloadSpan` objects push on ``end`` (exporter process)."""
+
+    __slots__ = ("records",)
+
+    def __init__(self) -> None:
+        self.records: list = []
+
+    def push(self, record: tuple) -> None:
+        self.records.append(record)
+
+
+class _ChildTracer:
+    """The tracer :meth:`SpanBuilder.children` gets in the exporter process: each span it starts
+    gets the id, ``tracestate`` and sampler attributes the serving process decided for that name
+    (:meth:`OffloadTracer.ship_children`), the request span as parent, and the request tracer's
+    scope; a name the serving process did not sample starts a non-recording span."""
+
+    def __init__(self, scope: tuple, parent: tuple, children: tuple, sink: _SpanSink) -> None:
+        self._scope = scope
+        self._parent = _context(*parent)
+        self._children = {name: (span_id, state, extra) for name, span_id, state, extra in children}
+        self._sink = sink
+
+    def start_span(self, name, context=None, kind=SpanKind.INTERNAL, attributes=None, links=(), start_time=None,
+                   record_exception=True, set_status_on_exception=True):
+        child = self._children.get(name)
+        if child is None:
+            return trace_api.INVALID_SPAN
+        span_id, state, extra = child
+        if extra:  # what the sampler adds to the span's own attributes (as _AdaptiveSampler merges them)
+            attributes = {**(attributes or {}), **extra}
+        parent = self._parent
+        context = SpanContext(parent.trace_id, span_id, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED),
+                              trace_state=TraceState(list(state)))
+        return OffloadSpan(name, context, parent, kind, attributes, (),
+                           start_time if start_time is not None else time.time_ns(), self._scope, self._sink)
+
+
+def expand_trees(records: Sequence[tuple]) -> tuple[list, int]:
+    """Span records with every tree record (:meth:`OffloadTracer.ship_children`) replaced by the
+    ``llm.prompt`` / ``llm.token_stream`` span records :class:`~llm_otel.telemetry.spans.SpanBuilder`
+    builds from it - the same code and values as in the serving process. Returns (records, spans
+    lost): a tree that cannot be built (logged once) loses the spans it announced."""
+    if not any(record[0] is None for record in records):
+        return list(records), 0
+    from types import SimpleNamespace
+
+    from llm_otel.telemetry.record import RequestRecord
+    from llm_otel.telemetry.spans import SpanBuilder
+
+    out, lost = [], 0
+    for record in records:
+        if record[0] is not None:
+            out.append(record)
+            continue
+        _, n, scope, parent, children, end_ns, settings, fields = record
+        sink = _SpanSink()
+        try:
+            builder = SpanBuilder(_ChildTracer(scope, parent, children, sink),
+                                  SimpleNamespace(**dict(zip(_TREE_SETTINGS, settings))))
+            builder.children(RequestRecord.from_span_fields(fields), None, end_ns)
+        except Exception as exc:  # noqa: BLE001 - a bad record loses its spans, not the batch
+            process_errors().report("export.offload.tree", exc, "cannot build a request's spans in the exporter "
+                                    "process; that request's spans are lost and counted")
+            sink.records = []
+        out.extend(sink.records)
+        lost += max(0, n - len(sink.records))
+    return out, lost
 
 
 def readable_spans(records: Sequence[tuple], resource, limits) -> list:
@@ -925,6 +1112,7 @@ def main() -> int:
     frame = _read_frame(stdin)
     if frame is None or frame[0] != "init":
         return 2
+    _exit_with_parent(os.getppid())
     resource = Resource(frame[1], frame[2] or None)
     limits = SpanLimits()
     exporter = span_exporter_from_env(os.environ)
@@ -944,7 +1132,8 @@ def main() -> int:
             elif frame[0] == "instruments":
                 metrics.start(*frame[1:])
             elif frame[0] == "spans":
-                spans = readable_spans(frame[1], resource, limits)
+                records, lost = expand_trees(frame[1])
+                spans = readable_spans(records, resource, limits)
                 before = exporter.failed
                 try:
                     result = exporter.export(spans)
@@ -953,7 +1142,9 @@ def main() -> int:
                     result = SpanExportResult.FAILURE
                 failed = len(spans) if result is not SpanExportResult.SUCCESS and exporter.failed == before \
                     else exporter.failed - before
-                _write_frame(stdout, ("status", len(spans) - failed, failed, exporter.last_error))
+                if lost:
+                    exporter.last_error = "cannot build a request's spans in the exporter process"
+                _write_frame(stdout, ("status", len(spans) - failed, failed + lost, exporter.last_error))
             elif frame[0] == "flush":
                 _, token, timeout_ms, final = frame
                 failed = metrics.flush(timeout_ms, final)
@@ -972,6 +1163,28 @@ def main() -> int:
         except Exception:  # noqa: BLE001
             pass
     return 0
+
+
+def _exit_with_parent(parent: int) -> None:
+    """End this exporter process one flush deadline (``LLM_OTEL_FLUSH_DEADLINE_S``) after its
+    serving process is gone. Normally stdin's end stops it, but frames still in the pipe are read
+    first, and with a collector that never answers each export waits its full timeout: without
+    this an exporter process could outlive a killed server by one timeout per queued frame."""
+    from llm_otel.config import Settings
+    from llm_otel.export.lifecycle import DEFAULT_DEADLINE_S
+
+    try:
+        grace = Settings.from_env().flush_deadline_s
+    except Exception:  # noqa: BLE001 - the serving process reported the bad setting
+        grace = DEFAULT_DEADLINE_S
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        time.sleep(grace)  # what is left in the pipe gets this long, as the serving process's flush did
+        os._exit(0)
+
+    threading.Thread(target=watch, name="llm-otel-offload-parent", daemon=True).start()
 
 
 class _ChildMetrics:

@@ -46,12 +46,13 @@ from typing import Any, Mapping
 from opentelemetry.exporter.prometheus import PrometheusMetricReader  # opentelemetry-exporter-prometheus
 from prometheus_client import CollectorRegistry, start_http_server
 
+from llm_otel.config import PROMETHEUS_HOST, PROMETHEUS_PORT, prometheus_base_port, prometheus_host
 from llm_otel.errors import process_errors
 
 logger = logging.getLogger("llm_otel")
 
-DEFAULT_PORT = 9464  # OpenTelemetry's default for OTEL_EXPORTER_PROMETHEUS_PORT
-DEFAULT_HOST = "localhost"
+DEFAULT_PORT = PROMETHEUS_PORT  # OpenTelemetry's default for OTEL_EXPORTER_PROMETHEUS_PORT
+DEFAULT_HOST = PROMETHEUS_HOST
 
 
 def prometheus_port(env: Mapping[str, str], role: str, process_name: str | None = None) -> int | None:
@@ -60,15 +61,7 @@ def prometheus_port(env: Mapping[str, str], role: str, process_name: str | None 
     ``EngineCore_DP<r>``). Raises ConfigError for a bad ``OTEL_EXPORTER_PROMETHEUS_PORT``."""
     from llm_otel.export.ports import api_server_index, engine_core_port, frontend_port
 
-    from llm_otel.config import ConfigError
-
-    raw = (env.get("OTEL_EXPORTER_PROMETHEUS_PORT") or "").strip()
-    try:
-        base = int(raw) if raw else DEFAULT_PORT
-    except ValueError:
-        raise ConfigError(f"OTEL_EXPORTER_PROMETHEUS_PORT={raw!r}: expected a port number") from None
-    if not 0 < base < 65535:
-        raise ConfigError(f"OTEL_EXPORTER_PROMETHEUS_PORT={raw!r}: expected a port number in [1, 65534]")
+    base = prometheus_base_port(env)
     name = process_name if process_name is not None else multiprocessing.current_process().name
     if role == "frontend":
         return frontend_port(base, api_server_index(name))
@@ -88,7 +81,7 @@ def prometheus_reader(env: Mapping[str, str], role: str):
     port = prometheus_port(env, role)
     if port is None:
         return None
-    host = (env.get("OTEL_EXPORTER_PROMETHEUS_HOST") or DEFAULT_HOST).strip()
+    host = prometheus_host(env)
     registry = CollectorRegistry(auto_describe=False)
     reader = ExemplarPrometheusMetricReader(registry=registry)
 

@@ -38,8 +38,18 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 
-from llm_otel.config import Settings
+from llm_otel.config import (
+    Settings,
+    exporter_setting,
+    otlp_endpoint,
+    otlp_max_request_bytes,
+    otlp_protocol,
+    signal_endpoint,
+    traces_sampler,
+    validate_exporter_env,
+)
 from llm_otel.export.identity import current_process_identity, track
+from llm_otel.sampling import Sampling, adaptive_sampler, trace_budget, traces_sampler_factory
 
 logger = logging.getLogger("llm_otel")
 
@@ -82,22 +92,10 @@ if hasattr(os, "register_at_fork"):  # a forked child must not repeat its parent
     os.register_at_fork(after_in_child=_reseed_id_generators)
 
 
-def _endpoint(env: Mapping[str, str], signal: str) -> str | None:
-    return env.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
-
-
-def _protocol(env: Mapping[str, str], signal: str) -> str:
-    from llm_otel.config import otlp_protocol
-
-    return otlp_protocol(env, signal)
-
-
 def exporter_choice(env: Mapping[str, str], signal: str) -> str:
     """``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER``: ``otlp`` (default), ``console``,
     ``none``, or for metrics ``prometheus``. Raises ConfigError naming the variable and the
     accepted values for anything else (see :func:`llm_otel.config.exporter_setting`)."""
-    from llm_otel.config import exporter_setting
-
     return exporter_setting(env, signal)
 
 
@@ -117,17 +115,6 @@ def prometheus_reader_from_env(env: Mapping[str, str] | None = None, role: str =
     return prometheus_reader(env, role)
 
 
-def _signal_endpoint(env: Mapping[str, str], signal: str, proto: str) -> str:
-    """The endpoint as the OTLP exporter specification derives it from ``env``."""
-    specific = env.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
-    if specific:
-        return specific
-    base = env["OTEL_EXPORTER_OTLP_ENDPOINT"]
-    if proto == "grpc":
-        return base
-    return base.rstrip("/") + ("/v1/traces" if signal == "TRACES" else "/v1/metrics")
-
-
 def span_exporter_from_env(env: Mapping[str, str] | None = None):
     """The OTLP span exporter ``env`` (default ``os.environ``) asks for, or None without an endpoint.
 
@@ -137,40 +124,50 @@ def span_exporter_from_env(env: Mapping[str, str] | None = None):
     under ``LLM_OTEL_OTLP_MAX_REQUEST_BYTES``, lost spans counted in ``llm_otel.spans.dropped`` once
     ``bind(meter_provider)`` was called, and logged once per outage."""
     env = os.environ if env is None else env
-    if exporter_choice(env, "TRACES") != "otlp" or not _endpoint(env, "TRACES"):
+    if exporter_choice(env, "TRACES") != "otlp" or not otlp_endpoint(env, "TRACES"):
         return None
-    proto = _protocol(env, "TRACES")
+    proto = otlp_protocol(env, "TRACES")
     if proto == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    from llm_otel.config import _int
-    from llm_otel.export.exporters import DEFAULT_MAX_REQUEST_BYTES, ProcessSpanExporter
+    from llm_otel.export.exporters import ProcessSpanExporter
 
-    endpoint = _signal_endpoint(env, "TRACES", proto)
-    cap = _int(env, "LLM_OTEL_OTLP_MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES, lo=64 * 1024, hi=1 << 30)
+    endpoint = signal_endpoint(env, "TRACES", proto)
+    cap = otlp_max_request_bytes(env)
     return ProcessSpanExporter(lambda: OTLPSpanExporter(endpoint=endpoint), cap, endpoint)
 
 
 def metric_exporter_from_env(env: Mapping[str, str] | None = None):
     """The OTLP metric exporter ``env`` asks for, or None without an endpoint (as above)."""
     env = os.environ if env is None else env
-    if exporter_choice(env, "METRICS") != "otlp" or not _endpoint(env, "METRICS"):
+    if exporter_choice(env, "METRICS") != "otlp" or not otlp_endpoint(env, "METRICS"):
         return None
-    proto = _protocol(env, "METRICS")
+    proto = otlp_protocol(env, "METRICS")
     if proto == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
     else:
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
     from llm_otel.export.exporters import ProcessMetricExporter
 
-    endpoint = _signal_endpoint(env, "METRICS", proto)
+    endpoint = signal_endpoint(env, "METRICS", proto)
     return ProcessMetricExporter(lambda: OTLPMetricExporter(endpoint=endpoint), endpoint)
 
 
 def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
                     stream=None, shutdown_on_exit: bool = True) -> tuple[TracerProvider, MeterProvider]:
-    """Tracer and meter providers for this process, configured from ``env`` (``os.environ``).
+    """Tracer and meter providers for this process (:func:`build_providers_and_sampling` without
+    the sampler's parts)."""
+    tracer_provider, meter_provider, _ = build_providers_and_sampling(settings, env, stream, shutdown_on_exit)
+    return tracer_provider, meter_provider
+
+
+def build_providers_and_sampling(settings: Settings, env: Mapping[str, str] | None = None, stream=None,
+                                 shutdown_on_exit: bool = True) -> tuple[TracerProvider, MeterProvider, Sampling | None]:
+    """Tracer and meter providers for this process, configured from ``settings`` and the exporter
+    variables of ``env`` (``os.environ``), and the parts of llm-otel's adaptive sampler the tracer
+    provider uses (:class:`llm_otel.sampling.Sampling`: root sampler, poller, engine occupancy,
+    drift listener), None when it samples otherwise; ``instrument()`` hands them to ``Telemetry``.
 
     ``shutdown_on_exit=False``: the SDK registers no unbounded exit handler; the caller hands the
     providers to :mod:`llm_otel.export.lifecycle` (as :func:`llm_otel._setup.ensure_providers` does).
@@ -178,13 +175,14 @@ def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
     Raises ConfigError, before creating anything, for an unknown ``OTEL_{TRACES,METRICS}_EXPORTER``
     or an unsupported ``OTEL_EXPORTER_OTLP*_PROTOCOL`` (with or without an endpoint).
     """
-    from llm_otel.config import validate_exporter_env
     from llm_otel.export.console import ConsoleMetricsSummary, ConsoleTreeExporter, JsonLinesExporter
 
     env = os.environ if env is None else env
     validate_exporter_env(env)
     resource = Resource.create(current_process_identity())  # + OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES
-    sampler, poller = _adaptive_sampler(settings, env)
+    sampler = _adaptive_sampler(settings, env)
+    sampling = sampler.sampling if sampler is not None else None
+    poller = sampling.poller if sampling is not None else None
     span_exporter = span_exporter_from_env(env)
     offload = span_exporter is not None and settings.export_process
     tracer_provider = TracerProvider(resource=resource, id_generator=SystemRandomIdGenerator(), sampler=sampler,
@@ -235,29 +233,22 @@ def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
     # re-labelled when this process learns its role later (identity.relabel: a LightLLM child) or is
     # forked (its own pid and instance id)
     track(tracer_provider, meter_provider)
-    from llm_otel.sampling import utilization_is_gpu
-
-    if utilization_is_gpu(poller):
-        register_utilization_gauge(meter_provider, poller)
-    return tracer_provider, meter_provider
+    if sampling is not None and sampling.gpu_poller is not None:
+        register_utilization_gauge(meter_provider, sampling.gpu_poller)
+    return tracer_provider, meter_provider, sampling
 
 
 def _adaptive_sampler(settings: Settings, env: Mapping[str, str]):
-    """llm-otel's adaptive sampler and its poller when configured (``LLM_OTEL_ADAPTIVE_SAMPLING``
-    ``auto``/``on``, and ``OTEL_TRACES_SAMPLER`` unset or ``llm_otel_adaptive``); else (None, None).
-    The poller follows NVML GPU utilisation, or engine occupancy where NVML sees no GPU; the trace
+    """llm-otel's adaptive sampler when configured (``LLM_OTEL_ADAPTIVE_SAMPLING`` ``auto``/``on``,
+    and ``OTEL_TRACES_SAMPLER`` unset or ``llm_otel_adaptive``), else None (the SDK's choice). Its
+    poller follows NVML GPU utilisation, or engine occupancy where NVML sees no GPU; the trace
     budget is ``settings.traces_per_s`` (``LLM_OTEL_TRACES_PER_S``) either way."""
-    if (env.get("OTEL_TRACES_SAMPLER") or "").strip().lower() == "llm_otel_adaptive":
-        from llm_otel.sampling import traces_sampler_factory
-
-        sampler = traces_sampler_factory(env.get("OTEL_TRACES_SAMPLER_ARG"), settings.traces_per_s)
-        return sampler, sampler.root.poller
-    if env.get("OTEL_TRACES_SAMPLER") or settings.adaptive_sampling == "off":
-        return None, None
-    from llm_otel.sampling import adaptive_sampler, trace_budget
-
-    sampler = adaptive_sampler(budget=trace_budget(settings.traces_per_s))
-    return sampler, sampler.root.poller
+    name, arg = traces_sampler(env)
+    if name == "llm_otel_adaptive":
+        return traces_sampler_factory(arg, settings.traces_per_s)
+    if name or settings.adaptive_sampling == "off":
+        return None
+    return adaptive_sampler(budget=trace_budget(settings.traces_per_s))
 
 
 def register_utilization_gauge(meter_provider, poller) -> None:

@@ -6,7 +6,7 @@ LLM_ENGINE_STEP = 'llm.engine.step'
 """One engine scheduler step / model execution; links to the request spans it served. Kind: internal."""
 
 LLM_ENGINE_STEP_DEVICE = 'llm.engine.step.device'
-"""The model execution of one engine step on the device, emitted by the process that ran the model when the llm.engine.step span lives in another process (child of it). Kind: internal."""
+"""The model execution of one engine step on the device, emitted by the process that ran the model as a child of the llm.engine.step span (in the same process or another); the step span itself never carries device times. Kind: internal."""
 
 LLM_INFER_REQUEST = 'llm.infer.request'
 """One sub-request in a LightLLM model-infer worker (master rank of its DP group), from admission to release, with per-token timing. Kind: internal."""

@@ -40,7 +40,8 @@ DIMENSIONS = {
     "operation": A.LLM_REQUEST_OPERATION,
     "revision": A.LLM_REQUEST_MODEL_REVISION,
 }
-ENGINE_FIELDS = {"engine:priority", "engine:lora"}
+ENGINE_PRIORITY, ENGINE_LORA = "engine:priority", "engine:lora"
+ENGINE_FIELDS = {ENGINE_PRIORITY, ENGINE_LORA}
 _VALID = re.compile(r"[A-Za-z0-9._:/@+\-]+")
 _HEADER = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~\-]+")  # RFC 9110 token
 
@@ -114,14 +115,19 @@ class ClassExtractor:
     def enabled(self) -> bool:
         return bool(self.sources)
 
-    def extract(self, headers: Any = None, engine_request: Any = None) -> tuple[dict[str, str], dict[str, str]]:
+    def extract(self, headers: Any = None,
+                engine_fields: Mapping[str, str | None] | None = None) -> tuple[dict[str, str], dict[str, str]]:
         """Returns ``(values, labels)``: dimension -> value for the span, dimension -> bounded
-        metric label. Dimensions without a value are absent from both."""
+        metric label. Dimensions without a value are absent from both.
+
+        ``engine_fields``: the engine sources' values as text, keyed ``engine:priority`` /
+        ``engine:lora`` (None or absent: missing), read by the engine adapter (vLLM:
+        :func:`llm_otel.instrumentation.vllm.fields.class_fields`)."""
         values: dict[str, str] = {}
         labels: dict[str, str] = {}
         for dim, source in self.sources.items():
             if source.startswith("engine:"):
-                raw = _engine_field(engine_request, source)
+                raw = engine_fields.get(source) if engine_fields else None
                 found = [] if raw is None else [raw]
             else:
                 found = header_values(headers, source)
@@ -174,14 +180,3 @@ class ClassExtractor:
                 self.on_collapse(dim, reason)
             except Exception:  # noqa: BLE001
                 pass
-
-
-def _engine_field(request: Any, source: str) -> str | None:
-    if request is None:
-        return None
-    if source == "engine:priority":
-        value = getattr(request, "priority", None)
-        return None if value is None else str(value)
-    lora = getattr(request, "lora_request", None)
-    name = getattr(lora, "lora_name", None) if lora is not None else None
-    return None if name is None else str(name)

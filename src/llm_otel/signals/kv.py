@@ -1,4 +1,5 @@
-"""KV-cache footprint of one request, from the engine's model and cache config.
+"""KV-cache footprint of one request, from the engine's model and cache geometry (plain values the
+engine adapter reads, e.g. :func:`llm_otel.instrumentation.vllm.fields.kv_spec`).
 
 Formula (full attention, every layer the same; docs/signals.md)::
 
@@ -52,31 +53,19 @@ class KVSpec:
         return None if self.num_blocks is None else self.num_blocks * self.bytes_per_block
 
     @classmethod
-    def from_vllm(cls, vllm_config: Any) -> "KVSpec | None":
-        """From a vLLM ``VllmConfig``: ``model_config.get_num_layers(parallel_config)``,
-        ``get_num_kv_heads(parallel_config)`` (per tensor-parallel rank), ``get_head_size()``,
-        ``cache_config.cache_dtype`` (``auto`` = ``model_config.dtype``), ``cache_config.block_size``,
-        ``cache_config.num_gpu_blocks`` (set once the engine core reported its KV pool). None when
-        a field is missing or the model is not plain attention (MLA, hybrid/Mamba layers)."""
-        try:
-            model = vllm_config.model_config
-            parallel = vllm_config.parallel_config
-            cache = vllm_config.cache_config
-            if getattr(model, "use_mla", False) or getattr(model, "is_hybrid", False):
-                return None
-            dtype = str(cache.cache_dtype)
-            if dtype == "auto":
-                dtype_bytes = int(getattr(model.dtype, "itemsize", 0)) or _DTYPE_BYTES.get(
-                    str(model.dtype).removeprefix("torch."), 0)
-            else:
-                dtype_bytes = _DTYPE_BYTES.get(dtype, 0)
-            num_blocks = getattr(cache, "num_gpu_blocks", None)
-            spec = cls(layers=int(model.get_num_layers(parallel)), kv_heads=int(model.get_num_kv_heads(parallel)),
-                       head_dim=int(model.get_head_size()), dtype_bytes=dtype_bytes,
-                       block_size=int(cache.block_size),
-                       num_blocks=int(num_blocks) if num_blocks else None)
-        except Exception:  # noqa: BLE001 - an engine layout we do not know: no KV signals
-            return None
+    def checked(cls, **fields: Any) -> "KVSpec | None":
+        """A spec from the engine's values (the dataclass fields), or None when any size is not
+        positive (an engine layout the formula does not cover)."""
+        spec = cls(**fields)
         if min(spec.layers, spec.kv_heads, spec.head_dim, spec.dtype_bytes, spec.block_size) <= 0:
             return None
         return spec
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of a KV dtype: a torch dtype (its ``itemsize``) or a cache-dtype name
+    (``float16``, ``bfloat16``, ``fp8_e4m3``, ``torch.float16`` ...); 0 when unknown."""
+    size = getattr(dtype, "itemsize", 0)
+    if isinstance(size, int) and size > 0:
+        return size
+    return _DTYPE_BYTES.get(str(dtype).removeprefix("torch."), 0)

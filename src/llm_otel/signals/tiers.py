@@ -20,7 +20,6 @@ Any mistake raises :class:`llm_otel.config.ConfigError` naming the source and th
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from typing import Mapping
 
@@ -105,23 +104,12 @@ class TierTable:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "TierTable | None":
-        """The table ``LLM_OTEL_TIERS_FILE`` or ``LLM_OTEL_TIERS`` defines, None when neither is set.
-        Raises ConfigError for both set, an unreadable file or a bad line."""
-        env = os.environ if env is None else env
-        path = (env.get("LLM_OTEL_TIERS_FILE") or "").strip()
-        inline = (env.get("LLM_OTEL_TIERS") or "").strip()
-        if path and inline:
-            raise ConfigError("LLM_OTEL_TIERS and LLM_OTEL_TIERS_FILE are both set; use one")
-        if path:
-            try:
-                with open(path, encoding="utf-8") as fh:
-                    text = fh.read()
-            except (OSError, UnicodeDecodeError) as exc:
-                raise ConfigError(f"LLM_OTEL_TIERS_FILE={path!r}: cannot read it ({exc})") from None
-            return cls.parse(text, f"LLM_OTEL_TIERS_FILE {path}")
-        if inline:
-            return cls.parse(inline, "LLM_OTEL_TIERS", separator=";")
-        return None
+        """The table ``LLM_OTEL_TIERS_FILE`` or ``LLM_OTEL_TIERS`` defines, None when neither is set
+        (read by :func:`llm_otel.config.tier_table`). Raises ConfigError for both set, an
+        unreadable file or a bad line."""
+        from llm_otel.config import tier_table
+
+        return tier_table(env)
 
     def tier_for(self, classes: Mapping[str, str]) -> Tier:
         """First tier whose every match term equals the request's (sanitised) class value."""

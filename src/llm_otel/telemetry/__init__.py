@@ -3,10 +3,15 @@
 Lifecycle of a request as an adapter sees it::
 
     rec = telemetry.start_request(request_id, operation="text_completion", model=..., arrival_s=...,
-                                  input_tokens=len(prompt_token_ids), kind=SpanKind.INTERNAL)
+                                  input_tokens=len(prompt_token_ids), kind=SpanKind.INTERNAL,
+                                  facts=RequestFacts(headers, engine_fields, kv))
     rec.on_event("queued", t); rec.on_tokens(ids, t); rec.on_logprobs(ids, lps)   # hot path
+    telemetry.on_tokens(tokens_this_step, t)                                      # once per step
     rec.finish_reason = "stop"
     telemetry.finish(rec)                                                         # exactly once
+
+Metrics, the sampler's drift detector and the serving signals listen to that lifecycle
+(:mod:`llm_otel.listeners`); adapters never call them.
 """
 
 from __future__ import annotations
@@ -23,19 +28,37 @@ from opentelemetry.metrics import MeterProvider, get_meter
 from opentelemetry.trace import SpanKind, Status, StatusCode, TracerProvider
 
 from llm_otel.config import Settings
+from llm_otel.listeners import RequestFacts, SpanNotes, token_hooks
+from llm_otel.sampling import Sampling, sampling_of
 from llm_otel.semconv import SCHEMA_URL
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import spans as S
 from llm_otel.signals import Signals, SignalsConfig
+from llm_otel.telemetry.client import ClientCalls
 from llm_otel.telemetry.errors import HookErrors
 from llm_otel.telemetry.metrics import Instruments
 from llm_otel.telemetry.record import RequestRecord
 from llm_otel.telemetry.spans import SpanBuilder
+from llm_otel.telemetry.stages import StageRecord, emit_stage
 from llm_otel.telemetry.steps import StepContext, StepTracker
 
 logger = logging.getLogger("llm_otel")
 
-__all__ = ["Telemetry", "RequestRecord", "StepContext", "StepTracker"]
+__all__ = ["Telemetry", "RequestRecord", "RequestFacts", "StepContext", "StepTracker"]
+
+
+class _MetricsListener:
+    """The GenAI server metrics as a lifecycle listener: every finished request is recorded."""
+
+    error_key = "telemetry.metrics"
+    on_start = None
+    on_tokens = None
+
+    def __init__(self, instruments: Instruments) -> None:
+        self.instruments = instruments
+
+    def on_finish(self, rec: RequestRecord, duration_s: float) -> None:
+        self.instruments.record(rec, duration_s)
 
 
 class Telemetry:
@@ -45,16 +68,24 @@ class Telemetry:
         tracer_provider / meter_provider: where spans and metrics go (global providers when None).
         settings: validated configuration (:meth:`Settings.from_env` when None).
         scope: instrumentation scope name of the tracer and meter.
-        signals_config: serving-signal settings (:meth:`SignalsConfig.from_env` when None).
+        signals_config: serving-signal settings (``settings.signals`` when None).
+        sampling: the parts of llm-otel's adaptive sampler the tracer provider was built with
+            (:class:`llm_otel.sampling.Sampling`, as ``build_providers_and_sampling`` returns them);
+            None: those of the provider's own sampler when it is llm-otel's, else none.
+
+    Request lifecycle listeners (:mod:`llm_otel.listeners`): the GenAI metrics, the sampler's
+    drift detector and :attr:`signals` see every request's start, steps and finish; adapters call
+    :meth:`start_request`, :meth:`on_tokens` and :meth:`finish` only.
 
     Raises:
-        llm_otel.config.ConfigError: an ``LLM_OTEL_*`` signal variable or the tier table is invalid.
+        llm_otel.config.ConfigError: (``settings`` None) an ``LLM_OTEL_*`` variable or the tier
+            table is invalid.
     """
 
     def __init__(self, tracer_provider: TracerProvider | None = None,
                  meter_provider: MeterProvider | None = None,
                  settings: Settings | None = None, scope: str = "llm_otel",
-                 signals_config: SignalsConfig | None = None) -> None:
+                 signals_config: SignalsConfig | None = None, sampling: Sampling | None = None) -> None:
         from llm_otel.version import __version__
 
         self.settings = settings or Settings.from_env()
@@ -65,16 +96,17 @@ class Telemetry:
         self.errors = HookErrors(meter)
         self.spans = SpanBuilder(self.tracer, self.settings)
         provider = tracer_provider if tracer_provider is not None else trace.get_tracer_provider()
-        # llm-otel's adaptive sampler (if the provider uses it) learns latency drift from every request
-        self.sampling_root = getattr(getattr(provider, "sampler", None), "root", None)
-        # request classes, tiers, KV footprint, VRAM pressure, health (ConfigError on a bad tier table)
-        from llm_otel.sampling import EngineOccupancy
-
-        poller = getattr(self.sampling_root, "poller", None)
-        source = getattr(poller, "source", None)
-        self._occupancy = source if isinstance(source, EngineOccupancy) else None
-        # the signals (health score, token efficiency) want GPU utilisation, not engine occupancy
-        self.signals = Signals(meter, signals_config, poller=poller if self._occupancy is None else None)
+        # llm-otel's adaptive sampler as whoever built the providers handed it over (instrument()
+        # passes what build_providers_and_sampling returned), or as the application built its
+        # provider with it; None with any other sampler: no drift detector, no engine load
+        self.sampling = sampling if sampling is not None else sampling_of(provider)
+        self.sampling_root = self.sampling.root if self.sampling is not None else None
+        # engines attach their load here when the sampler follows engine occupancy (no GPU)
+        self._occupancy = self.sampling.occupancy if self.sampling is not None else None
+        # request classes, tiers, KV footprint, VRAM pressure, health; the signals (health score,
+        # token efficiency) share the sampler's poller only when it reads GPU utilisation
+        signals = Signals(meter, signals_config or self.settings.signals,
+                          poller=self.sampling.gpu_poller if self.sampling is not None else None)
         # spans in an exporter process (llm_otel.export.offload): the per-request GenAI metrics and
         # the signals' per-request observations go there too when the meter provider is the one
         # llm-otel built with it for OTLP
@@ -84,17 +116,68 @@ class Telemetry:
 
         offload_instruments(self.instruments, provider,
                             meter_provider if meter_provider is not None else get_meter_provider(),
-                            (scope, __version__, SCHEMA_URL), signals=self.signals)
+                            (scope, __version__, SCHEMA_URL), signals=signals)
+        # lifecycle listeners (llm_otel.listeners), in the order they observe a finished request:
+        # metrics, the sampler's drift detector, the serving signals
+        self._fixed_listeners = (_MetricsListener(self.instruments),) + (
+            (self.sampling.listener,) if self.sampling is not None else ())
+        self.signals = signals  # registers it (see the setter)
         self._steps: StepTracker | None = None
         self._steps_lock = threading.Lock()
+
+    # --- request-lifecycle listeners -----------------------------------------------------------
+    @property
+    def signals(self) -> Signals:
+        """The serving signals (:class:`llm_otel.signals.Signals`), a lifecycle listener."""
+        return self._signals
+
+    @signals.setter
+    def signals(self, signals: Signals) -> None:
+        """Swap the serving signals (tests, a reconfigured process): the listener tuples are rebuilt."""
+        self._signals = signals
+        self._set_listeners(self._fixed_listeners + (signals,))
+
+    def add_listener(self, listener) -> None:
+        """Register one more request-lifecycle listener (:class:`llm_otel.listeners.RequestListener`),
+        called after the built-in ones. Not thread-safe against requests starting: register before
+        traffic."""
+        self._fixed_listeners += (listener,)
+        self._set_listeners(self._fixed_listeners + (self._signals,))
+
+    def _set_listeners(self, listeners: tuple) -> None:
+        self.listeners = listeners
+        self._start_listeners = tuple(li for li in listeners if getattr(li, "on_start", None) is not None)
+        self._finish_listeners = tuple(li for li in listeners if getattr(li, "on_finish", None) is not None)
+        hooks = self._token_hooks = token_hooks(listeners)
+        # per step, no lookup and no allocation: with one listener counting tokens (the signals,
+        # normally) the adapter's call goes straight to its bound method, else to the loop below
+        self.on_tokens = hooks[0] if len(hooks) == 1 else self._dispatch_tokens
+
+    def on_tokens(self, count: int, engine_mono: float) -> None:
+        """Output tokens an engine step produced (``count``; ``engine_mono``: the step's engine
+        monotonic seconds), for every listener that counts them (hot path: O(1), no allocation;
+        adapters call it once per step - or per streamed token - and from inside their hook's
+        failure guard, which reports a listener that raises). The tokens of each request go on
+        its record (``rec.on_tokens``) as before. (Replaced per instance by the listeners' own
+        bound method or :meth:`_dispatch_tokens` when listeners are registered.)"""
+        self._dispatch_tokens(count, engine_mono)
+
+    def _dispatch_tokens(self, count: int, engine_mono: float) -> None:
+        for hook in self._token_hooks:
+            hook(count, engine_mono)
+
+    def attach_kv_source(self, source) -> None:
+        """One engine's KV usage for the VRAM pressure level: ``source() -> (blocks held by live
+        requests, blocks in the pool)`` or None (see :func:`llm_otel.signals.kv_source_for`);
+        starts the signals' 1 s thread (and ``/healthz`` when configured)."""
+        self._signals.attach_kv_source(source)
 
     def abandon_inherited(self) -> None:
         """In a process forked from the one that built this object, which builds its own: stop
         its signals and sampler poller without waiting on the parent's threads."""
-        self.signals.abandon_inherited()
-        poller = getattr(self.sampling_root, "poller", None)
-        if poller is not None:
-            poller.stop()
+        self._signals.abandon_inherited()
+        if self.sampling is not None:
+            self.sampling.stop()
 
     def attach_engine_load(self, source) -> bool:
         """Let the adaptive sampler follow one engine's occupancy where it has no GPU utilisation:
@@ -129,11 +212,16 @@ class Telemetry:
                       arrival_s: float, input_tokens: int, kind: SpanKind = SpanKind.INTERNAL,
                       parent: otel_context.Context | None = None, engine_version: str = "",
                       choice_index: int = 0, request_attributes: Mapping[str, Any] | None = None,
-                      user_logprobs: int | None = None, prompt_text: str | None = None) -> RequestRecord:
+                      user_logprobs: int | None = None, prompt_text: str | None = None,
+                      facts: RequestFacts | None = None) -> RequestRecord:
         """Start the live request span at ``arrival_s`` (wall-clock seconds) and return its record.
 
         The span is named ``{operation} {model}``; ``parent`` defaults to the current context.
-        ``prompt_text`` is attached only when content capture is on (truncated).
+        ``prompt_text`` is attached only when content capture is on (truncated). ``facts``
+        (headers, engine class fields, KV geometry; :class:`llm_otel.listeners.RequestFacts`) go to the
+        lifecycle listeners' ``on_start`` - request classes, tier, KV estimate - whose notes land on
+        the span; adapters always pass it (an empty ``RequestFacts()`` when they know nothing).
+        None: no listener sees the start (a caller that classifies and admits the request itself).
         """
         attrs: dict[str, Any] = {
             A.GEN_AI_OPERATION_NAME: operation,
@@ -159,7 +247,28 @@ class Telemetry:
             # GenAI message format; an offline prompt (or a rendered chat template) is one user part
             span.set_attribute(A.GEN_AI_INPUT_MESSAGES, json.dumps(
                 [{"role": "user", "parts": [{"type": "text", "content": self.truncate(prompt_text)}]}]))
+        if facts is not None:
+            for listener in self._start_listeners:
+                try:
+                    notes = listener.on_start(rec, facts)
+                    if notes is not None:
+                        self._note(rec, notes)
+                except Exception as exc:  # noqa: BLE001 - the record must still be tracked and ended
+                    self.errors.report(listener.error_key, exc)
         return rec
+
+    @staticmethod
+    def _note(rec: RequestRecord, notes: SpanNotes) -> None:
+        """Put a listener's :class:`~llm_otel.listeners.SpanNotes` on the request span."""
+        if notes.request_attributes:
+            rec.request_attributes.update(notes.request_attributes)
+            if rec.recording:
+                rec.span.set_attributes(notes.request_attributes)
+        if rec.recording:
+            if notes.attributes:
+                rec.span.set_attributes(notes.attributes)
+            for name, attributes in notes.events:
+                rec.span.add_event(name, attributes)
 
     def set_completion(self, rec: RequestRecord, text: str, finish_reason: str | None) -> None:
         """Completion text on the request span as ``gen_ai.output.messages`` - only with content
@@ -187,16 +296,13 @@ class Telemetry:
         rec.settle_clock()  # engine stamps from another host's clock: shifted onto ours, marked
         end_ns = time.time_ns() if end_ns is None else end_ns
         duration_s = max(0.0, (end_ns - rec.arrival_ns) / 1e9)
-        try:
-            self.instruments.record(rec, duration_s)
-            if self.sampling_root is not None:
-                self._observe_latency(rec)
-        except Exception as exc:  # noqa: BLE001
-            self.errors.report("telemetry.metrics", exc)
-        try:
-            self.signals.on_finish(rec, duration_s)
-        except Exception as exc:  # noqa: BLE001
-            self.errors.report("telemetry.signals", exc)
+        for listener in self._finish_listeners:  # metrics, drift, signals: every request, sampled or not
+            try:
+                notes = listener.on_finish(rec, duration_s)
+                if notes is not None and rec.span is not None:
+                    self._note(rec, notes)
+            except Exception as exc:  # noqa: BLE001
+                self.errors.report(listener.error_key, exc)
         if rec.span is None:
             return
         if not rec.recording and self.sampling_root is not None:
@@ -228,15 +334,6 @@ class Telemetry:
                 rec.span.set_attributes({A.LLM_REQUEST_DEVICE_TIME: acc[0], A.LLM_REQUEST_DEVICE_STEPS: acc[1]})
         except Exception as exc:  # noqa: BLE001
             self.errors.report("telemetry.device_time", exc)
-
-    def _observe_latency(self, rec: RequestRecord) -> None:
-        drift = self.sampling_root.drift
-        ttft = rec.time_to_first_token_s()
-        if ttft is not None:
-            drift.observe("ttft", ttft)
-        tpot = rec.time_per_output_token_s()
-        if tpot is not None:
-            drift.observe("itl", tpot)
 
     def _capture_outlier(self, rec: RequestRecord, duration_s: float) -> None:
         """A request the head sampler dropped that failed or breached an SLO: record its tree as its
@@ -280,3 +377,34 @@ class Telemetry:
             A.GEN_AI_OPERATION_NAME: operation, A.GEN_AI_PROVIDER_NAME: provider,
             A.GEN_AI_REQUEST_MODEL: model, A.ERROR_TYPE: error_type}, max(0.0, time.time() - arrival_s),
             trace.set_span_in_context(span) if span.is_recording() else None)
+
+    def client_calls(self, provider: str) -> ClientCalls:
+        """Spans and GenAI client metrics of a client library's calls (``provider``: its
+        ``gen_ai.provider.name``); see :mod:`llm_otel.telemetry.client`. Each call builds the
+        client histograms on this telemetry's meter: an adapter asks once, at ``instrument()``."""
+        return ClientCalls(self, provider)
+
+    # --- stage spans of engine processes past the frontend (telemetry/stages.py) ----------------
+    def start_stage(self, stage: str, request_id: int, parent: otel_context.Context, *, group_id: int,
+                    choice_index: int, start_ns: int, queued_ns: int | None = None,
+                    frontend_arrival_s: Any = None, output_tokens: int | None = None,
+                    logit_top_k: int = 0) -> StageRecord:
+        """A :class:`~llm_otel.telemetry.stages.StageRecord` for one sampled sub-request entering an
+        engine process stage at ``start_ns`` (epoch ns): ``stage`` is ``stages.ROUTER`` or
+        ``stages.INFER``, ``parent`` the Context of its request span (from the engine's carrier).
+        No span exists until :meth:`end_stage`. Raises ValueError for an unknown stage."""
+        return StageRecord(stage, request_id, parent, group_id=group_id, choice_index=choice_index,
+                           start_ns=start_ns, token_id_cap=self.settings.token_events, queued_ns=queued_ns,
+                           frontend_arrival_s=frontend_arrival_s, output_tokens=output_tokens,
+                           logit_top_k=logit_top_k)
+
+    def end_stage(self, rec: StageRecord, end_ns: int | None = None) -> None:
+        """The sub-request left the stage at ``end_ns`` (epoch ns, default now): its stage span (and
+        ``llm.logit_dist`` when the record kept logit rows), built once from the record."""
+        emit_stage(self.tracer, self.settings, rec, time.time_ns() if end_ns is None else end_ns)
+
+    @staticmethod
+    def request_context(rec: RequestRecord, parent: otel_context.Context | None = None) -> otel_context.Context:
+        """``parent`` (default: the current context) with ``rec``'s request span as the current
+        span: for engine work run under the request, so that what it creates is the span's child."""
+        return trace.set_span_in_context(rec.span, parent)

@@ -1,16 +1,16 @@
 """Engine-state metrics: what the engine's scheduler reports about itself each step.
 
-Recorded in the process that runs the scheduler (vLLM: the engine-core process), from the
-engine's own statistics object (vLLM ``SchedulerStats``, built by ``Scheduler.make_stats()`` each
-step when the engine core runs with ``log_stats=True``, which llm-otel asks for):
+Recorded in the process that runs the scheduler (vLLM: the engine-core process), from plain
+values the engine adapter reads off the engine's own statistics (:class:`SchedulerState`; vLLM:
+``SchedulerStats`` from ``Scheduler.make_stats()``, read by
+:func:`llm_otel.instrumentation.vllm.engine_core.scheduler_state`):
 
-* ``llm.server.kv_cache.usage`` (1): ``kv_cache_usage``, last step's value;
-* ``llm.server.prefix_cache.queries`` / ``.hits`` ({token}): ``prefix_cache_stats.queries`` /
-  ``.hits`` (per-step deltas of new requests; hit ratio = rate(hits) / rate(queries));
-* ``llm.server.requests.running`` / ``.waiting`` ({request}): ``num_running_reqs`` /
-  ``num_waiting_reqs``.
+* ``llm.server.kv_cache.usage`` (1): KV-cache blocks in use, last step's value;
+* ``llm.server.prefix_cache.queries`` / ``.hits`` ({token}): per-step deltas of prompt tokens
+  looked up / found in the prefix cache (hit ratio = rate(hits) / rate(queries));
+* ``llm.server.requests.running`` / ``.waiting`` ({request}).
 
-A field the installed engine does not have leaves its metric absent (never zero), logged once.
+A value the installed engine does not report leaves its metric absent (never zero), logged once.
 :class:`PhaseClock` tells which phase (prefill / decode / idle) the engine spent most of the
 last second on, for the GPU metrics (:mod:`llm_otel.gpu.metrics`).
 """
@@ -20,9 +20,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
+
+from llm_otel.gpu.metrics import GpuMetrics, register_gpu_metrics
 
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import metrics as M
@@ -60,24 +62,36 @@ class PhaseClock:
         return max((busy[PREFILL], PREFILL), (busy[DECODE], DECODE), (idle, IDLE))[1]
 
 
-def step_has_prefill(scheduler_output: Any) -> bool:
-    """Whether a vLLM ``SchedulerOutput`` schedules prompt tokens: new requests, or more tokens
-    than one per request plus speculative tokens (chunked or resumed prefill). O(1) unless
-    speculative decoding is on."""
-    if getattr(scheduler_output, "scheduled_new_reqs", None):
-        return True
-    total = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
-    per_req = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
-    spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
-    spec_tokens = sum(len(v) for v in spec.values()) if spec else 0
-    return total > len(per_req) + spec_tokens
+class SchedulerState(NamedTuple):
+    """One step's scheduler statistics as plain values; None = the engine does not report it.
+
+    Attributes:
+        kv_cache_usage: fraction (0-1) of the KV-cache blocks in use.
+        running / waiting: requests in the running batch / waiting to be scheduled.
+        prefix_queries / prefix_hits: prompt tokens looked up in / found in the prefix cache
+            during this step (deltas; both None when the engine reports no prefix-cache statistics).
+    """
+
+    kv_cache_usage: float | None
+    running: int | None
+    waiting: int | None
+    prefix_queries: int | None
+    prefix_hits: int | None
+
+
+def engine_state_instruments(telemetry: Any, phase: Callable[[], str],
+                             dp_rank: int | None = None) -> tuple["EngineStateMetrics", GpuMetrics | None]:
+    """The engine-state instruments and the per-GPU gauges (by ``phase()``, see
+    :class:`PhaseClock`) on the telemetry's meter, for the process that runs the scheduler."""
+    meter = telemetry.instruments.meter
+    return EngineStateMetrics(meter, dp_rank=dp_rank), register_gpu_metrics(meter, phase)
 
 
 class EngineStateMetrics:
     """Instruments fed by the engine's per-step scheduler statistics.
 
-    ``on_scheduler_stats(stats, model)`` is called once per engine step with vLLM's
-    ``SchedulerStats`` (or None when the engine does not collect them) - O(1), no I/O.
+    ``on_step_state(state, model)`` is called once per engine step with a :class:`SchedulerState`
+    (or None when the engine does not collect statistics) - O(1), no I/O.
     """
 
     def __init__(self, meter: Meter, provider: str = "vllm", dp_rank: int | None = None) -> None:
@@ -114,8 +128,8 @@ class EngineStateMetrics:
             self._warned.add(what)
             logger.info("llm-otel: %s; the metrics from it are absent", why)
 
-    def on_scheduler_stats(self, stats: Any, model: str) -> None:
-        if stats is None:
+    def on_step_state(self, state: SchedulerState | None, model: str) -> None:
+        if state is None:
             self._missing("stats", "the engine reports no scheduler statistics (vLLM log_stats is off, "
                                    "e.g. LLM_OTEL_VLLM_ENGINE_EVENTS=false)")
             return
@@ -123,26 +137,23 @@ class EngineStateMetrics:
             self.attrs = {A.GEN_AI_PROVIDER_NAME: self.provider, A.GEN_AI_REQUEST_MODEL: model}
             if self.dp_rank is not None:
                 self.attrs[A.LLM_PROCESS_DATA_PARALLEL_RANK] = self.dp_rank
-        kv = getattr(stats, "kv_cache_usage", None)
-        if kv is None:
+        if state.kv_cache_usage is None:
             self._missing("kv", "the engine's scheduler statistics carry no kv_cache_usage")
         else:
-            self._kv = float(kv)
-        running = getattr(stats, "num_running_reqs", None)
-        waiting = getattr(stats, "num_waiting_reqs", None)
+            self._kv = float(state.kv_cache_usage)
+        running, waiting = state.running, state.waiting
         if running is None or waiting is None:
             self._missing("queue", "the engine's scheduler statistics carry no num_running_reqs/num_waiting_reqs")
         if running is not None:
             self._running = int(running)
         if waiting is not None:
             self._waiting = int(waiting)
-        prefix = getattr(stats, "prefix_cache_stats", None)
-        if prefix is None:
+        if state.prefix_queries is None:
             self._missing("prefix", "the engine's scheduler statistics carry no prefix_cache_stats")
             return
-        queries = int(getattr(prefix, "queries", 0) or 0)
+        queries = int(state.prefix_queries)
         if queries or not self._seen_prefix:
             # the counters exist (at 0) as soon as the engine reports prefix-cache statistics at all
             self._seen_prefix = True
             self.queries.add(queries, self.attrs)
-            self.hits.add(int(getattr(prefix, "hits", 0) or 0), self.attrs)
+            self.hits.add(int(state.prefix_hits or 0), self.attrs)

@@ -124,9 +124,10 @@ class RequestRecord:
             return
         self.step_times.append(engine_mono)
         self.step_token_counts.append(n)
-        self.num_output_tokens += n
-        if len(self.head_token_ids) < self.head_cap:
-            self.head_token_ids.extend(token_ids[: self.head_cap - len(self.head_token_ids)])
+        done = self.num_output_tokens  # tokens before this step: the head's length while it fills
+        self.num_output_tokens = done + n
+        if done < self.head_cap:
+            self.head_token_ids.extend(token_ids[: self.head_cap - done])
 
     def on_event(self, kind: str, engine_mono: float) -> None:
         """Record a scheduler event: ``"queued"``, ``"scheduled"`` or ``"preempted"`` at ``engine_mono`` (s)."""
@@ -151,6 +152,40 @@ class RequestRecord:
         """The frontend hands the request to the engine core now (stamps both of its clocks)."""
         self.handed_s = time.time()
         self.handed_mono = time.monotonic()
+
+    # --- shipped to an exporter process --------------------------------------------------------
+    # the fields :class:`llm_otel.telemetry.spans.SpanBuilder` reads to build ``llm.prompt`` and
+    # ``llm.token_stream``, in :meth:`span_fields`' order
+    SPAN_FIELDS = ("arrival_s", "mono_offset_ns", "queued_mono", "scheduled_mono", "preempted_mono",
+                   "step_times", "step_token_counts", "num_output_tokens", "head_token_ids", "input_tokens",
+                   "cached_tokens", "finish_reason", "error_type", "error_message", "timing_source", "handed_s")
+
+    def span_fields(self, token_ids: bool) -> tuple:
+        """The raw data ``llm.prompt`` / ``llm.token_stream`` are built from, as plain values that
+        pickle cheaply (:data:`SPAN_FIELDS` order): the step arrays as bytes (one copy, no per-token
+        objects), the head token ids only when ``token_ids`` (content capture). Called once, at finish."""
+        return (self.arrival_s, self.mono_offset_ns, self.queued_mono, self.scheduled_mono,
+                tuple(self.preempted_mono), self.step_times.tobytes(), self.step_token_counts.tobytes(),
+                self.num_output_tokens, tuple(self.head_token_ids) if token_ids else (), self.input_tokens,
+                self.cached_tokens, self.finish_reason, self.error_type, self.error_message, self.timing_source,
+                self.handed_s)
+
+    @classmethod
+    def from_span_fields(cls, fields: tuple) -> "RequestRecord":
+        """A record with only :data:`SPAN_FIELDS` set (from :meth:`span_fields`, in the exporter
+        process): enough for :meth:`llm_otel.telemetry.spans.SpanBuilder.children`. Step arrays
+        are read back with this host's ``array`` item sizes (the exporter process runs on the
+        serving process's host, same interpreter)."""
+        rec = cls.__new__(cls)
+        for name, value in zip(cls.SPAN_FIELDS, fields):
+            setattr(rec, name, value)
+        times, counts = array("d"), array("l")
+        times.frombytes(rec.step_times)
+        counts.frombytes(rec.step_token_counts)
+        rec.step_times, rec.step_token_counts = times, counts
+        rec.preempted_mono = list(rec.preempted_mono)
+        rec.head_token_ids = list(rec.head_token_ids)
+        return rec
 
     # --- derived, at finish -----------------------------------------------------------------
     def settle_clock(self) -> None:

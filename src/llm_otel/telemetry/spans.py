@@ -41,21 +41,47 @@ def _percentiles(values) -> tuple[float, float, float, float]:
 
 
 class SpanBuilder:
-    """Emits ``llm.prompt`` / ``llm.token_stream`` / ``llm.logit_dist`` under a request span."""
+    """Emits ``llm.prompt`` / ``llm.token_stream`` / ``llm.logit_dist`` under a request span.
+
+    When ``tracer`` sends its spans to an exporter process (an
+    :class:`~llm_otel.export.offload.OffloadTracer` with ``ship_children``), ``llm.prompt`` and
+    ``llm.token_stream`` are built there from the record's raw arrays by this same class
+    (:meth:`children`); their ids and sampling decisions are still made here.
+    """
 
     def __init__(self, tracer: Tracer, settings: Settings) -> None:
         self.tracer = tracer
         self.settings = settings
+        # OffloadTracer.ship_children(rec, end_ns, settings) -> bool, else None (SDK / application tracer)
+        self._ship = getattr(tracer, "ship_children", None)
 
     def emit(self, rec: RequestRecord, end_ns: int) -> None:
         """Finish ``rec.span`` at ``end_ns`` (epoch ns) after creating its children.
 
         Only for a recording span; attributes and status of the request span are set here too.
         """
-        span = rec.span
+        end_ns = max(end_ns, rec.arrival_ns)
+        ship = self._ship
+        if ship is not None and ship(rec, end_ns, self.settings):
+            if rec.logprob_rows and rec.step_times:  # llm.logit_dist (a few % of requests) stays here
+                start_ns = rec.arrival_ns
+                first_ns = min(max(rec.epoch_ns(rec.step_times[0]), start_ns), end_ns)
+                last_ns = min(max(rec.epoch_ns(rec.step_times[-1]), start_ns), end_ns)
+                self._logit_dist(rec, trace.set_span_in_context(rec.span), first_ns, last_ns)
+        else:
+            ctx = trace.set_span_in_context(rec.span)
+            first_ns, last_ns = self.children(rec, ctx, end_ns)
+            if first_ns is not None and rec.logprob_rows:
+                self._logit_dist(rec, ctx, first_ns, last_ns)
+        self._finish_request_span(rec, end_ns)
+
+    def children(self, rec: RequestRecord, ctx, end_ns: int) -> tuple[int | None, int | None]:
+        """Create ``llm.prompt`` and (when a token came) ``llm.token_stream`` under ``ctx`` (the
+        request span's Context) with this builder's tracer; ``end_ns`` >= arrival (epoch ns).
+        Returns the first and last token's epoch ns, clamped into the request (None without tokens).
+        Runs in the serving process, or in the exporter process on a record rebuilt from
+        :meth:`RequestRecord.span_fields` (``ctx`` None there: the tracer knows the parent)."""
         start_ns = rec.arrival_ns
-        end_ns = max(end_ns, start_ns)
-        ctx = trace.set_span_in_context(span)
         clamp = lambda t: min(max(t, start_ns), end_ns)  # noqa: E731
 
         first_ns = clamp(rec.epoch_ns(rec.step_times[0])) if rec.step_times else None
@@ -102,10 +128,7 @@ class SpanBuilder:
 
         if first_ns is not None:
             self._token_stream(rec, ctx, first_ns, last_ns, preempt_in_decode)
-            if rec.logprob_rows:
-                self._logit_dist(rec, ctx, first_ns, last_ns)
-
-        self._finish_request_span(rec, end_ns)
+        return first_ns, last_ns
 
     def _token_stream(self, rec: RequestRecord, ctx, first_ns: int, last_ns: int, preempts: list[int]) -> None:
         st = self.settings
@@ -140,14 +163,10 @@ class SpanBuilder:
         # in the same step (speculative decoding) have latency 0
         token_times = itertools.islice(itertools.chain.from_iterable(map(itertools.repeat, times, counts)),
                                        st.token_events)  # each token's step time, first N tokens
-        prev = (rec.arrival_ns - rec.mono_offset_ns) / 1e9  # arrival on the engine's clock
-        for i, t in enumerate(token_times):
-            ev = {A.LLM_TOKEN_INDEX: i, A.LLM_TOKEN_LATENCY: max(0.0, t - prev)}
-            if st.capture_content and i < len(rec.head_token_ids):
-                # token ids decode back to the completion with the model's tokenizer: content
-                ev[A.LLM_TOKEN_ID] = int(rec.head_token_ids[i])
-            span.add_event(S.EVENT_LLM_TOKEN, ev, timestamp=min(max(rec.epoch_ns(t), first_ns), last_ns))
-            prev = t
+        # token ids decode back to the completion with the model's tokenizer: content
+        add_token_events(span, token_times, (rec.arrival_ns - rec.mono_offset_ns) / 1e9,  # arrival, engine clock
+                         rec.head_token_ids, with_ids=st.capture_content, per_second=1.0,
+                         stamp=lambda t: min(max(rec.epoch_ns(t), first_ns), last_ns))
         dropped = 0
         # stall events: steps whose inter-token latency exceeds k x median
         if threshold is not None:
@@ -206,6 +225,24 @@ class SpanBuilder:
         span.end(end_time=end_ns)
 
 
+def add_token_events(span, token_times, start, token_ids, *, with_ids: bool, per_second: float, stamp) -> None:
+    """One ``llm.token`` event per time in ``token_times`` (an iterable already cut to the events
+    wanted), with its index and its latency since the previous token (the first: since ``start``).
+
+    ``token_times`` / ``start`` are in one clock whose unit is ``1 / per_second`` s (request spans:
+    engine monotonic s, ``per_second=1.0``; stage spans: epoch ns, ``1e9``); ``stamp(t)`` gives
+    the event's epoch ns. ``token_ids[i]`` goes on event ``i`` when ``with_ids`` (content capture
+    only: ids decode back to the text) and there is one.
+    """
+    prev = start
+    for i, t in enumerate(token_times):
+        ev = {A.LLM_TOKEN_INDEX: i, A.LLM_TOKEN_LATENCY: max(0, t - prev) / per_second}
+        if with_ids and i < len(token_ids):
+            ev[A.LLM_TOKEN_ID] = int(token_ids[i])
+        span.add_event(S.EVENT_LLM_TOKEN, ev, timestamp=stamp(t))
+        prev = t
+
+
 def emit_logit_dist(tracer: Tracer, settings: Settings, parent, *, source: str, start_ns: int, end_ns: int,
                     times_ns: list[int], top_ids: np.ndarray, top_logprobs: np.ndarray,
                     sampled_logprobs: np.ndarray | None, entropy: np.ndarray, margin: np.ndarray,
@@ -257,3 +294,9 @@ def emit_logit_dist(tracer: Tracer, settings: Settings, parent, *, source: str, 
     if nonfinite.any():
         span.set_status(Status(StatusCode.ERROR, f"{int(nonfinite.sum())} decode step(s) with non-finite logits"))
     span.end(end_time=end_ns)
+
+
+def emit_logit_dist_for(telemetry, parent, **arrays) -> None:
+    """:func:`emit_logit_dist` on ``telemetry``'s tracer and settings: what an engine adapter
+    calls (adapters never hold the tracer). ``arrays``: :func:`emit_logit_dist`'s keywords."""
+    emit_logit_dist(telemetry.tracer, telemetry.settings, parent, **arrays)

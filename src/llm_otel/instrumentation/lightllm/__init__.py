@@ -81,15 +81,17 @@ class LightLLMInstrumentor(BaseInstrumentor):
             logger.debug("llm-otel: lightllm is not importable here; its hooks wait for an import of it")
         settings = kwargs.get("settings") or Settings.from_env()
         tracer_provider, meter_provider = kwargs.get("tracer_provider"), kwargs.get("meter_provider")
+        sampling = kwargs.get("sampling")  # the adaptive sampler's parts, from instrument()
         if tracer_provider is None and meter_provider is None:
-            ensure_providers(settings)
+            sampling = ensure_providers(settings) or sampling
             from llm_otel.instrumentation.lightllm import process
 
             # the providers' resource says which LightLLM process this is: now (launcher, gunicorn
             # master), in multiprocessing's bootstrap (router, model-infer rank, detokenizer, ...)
             # or after gunicorn forks an HTTP worker
             process.install()
-        self.adapter = LightLLMAdapter(Telemetry(tracer_provider, meter_provider, settings, scope=__name__))
+        self.adapter = LightLLMAdapter(Telemetry(tracer_provider, meter_provider, settings, scope=__name__,
+                                                 sampling=sampling))
         self._applied, self._setstate, self.layouts = [], None, {}
         for name in MODULES:
             wrapt.register_post_import_hook(self._on_import, name)

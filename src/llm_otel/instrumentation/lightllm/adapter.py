@@ -7,7 +7,10 @@ sub-request (queued -> released, with queued/scheduled events) and ``llm.engine.
 router-driven step (links to the requests it served). Model-infer worker (``InferenceContext``,
 ``InferReq``; master rank of its DP group only): ``llm.infer.request`` per sub-request (admitted ->
 released, per-token timing, sampled-token log-probs). Router and worker spans are children of the
-request span of their choice, found through the carrier (carrier.py).
+request span of their choice, found through the carrier (carrier.py); both are built by the core
+(:mod:`llm_otel.telemetry.stages`) from one :class:`StageRecord` per sub-request that the adapter
+fills and hands to ``Telemetry.end_stage``; the router's ``llm.engine.step`` through the core's
+step API (``telemetry/steps.py``). The adapter calls no tracer or meter.
 
 Engine fields read (ModelTC/lightllm main @ fc72ffab unless noted):
 
@@ -43,20 +46,19 @@ import math
 import operator
 import os
 import time
-from array import array
 from typing import Any
 
 from opentelemetry import context as otel_context
-from opentelemetry import trace
-from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanKind
 
 from llm_otel.instrumentation.lightllm import carrier as C
-from llm_otel.instrumentation.vllm.engine_core import StepSpanBudget
+from llm_otel.listeners import RequestFacts
 from llm_otel.propagation import TRACEPARENT, TRACESTATE, carrier_from_span, context_from_carrier, extract_carrier
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import spans as S
 from llm_otel.telemetry import RequestRecord, Telemetry
-from llm_otel.telemetry.spans import emit_logit_dist
+from llm_otel.telemetry.stages import INFER, ROUTER, StageRecord
+from llm_otel.telemetry.steps import EngineSteps
 
 PROVIDER = "lightllm"
 _STATE_KEY = otel_context.create_key("llm_otel.lightllm.http_request")
@@ -150,15 +152,16 @@ def engine_version() -> str:
 class _HttpRequest:
     """One ``generate`` call (a group of ``n`` choices) in an HTTP worker."""
 
-    __slots__ = ("arrival_s", "parent", "kind", "operation", "attrs", "group_id", "records", "shm_reqs",
+    __slots__ = ("arrival_s", "parent", "kind", "operation", "attrs", "headers", "group_id", "records", "shm_reqs",
                  "health", "aborted", "done", "context")
 
-    def __init__(self, arrival_s: float, parent, kind, operation: str, attrs: dict) -> None:
+    def __init__(self, arrival_s: float, parent, kind, operation: str, attrs: dict, headers=None) -> None:
         self.arrival_s = arrival_s
         self.parent = parent
         self.kind = kind
         self.operation = operation
         self.attrs = attrs
+        self.headers = headers  # the HTTP request's headers, for request classes (llm_otel.signals)
         self.group_id: int | None = None
         self.records: dict[int, RequestRecord] = {}
         self.shm_reqs: list = []
@@ -271,11 +274,13 @@ class HttpAdapter:
             return None
         request = bound.get("request")
         inbound = None
+        headers = None
         kind = SpanKind.INTERNAL
         operation = "text_completion"
         if request is not None:
             kind = SpanKind.SERVER
-            inbound = context_from_carrier(extract_carrier(getattr(request, "headers", None) or {}))
+            headers = getattr(request, "headers", None)
+            inbound = context_from_carrier(extract_carrier(headers or {}))
             path = str(getattr(getattr(request, "url", None), "path", "") or "")
             if "chat" in path:
                 operation = "chat"
@@ -301,7 +306,7 @@ class HttpAdapter:
         n = getattr(sp, "n", None) or getattr(sp, "best_of", None)
         if isinstance(n, int) and n > 1:
             attrs[A.GEN_AI_REQUEST_CHOICE_COUNT] = n
-        state = _HttpRequest(time.time(), parent, kind, operation, attrs)
+        state = _HttpRequest(time.time(), parent, kind, operation, attrs, headers)
         state.context = otel_context.set_value(_STATE_KEY, state, parent)
         if gid is not None:  # 2024 layout: start now, the carrier must be on the object before it is sent
             choices = n if isinstance(n, int) and n > 0 else 1
@@ -319,11 +324,13 @@ class HttpAdapter:
             rec = self.telemetry.start_request(
                 str(gid + i), operation=state.operation, provider=PROVIDER, model=self.model,
                 arrival_s=state.arrival_s, input_tokens=int(input_tokens), kind=state.kind, parent=state.parent,
-                engine_version=self.version, choice_index=i, request_attributes=state.attrs)
+                engine_version=self.version, choice_index=i, request_attributes=state.attrs,
+                facts=RequestFacts(state.headers))
             state.records[i] = rec
         self.live[gid] = state
         first = state.records[0].span
-        state.context = otel_context.set_value(_STATE_KEY, state, trace.set_span_in_context(first, state.parent))
+        state.context = otel_context.set_value(_STATE_KEY, state,
+                                               self.telemetry.request_context(state.records[0], state.parent))
         if multimodal_params is not None:
             carrier = carrier_from_span(first)
             if TRACEPARENT in carrier:
@@ -394,6 +401,7 @@ class HttpAdapter:
             return
         token_id = metadata.get("id") if isinstance(metadata, dict) else None
         rec.on_tokens([int(token_id) if isinstance(token_id, int) else -1], now)
+        self.telemetry.on_tokens(1, now)  # LightLLM yields each token of each choice on its own
         if isinstance(metadata, dict):
             if not rec.input_tokens and isinstance(metadata.get("prompt_tokens"), int):
                 rec.input_tokens = metadata["prompt_tokens"]
@@ -437,27 +445,14 @@ class HttpAdapter:
 
 
 # --- router -----------------------------------------------------------------------------------
-class _RouterReq:
-    __slots__ = ("parent", "link", "group_id", "index", "queued_ns", "time_mark_s", "scheduled_ns", "input_len")
-
-    def __init__(self, parent, link, group_id: int, index: int, queued_ns: int, time_mark_s) -> None:
-        self.parent = parent
-        self.link = link
-        self.group_id = group_id
-        self.index = index
-        self.queued_ns = queued_ns
-        self.time_mark_s = time_mark_s
-        self.scheduled_ns: int | None = None
-        self.input_len: int | None = None
-
-
 class RouterAdapter:
     def __init__(self, telemetry: Telemetry) -> None:
         self.telemetry = telemetry
-        self.reqs: dict[int, _RouterReq] = {}
-        # LLM_OTEL_STEP_SPANS_PER_S: the same token bucket as vLLM's engine core (one router = one
-        # engine loop); a step serving no sampled request takes nothing from it
-        self.budget = StepSpanBudget(telemetry.settings.step_spans_per_s)
+        self.reqs: dict[int, StageRecord] = {}  # llm.router.request records by sub-request id
+        # llm.engine.step through the core's step API: LLM_OTEL_STEP_SPANS_PER_S, the same budget
+        # as vLLM's engine core (one router = one engine loop); a step serving no sampled request
+        # takes nothing from it
+        self.step_spans = EngineSteps(telemetry)
 
     def add_req(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
@@ -491,8 +486,9 @@ class RouterAdapter:
             parent, sampled = C.parent_for(carrier, gid + i)
             if not sampled:
                 continue
-            link = Link(trace.get_current_span(parent).get_span_context())
-            self.reqs[gid + i] = _RouterReq(parent, link, gid, i, now, time_mark)
+            self.reqs[gid + i] = self.telemetry.start_stage(
+                ROUTER, gid + i, parent, group_id=gid, choice_index=i, start_ns=now, queued_ns=now,
+                frontend_arrival_s=time_mark)
 
     def admit(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
@@ -504,7 +500,7 @@ class RouterAdapter:
                         st = self.reqs.get(request_id(getattr(req, "request_id", None)))
                         if st is not None and st.scheduled_ns is None:
                             st.scheduled_ns = now
-                            st.input_len = getattr(req, "input_len", None)
+                            st.input_tokens = getattr(req, "input_len", None)
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
             return batch
@@ -513,7 +509,7 @@ class RouterAdapter:
 
     def decode_batch(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
-            if not self.reqs or not self.budget.ready():
+            if not self.reqs or not self.step_spans.ready():
                 return wrapped(*args, **kwargs)
             try:
                 batch = _bind(wrapped, args, kwargs).get("batch") or getattr(instance, "running_batch", None)
@@ -531,14 +527,11 @@ class RouterAdapter:
             return await coro
         finally:
             try:
-                links = [st.link for st in (self.reqs.get(request_id(getattr(r, "request_id", None))) for r in reqs)
-                         if st]
-                if links:
-                    self.budget.take()
-                    span = self.telemetry.tracer.start_span(
-                        S.LLM_ENGINE_STEP, kind=SpanKind.INTERNAL, links=links, start_time=start_ns,
-                        attributes={A.LLM_ENGINE_STEP_BATCH_SIZE: len(reqs)})
-                    span.end()
+                linked = [st.span_context for st in (self.reqs.get(request_id(getattr(r, "request_id", None)))
+                                                     for r in reqs) if st]
+                span = self.step_spans.start(linked, start_ns=start_ns, batch_size=len(reqs))
+                if span is not None:
+                    self.step_spans.finish(span)
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
 
@@ -560,7 +553,7 @@ class RouterAdapter:
                     left = {request_id(getattr(r, "request_id", None)) for r in getattr(instance, "reqs", None) or ()}
                     for rid, facts in snapshot.items():
                         if rid not in left:
-                            self._released(rid, facts)
+                            _end_stage(self.telemetry, self.reqs, rid, facts)
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
             return result
@@ -577,59 +570,27 @@ class RouterAdapter:
                 "input": getattr(req, "input_len", None), "reason": reason,
                 "aborted": bool(getattr(req, "is_aborted", False)) or aborted}
 
-    def _released(self, rid: int, facts: dict) -> None:
-        st = self.reqs.pop(rid)
-        end_ns = time.time_ns()
-        attrs: dict[str, Any] = {A.LLM_REQUEST_ID: str(rid), A.LLM_REQUEST_CHOICE_INDEX: st.index}
-        input_len = facts["input"] if isinstance(facts["input"], int) else st.input_len
-        if isinstance(input_len, int):
-            attrs[A.GEN_AI_USAGE_INPUT_TOKENS] = input_len
-        if isinstance(facts["output"], int):
-            attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] = facts["output"]
-        if isinstance(facts["cache"], int):
-            attrs[A.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = facts["cache"]
-        if isinstance(st.time_mark_s, (int, float)):
-            attrs[A.LLM_REQUEST_FRONTEND_DURATION] = max(0.0, st.queued_ns / 1e9 - st.time_mark_s)
-        if st.scheduled_ns is not None:
-            attrs[A.LLM_REQUEST_QUEUE_DURATION] = (st.scheduled_ns - st.queued_ns) / 1e9
-        if facts["reason"]:
-            attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] = [facts["reason"]]
-        if facts["aborted"]:
-            attrs[A.ERROR_TYPE] = "aborted"
-        span = self.telemetry.tracer.start_span(S.LLM_ROUTER_REQUEST, context=st.parent, kind=SpanKind.INTERNAL,
-                                                attributes=attrs, start_time=st.queued_ns)
-        span.add_event(S.EVENT_LLM_REQUEST_QUEUED, timestamp=st.queued_ns)
-        if st.scheduled_ns is not None:
-            span.add_event(S.EVENT_LLM_REQUEST_SCHEDULED, timestamp=st.scheduled_ns)
-        if facts["aborted"]:
-            span.set_status(Status(StatusCode.ERROR, "aborted"))
-        span.end(end_time=end_ns)
-        if not any(r.group_id == st.group_id for r in self.reqs.values()):
-            C.TABLE.pop(st.group_id)
+
+def _end_stage(telemetry: Telemetry, reqs: dict[int, StageRecord], rid: int, facts: dict) -> None:
+    """Sub-request ``rid`` left this process (router or worker): its record, popped from ``reqs``,
+    gets the facts read off LightLLM's request as it left (``_read``: input/output/cached tokens,
+    finish reason, aborted), the core builds its span; the carrier is dropped once no choice of its
+    group is left here."""
+    st = reqs.pop(rid)
+    if isinstance(facts["input"], int):  # else the length read at admission / first token
+        st.input_tokens = facts["input"]
+    if isinstance(facts.get("output"), int):  # router: the engine's count; the worker counts its own
+        st.output_tokens = facts["output"]
+    st.cached_tokens = facts["cache"]
+    st.finish_reason = facts["reason"]
+    st.aborted = facts["aborted"]
+    telemetry.end_stage(st)
+    if not any(r.group_id == st.group_id for r in reqs.values()):
+        C.TABLE.pop(st.group_id)
 
 
 # --- model-infer worker -----------------------------------------------------------------------
 MAX_LOGIT_STEPS = 4096
-
-
-class _InferReq:
-    __slots__ = ("parent", "group_id", "index", "admitted_ns", "times", "ids", "logprob_sum", "count",
-                 "resumed", "input_len", "cache", "top_k", "logits")
-
-    def __init__(self, parent, group_id: int, index: int, admitted_ns: int, top_k: int = 0) -> None:
-        self.top_k = top_k
-        self.logits: list[tuple] = []  # per sampled step: (time_ns, top ids, top lps, entropy, margin, nonfinite, lp)
-        self.parent = parent
-        self.group_id = group_id
-        self.index = index
-        self.admitted_ns = admitted_ns
-        self.times = array("q")  # epoch ns of each token
-        self.ids: list[int] = []
-        self.logprob_sum = 0.0
-        self.count = 0
-        self.resumed = 0
-        self.input_len: int | None = None
-        self.cache: int | None = None
 
 
 def _master_rank() -> bool | None:
@@ -654,7 +615,7 @@ def _master_rank() -> bool | None:
 class WorkerAdapter:
     def __init__(self, telemetry: Telemetry) -> None:
         self.telemetry = telemetry
-        self.reqs: dict[int, _InferReq] = {}
+        self.reqs: dict[int, StageRecord] = {}  # llm.infer.request records by sub-request id
         self._master: bool | None = None
 
     def add_reqs(self, hook: str):
@@ -689,7 +650,10 @@ class WorkerAdapter:
             if sampled:
                 top_k = carrier.get(C.TOPK_KEY)
                 top_k = top_k if isinstance(top_k, int) and 0 < top_k <= 64 else 0
-                self.reqs[rid] = _InferReq(parent, gid, rid - gid, now, top_k)
+                # the worker counts the tokens it produces (one set_next_gen_token_id call each)
+                self.reqs[rid] = self.telemetry.start_stage(
+                    INFER, rid, parent, group_id=gid, choice_index=rid - gid, start_ns=now, output_tokens=0,
+                    logit_top_k=top_k)
 
     def token(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
@@ -700,14 +664,10 @@ class WorkerAdapter:
                         now = time.time_ns()
                         token_id = args[0] if args else kwargs.get("next_token_id")
                         logprob = args[1] if len(args) > 1 else kwargs.get("logprob", 0.0)
-                        if st.count == 0:
+                        if not st.token_times:
                             shm = getattr(instance, "shm_req", None)
-                            st.input_len = getattr(shm, "input_len", None)
-                        if len(st.ids) < self.telemetry.settings.token_events:
-                            st.ids.append(int(token_id))
-                        st.times.append(now)
-                        st.logprob_sum += float(logprob)
-                        st.count += 1
+                            st.input_tokens = getattr(shm, "input_len", None)
+                        st.on_token(token_id, logprob, now)
                 except Exception as exc:  # noqa: BLE001
                     self.telemetry.errors.report(hook, exc)
             return wrapped(*args, **kwargs)
@@ -741,10 +701,10 @@ class WorkerAdapter:
         rows, members, k = [], [], 0
         for i, req in enumerate(reqs or ()):
             st = self.reqs.get(request_id(getattr(req, "req_id", None)))
-            if st is not None and st.top_k and len(st.logits) < MAX_LOGIT_STEPS:
+            if st is not None and st.logit_top_k and len(st.logit_rows) < MAX_LOGIT_STEPS:
                 rows.append(i)
                 members.append(st)
-                k = max(k, st.top_k)
+                k = max(k, st.logit_top_k)
         if not rows or logits is None:
             return None
         import torch
@@ -766,10 +726,10 @@ class WorkerAdapter:
         stats, sampled_lp = device_stats.to_host(sampled)
         now = time.time_ns()
         for j, st in enumerate(members):
-            k = st.top_k
-            st.logits.append((now, stats.top_ids[j, :k], stats.top_logprobs[j, :k], float(stats.entropy[j]),
-                              float(stats.margin[j]), bool(stats.nonfinite[j]),
-                              float(sampled_lp[j]) if sampled_lp is not None else math.nan))
+            k = st.logit_top_k
+            st.logit_rows.append((now, stats.top_ids[j, :k], stats.top_logprobs[j, :k], float(stats.entropy[j]),
+                                  float(stats.margin[j]), bool(stats.nonfinite[j]),
+                                  float(sampled_lp[j]) if sampled_lp is not None else math.nan))
 
     def filter(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
@@ -786,7 +746,7 @@ class WorkerAdapter:
             result = wrapped(*args, **kwargs)
             for rid, facts in ended:
                 try:
-                    self._released(rid, facts)
+                    _end_stage(self.telemetry, self.reqs, rid, facts)
                 except Exception as exc:  # noqa: BLE001
                     self.telemetry.errors.report(hook, exc)
             return result
@@ -799,60 +759,6 @@ class WorkerAdapter:
         _finished, aborted, reason = _finish_info(getattr(req, "finish_status", None))
         return {"reason": reason, "input": getattr(shm, "input_len", None), "cache": getattr(shm, "prompt_cache_len", None),
                 "aborted": aborted or bool(getattr(shm, "router_aborted", False) or getattr(shm, "is_aborted", False))}
-
-    def _released(self, rid: int, facts: dict) -> None:
-        st = self.reqs.pop(rid)
-        end_ns = time.time_ns()
-        attrs: dict[str, Any] = {A.LLM_REQUEST_ID: str(rid), A.LLM_REQUEST_CHOICE_INDEX: st.index,
-                                 A.GEN_AI_USAGE_OUTPUT_TOKENS: st.count}
-        input_len = facts["input"] if isinstance(facts["input"], int) else st.input_len
-        if isinstance(input_len, int):
-            attrs[A.GEN_AI_USAGE_INPUT_TOKENS] = input_len
-        if isinstance(facts["cache"], int):
-            attrs[A.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = facts["cache"]
-        if st.resumed:
-            attrs[A.LLM_REQUEST_PREEMPTIONS] = st.resumed
-        times = st.times
-        if times:
-            attrs[A.LLM_REQUEST_PREFILL_DURATION] = max(0, times[0] - st.admitted_ns) / 1e9
-            attrs[A.LLM_REQUEST_DECODE_DURATION] = (times[-1] - times[0]) / 1e9
-            attrs[A.LLM_LOGIT_PERPLEXITY] = math.exp(min(700.0, -st.logprob_sum / st.count))
-            if st.count > 1:
-                attrs[A.LLM_TIME_PER_OUTPUT_TOKEN] = (times[-1] - times[0]) / 1e9 / (st.count - 1)
-        if facts["reason"]:
-            attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] = [facts["reason"]]
-        if facts["aborted"]:
-            attrs[A.ERROR_TYPE] = "aborted"
-        span = self.telemetry.tracer.start_span(S.LLM_INFER_REQUEST, context=st.parent, kind=SpanKind.INTERNAL,
-                                                attributes=attrs, start_time=st.admitted_ns)
-        previous = st.admitted_ns
-        with_ids = self.telemetry.settings.capture_content  # token ids decode back to the text
-        for i, token_id in enumerate(st.ids):
-            t = times[i]
-            ev = {A.LLM_TOKEN_INDEX: i, A.LLM_TOKEN_LATENCY: max(0, t - previous) / 1e9}
-            if with_ids:
-                ev[A.LLM_TOKEN_ID] = token_id
-            span.add_event(S.EVENT_LLM_TOKEN, ev, timestamp=t)
-            previous = t
-        if facts["aborted"]:
-            span.set_status(Status(StatusCode.ERROR, "aborted"))
-        span.end(end_time=max(end_ns, times[-1] if times else end_ns))
-        if st.logits:
-            self._emit_logits(st)
-        if not any(r.group_id == st.group_id for r in self.reqs.values()):
-            C.TABLE.pop(st.group_id)
-
-    def _emit_logits(self, st: _InferReq) -> None:
-        import numpy as np
-
-        rows = st.logits
-        st.logits = []
-        emit_logit_dist(
-            self.telemetry.tracer, self.telemetry.settings, st.parent, source="full_vocab_logits",
-            start_ns=rows[0][0], end_ns=rows[-1][0], times_ns=[r[0] for r in rows],
-            top_ids=np.stack([r[1] for r in rows]), top_logprobs=np.stack([r[2] for r in rows]),
-            sampled_logprobs=np.asarray([r[6] for r in rows]), entropy=np.asarray([r[3] for r in rows]),
-            margin=np.asarray([r[4] for r in rows]), nonfinite=np.asarray([r[5] for r in rows]))
 
 
 class LightLLMAdapter:

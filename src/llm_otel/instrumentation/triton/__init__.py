@@ -73,10 +73,11 @@ class TritonClientInstrumentor(BaseInstrumentor):
         settings = kwargs.get("settings") or Settings.from_env()
         tracer_provider = kwargs.get("tracer_provider")
         meter_provider = kwargs.get("meter_provider")
+        sampling = kwargs.get("sampling")  # the adaptive sampler's parts, from instrument()
         if tracer_provider is None and meter_provider is None:
-            ensure_providers(settings)
-        telemetry = Telemetry(tracer_provider, meter_provider, settings, scope=__name__)
-        self.adapter = TritonAdapter(telemetry, meter_provider)
+            sampling = ensure_providers(settings) or sampling
+        telemetry = Telemetry(tracer_provider, meter_provider, settings, scope=__name__, sampling=sampling)
+        self.adapter = TritonAdapter(telemetry)
         self._applied = apply_hooks(HOOKS, self.adapter, "tritonclient")
 
     def _uninstrument(self, **kwargs: Any) -> None:

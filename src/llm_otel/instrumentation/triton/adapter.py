@@ -1,4 +1,19 @@
-"""Turns tritonclient calls into CLIENT spans, streamed-response timing and GenAI client metrics.
+"""Reads tritonclient calls and responses for the core's client calls (:mod:`llm_otel.telemetry.client`).
+
+What lives here is tritonclient knowledge only: which arguments a call has (bound with
+``inspect.signature``), the GenAI request attributes in its inputs and parameters, the server
+address of a client, what an error is called (``InferenceServerException.status()``, gRPC codes),
+whether a response has what was asked for, and the bookkeeping of gRPC streams (requests in
+flight by id, the raw response behind each callback, how a stream ended). Spans, their times and
+the metrics are the core's: this module calls :class:`~llm_otel.telemetry.client.ClientCalls`
+and never the tracer or a meter.
+
+One wrapper factory per call shape (the names in :data:`llm_otel.instrumentation.triton.hooks.HOOKS`):
+``sync_call`` (http / grpc ``infer``), ``aio_call`` (http.aio / grpc.aio ``infer``),
+``handle_call`` + ``handle_result`` (http ``async_infer`` ended by ``get_result``),
+``callback_call`` (grpc ``async_infer``), ``stream_start`` / ``stream_request`` / ``stream_stop``
+/ ``stream_peek`` (grpc streams), ``aio_stream`` (grpc.aio ``stream_infer``) and
+``remember_url``. The synchronous ones share one skeleton (:meth:`TritonAdapter._wrap`).
 
 Every wrapper follows the same rules: the span starts in the caller's context, the headers the
 call sends are a *copy* of the caller's dict with ``traceparent``/``tracestate`` added (lowercase
@@ -9,8 +24,7 @@ llm-otel is counted in ``llm_otel.instrumentation.errors`` and never reaches the
 The application's exceptions and return values pass through unchanged; its callbacks run exactly
 once, after the span has ended.
 
-Clocks: span times are epoch ns (``time.time_ns()``); response times are ``time.monotonic()``
-seconds mapped to epoch ns once per call (:func:`llm_otel.telemetry.record.mono_offset_ns`).
+Clocks: response times are ``time.monotonic()`` seconds (see :mod:`llm_otel.telemetry.client`).
 """
 
 from __future__ import annotations
@@ -22,29 +36,21 @@ import logging
 import threading
 import time
 import weakref
-from array import array
 from collections import deque
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import numpy as np
 import wrapt
-from opentelemetry import trace
-from opentelemetry.metrics import get_meter
-from opentelemetry.trace import Link, SpanKind, Status, StatusCode
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from llm_otel.semconv import SCHEMA_URL
 from llm_otel.semconv import attributes as A
-from llm_otel.semconv import metrics as M
 from llm_otel.semconv import spans as S
 from llm_otel.telemetry import Telemetry
-from llm_otel.telemetry.record import mono_offset_ns
+from llm_otel.telemetry.client import CANCELLED, ClientCall, ClientStream
 
 logger = logging.getLogger("llm_otel")
 
 PROVIDER = "triton"
-_W3C = TraceContextTextMapPropagator()  # Triton reads only W3C trace context
 FINAL_PARAM = "triton_final_response"
 # inputs whose presence makes a call an LLM text completion
 _LLM_INPUTS = frozenset({"text_input", "prompt", "input_ids", "sampling_parameters"})
@@ -67,83 +73,28 @@ _REQUEST_KEYS: dict[str, tuple[str, type]] = {
 _MAX_SCALAR_BYTES = 4096  # larger inputs are data, not settings: never parsed
 
 
-class ClientInstruments:
-    """GenAI client histograms (seconds), created once per meter with the semconv bucket advisories.
-
-    * ``gen_ai.client.operation.duration``: call -> last response or error, every call.
-    * ``gen_ai.client.operation.time_to_first_chunk``: call -> first response, successful streams.
-    * ``gen_ai.client.operation.time_per_output_chunk``: each gap between consecutive responses
-      after the first, successful streams.
-    """
-
-    def __init__(self, meter) -> None:
-        def hist(name, unit, buckets, description):
-            return meter.create_histogram(name, unit=unit, description=description,
-                                          explicit_bucket_boundaries_advisory=list(buckets))
-
-        self.duration = hist(M.GEN_AI_CLIENT_OPERATION_DURATION, M.GEN_AI_CLIENT_OPERATION_DURATION_UNIT,
-                             M.GEN_AI_CLIENT_OPERATION_DURATION_BUCKETS, "GenAI operation duration.")
-        self.first_chunk = hist(M.GEN_AI_CLIENT_OPERATION_TIME_TO_FIRST_CHUNK,
-                                M.GEN_AI_CLIENT_OPERATION_TIME_TO_FIRST_CHUNK_UNIT,
-                                M.GEN_AI_CLIENT_OPERATION_TIME_TO_FIRST_CHUNK_BUCKETS,
-                                "Time to the first chunk of a streamed response.")
-        self.per_chunk = hist(M.GEN_AI_CLIENT_OPERATION_TIME_PER_OUTPUT_CHUNK,
-                              M.GEN_AI_CLIENT_OPERATION_TIME_PER_OUTPUT_CHUNK_UNIT,
-                              M.GEN_AI_CLIENT_OPERATION_TIME_PER_OUTPUT_CHUNK_BUCKETS,
-                              "Time between consecutive chunks of a streamed response.")
-
-
-class Call:
-    """One inference request: its span and the client-side times of its responses.
-
-    ``start_mono``/``times`` are ``time.monotonic()`` seconds; ``offset_ns`` maps them to epoch ns.
-    """
-
-    __slots__ = ("span", "recording", "request_id", "metric_attrs", "start_mono", "offset_ns",
-                 "times", "streaming", "finished", "end_reason", "lock", "expected", "problem")
-
-    def __init__(self, span, request_id: str, metric_attrs: dict, streaming: bool,
-                 expected: tuple[str, ...] = ()) -> None:
-        self.expected = expected  # output names the caller requested (``outputs=``)
-        self.problem: str | None = None  # first malformed-response finding of a stream request
-        self.span = span
-        self.recording = span.is_recording()
-        self.request_id = request_id
-        self.metric_attrs = metric_attrs
-        self.offset_ns = mono_offset_ns()
-        self.start_mono = time.monotonic()
-        self.times = array("d")
-        self.streaming = streaming
-        self.finished = False
-        self.end_reason: str | None = None
-        self.lock = threading.Lock()
-
-    def epoch_ns(self, mono_s: float) -> int:
-        return round(mono_s * 1e9) + self.offset_ns
-
-
 class StreamState:
-    """One gRPC stream: its span, the requests in flight on it (by request id, oldest first) and
-    the raw response tritonclient is handing to the callback right now (stream thread only)."""
+    """One gRPC stream: its core record, the requests in flight on it (by request id, oldest first)
+    and the raw response tritonclient is handing to the callback right now (stream thread only)."""
 
-    def __init__(self, span, client: str, server_attrs: dict) -> None:
-        self.span = span
+    def __init__(self, stream: ClientStream, client: str, server_attrs: dict) -> None:
+        self.stream = stream
         self.client = client
         self.server_attrs = server_attrs
         self.lock = threading.Lock()
-        self.inflight: dict[str, deque[Call]] = {}
+        self.inflight: dict[str, deque[ClientCall]] = {}
         self.requests = 0
         self.last_raw: Any = None
         self.error: BaseException | None = None
         self.closed = False
         self.cancelling = False  # stop_stream(cancel_requests=True) is running
 
-    def add(self, call: Call) -> None:
+    def add(self, call: ClientCall) -> None:
         with self.lock:
             self.requests += 1
             self.inflight.setdefault(call.request_id, deque()).append(call)
 
-    def lookup(self, request_id: str) -> Call | None:
+    def lookup(self, request_id: str) -> ClientCall | None:
         with self.lock:
             calls = self.inflight.get(request_id)
             if calls:
@@ -153,7 +104,7 @@ class StreamState:
                 return only[0] if len(only) == 1 else None
             return None
 
-    def remove(self, call: Call) -> None:
+    def remove(self, call: ClientCall) -> None:
         with self.lock:
             calls = self.inflight.get(call.request_id)
             if calls:
@@ -164,7 +115,7 @@ class StreamState:
                 if not calls:
                     del self.inflight[call.request_id]
 
-    def drain(self) -> list[Call]:
+    def drain(self) -> list[ClientCall]:
         with self.lock:
             out = [c for calls in self.inflight.values() for c in calls]
             self.inflight.clear()
@@ -193,9 +144,6 @@ def _error_type(exc: BaseException) -> str:
     if status is not None and not isinstance(status, str):
         return str(status)
     return type(exc).__qualname__
-
-
-CANCELLED = "cancelled"
 
 
 class _Malformed(Exception):
@@ -347,11 +295,6 @@ def _url_server(url: Any) -> dict[str, Any]:
         return {}
 
 
-def _percentiles(values: np.ndarray) -> tuple[float, float, float, float]:
-    p50, p90, p99 = np.percentile(values, (50, 90, 99))
-    return float(p50), float(p90), float(p99), float(values.max())
-
-
 class _Signatures:
     """``inspect.signature`` of each wrapped method, computed once."""
 
@@ -373,21 +316,32 @@ class _Signatures:
         return bound
 
 
+def _flavour(qualname: str) -> str:
+    """``http``, ``http.aio``, ``grpc`` or ``grpc.aio``: the client a hook's ``module:target`` belongs to."""
+    module = qualname.partition(":")[0]
+    kind = "http" if module.startswith("tritonclient.http") else "grpc"
+    return f"{kind}.aio" if module.endswith(".aio") else kind
+
+
+def _itself(record: Any) -> Any:
+    return record
+
+
+def _pass_on(instance: Any, record: Any, result: Any) -> Any:
+    return result
+
+
 class TritonAdapter:
-    """The wrapper factories named in :data:`llm_otel.instrumentation.triton.hooks.HOOKS`."""
+    """The wrapper factories named in :data:`llm_otel.instrumentation.triton.hooks.HOOKS`, one per
+    call shape. Spans and metrics go through ``telemetry.client_calls("triton")``."""
 
-    def __init__(self, telemetry: Telemetry, meter_provider=None) -> None:
-        from llm_otel.version import __version__
-
+    def __init__(self, telemetry: Telemetry) -> None:
         self.telemetry = telemetry
-        self.tracer = telemetry.tracer
-        self.settings = telemetry.settings
         self.errors = telemetry.errors
-        meter = get_meter("llm_otel.instrumentation.triton", __version__, meter_provider, schema_url=SCHEMA_URL)
-        self.instruments = ClientInstruments(meter)
+        self.calls = telemetry.client_calls(PROVIDER)
         self._sigs = _Signatures()
         self._urls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # grpc client -> server attrs
-        self._pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # InferAsyncRequest -> Call
+        self._pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # InferAsyncRequest -> call
         self._streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # grpc client -> StreamState
         self._lock = threading.Lock()
 
@@ -405,42 +359,27 @@ class TritonAdapter:
             return {}
 
     def _start_call(self, flavour: str, client: Any, model: Any, version: Any, request_id: Any,
-                    inputs: Any, parameters: Any, streaming: bool, parent=None,
-                    links: list | None = None, outputs: Any = None) -> Call:
+                    inputs: Any, parameters: Any, streaming: bool, stream: ClientStream | None = None,
+                    outputs: Any = None) -> ClientCall:
+        """A call's core record from tritonclient's arguments (``flavour``: the client kind)."""
         llm, req_attrs = request_attributes(inputs, parameters)
-        operation = "text_completion" if llm else "infer"
-        model = str(model)
-        server = self._server(client)
-        attrs: dict[str, Any] = {
-            A.GEN_AI_OPERATION_NAME: operation,
-            A.GEN_AI_PROVIDER_NAME: PROVIDER,
-            A.GEN_AI_REQUEST_MODEL: model,
-            A.LLM_TRITON_CLIENT: flavour,
-            **server,
-            **req_attrs,
-        }
-        if streaming:
-            attrs[A.GEN_AI_REQUEST_STREAM] = True
+        attrs: dict[str, Any] = {A.LLM_TRITON_CLIENT: flavour, **req_attrs}
         if version:
             attrs[A.LLM_TRITON_MODEL_VERSION] = str(version)
-        if request_id:
-            attrs[A.LLM_REQUEST_ID] = str(request_id)
-        span = self.tracer.start_span(f"{operation} {model}", context=parent, kind=SpanKind.CLIENT,
-                                      attributes=attrs, links=links)
-        metric_attrs = {A.GEN_AI_OPERATION_NAME: operation, A.GEN_AI_PROVIDER_NAME: PROVIDER,
-                        A.GEN_AI_REQUEST_MODEL: model, **server}
-        return Call(span, str(request_id or ""), metric_attrs, streaming, _expected(outputs))
+        return self.calls.start(operation="text_completion" if llm else "infer", model=str(model),
+                                server=self._server(client), attributes=attrs,
+                                request_id=str(request_id or ""), streaming=streaming,
+                                expected=_expected(outputs), stream=stream)
 
-    @staticmethod
-    def _headers_with_context(headers: Any, span) -> dict:
-        """A new dict: the caller's headers plus ``traceparent``/``tracestate`` of ``span``."""
+    def _headers_with_context(self, headers: Any, record: ClientCall | ClientStream) -> dict:
+        """A new dict: the caller's headers plus ``traceparent``/``tracestate`` of ``record``'s span."""
         out = dict(headers) if headers else {}
         for key in [k for k in out if isinstance(k, str) and k.lower() in ("traceparent", "tracestate")]:
             del out[key]
-        _W3C.inject(out, context=trace.set_span_in_context(span))
+        out.update(self.calls.carrier(record))
         return out
 
-    def _malformed(self, call: Call, result: Any) -> _Malformed | None:
+    def _malformed(self, call: ClientCall, result: Any) -> _Malformed | None:
         """The finding of :func:`response_problem` on a unary call's ``InferResult``, or None."""
         if result is None:
             return None
@@ -451,90 +390,14 @@ class TritonAdapter:
         problem = response_problem(response, call.expected, streaming=False)
         return _Malformed(problem) if problem else None
 
-    def _on_response(self, call: Call, now: float | None = None) -> None:
-        """Hot path: one response arrived (monotonic seconds)."""
-        call.times.append(time.monotonic() if now is None else now)
-
-    def finish(self, call: Call, error: BaseException | None = None, end_reason: str | None = None,
+    def finish(self, call: ClientCall, error: BaseException | None = None, end_reason: str | None = None,
                end_mono: float | None = None) -> None:
-        """End ``call`` exactly once: ``llm.token_stream`` (streams with responses), status, metrics."""
-        with call.lock:
-            if call.finished:
-                return
-            call.finished = True
-        try:
-            if error is None and call.problem is not None:
-                error = _Malformed(call.problem)
-            end = time.monotonic() if end_mono is None else end_mono
-            end_ns = call.epoch_ns(end)
-            error_type = _error_type(error) if error is not None else None
-            if call.streaming:
-                call.end_reason = end_reason or ("error" if error is not None else "stream_end")
-            if call.recording:
-                self._emit(call, end_ns, error, error_type)
-            else:
-                call.span.end(end_time=end_ns)
-            attrs = call.metric_attrs
-            if error_type is not None:
-                attrs = {**attrs, A.ERROR_TYPE: error_type}
-            self.instruments.duration.record(max(0.0, end - call.start_mono), attrs)
-            if error_type is None and call.streaming and call.times:
-                self.instruments.first_chunk.record(max(0.0, call.times[0] - call.start_mono), attrs)
-                for gap in np.diff(np.frombuffer(call.times, dtype=np.float64)):
-                    self.instruments.per_chunk.record(float(gap), attrs)
-        except Exception as exc:  # noqa: BLE001
-            self.errors.report("triton.finish", exc)
-            try:
-                call.span.end()
-            except Exception:  # noqa: BLE001
-                pass
-
-    def _emit(self, call: Call, end_ns: int, error: BaseException | None, error_type: str | None) -> None:
-        span = call.span
-        start_ns = span.start_time if getattr(span, "start_time", None) else call.epoch_ns(call.start_mono)
-        end_ns = max(end_ns, start_ns)
-        if call.streaming:
-            span.set_attribute(A.LLM_STREAM_RESPONSES, len(call.times))
-            span.set_attribute(A.LLM_STREAM_END, call.end_reason)
-            if call.times:
-                self._token_stream(call, start_ns, end_ns, error_type)
-        if error_type is not None:
-            span.set_attribute(A.ERROR_TYPE, error_type)
-            if error_type != CANCELLED:  # cancelling is the application's choice, not a failure
-                # server messages can quote the request's input: the text only with content capture
-                # on; a malformed-response finding names outputs and data types only
-                detail = self.telemetry.truncate(str(error)) \
-                    if self.settings.capture_content or isinstance(error, _Malformed) else error_type
-                span.set_status(Status(StatusCode.ERROR, detail))
-        span.end(end_time=end_ns)
-
-    def _token_stream(self, call: Call, start_ns: int, end_ns: int, error_type: str | None) -> None:
-        times = np.frombuffer(call.times, dtype=np.float64)
-        clamp = lambda t: min(max(t, start_ns), end_ns)  # noqa: E731
-        first_ns, last_ns = clamp(call.epoch_ns(times[0])), clamp(call.epoch_ns(times[-1]))
-        attrs: dict[str, Any] = {
-            A.LLM_STREAM_RESPONSES: len(times),
-            A.LLM_TIME_TO_FIRST_TOKEN: max(0.0, float(times[0] - call.start_mono)),
-            A.LLM_STREAM_END: call.end_reason,
-        }
-        gaps = np.diff(times, prepend=call.start_mono)
-        if len(times) > 1:
-            p50, p90, p99, mx = _percentiles(gaps[1:])
-            attrs.update({A.LLM_STREAM_RESPONSE_GAP_P50: p50, A.LLM_STREAM_RESPONSE_GAP_P90: p90,
-                          A.LLM_STREAM_RESPONSE_GAP_P99: p99, A.LLM_STREAM_RESPONSE_GAP_MAX: mx})
-        n_ev = min(len(times), self.settings.token_events)
-        attrs[A.LLM_TOKEN_EVENTS_DROPPED] = len(times) - n_ev
-        if error_type is not None:
-            attrs[A.ERROR_TYPE] = error_type
-        span = self.tracer.start_span(S.LLM_TOKEN_STREAM, context=trace.set_span_in_context(call.span),
-                                      kind=SpanKind.INTERNAL, start_time=first_ns, attributes=attrs)
-        for i in range(n_ev):
-            span.add_event(S.EVENT_LLM_STREAM_RESPONSE,
-                           {A.LLM_STREAM_RESPONSE_INDEX: i, A.LLM_STREAM_RESPONSE_GAP: float(gaps[i])},
-                           timestamp=clamp(call.epoch_ns(times[i])))
-        if error_type is not None and error_type != CANCELLED:
-            span.set_status(Status(StatusCode.ERROR, error_type))
-        span.end(end_time=last_ns)
+        """End ``call`` exactly once (:meth:`~llm_otel.telemetry.client.ClientCalls.finish`) with what
+        tritonclient raised or handed back (``error``), or a streamed response's finding. Never raises."""
+        if error is None and call.problem is not None:
+            error = _Malformed(call.problem)
+        self.calls.finish(call, error=error, error_type=None if error is None else _error_type(error),
+                          content_free=isinstance(error, _Malformed), end_reason=end_reason, end_mono=end_mono)
 
     def _begin(self, hook: str, fn: Callable[[], Any]) -> Any:
         """Run llm-otel's own set-up; on failure report once and return None (call goes on bare)."""
@@ -544,77 +407,96 @@ class TritonAdapter:
             self.errors.report(hook, exc)
             return None
 
-    # --- unary calls ----------------------------------------------------------------------------
-    def _prepare_unary(self, flavour: str, wrapped, instance, args, kwargs, streaming=False):
-        bound = self._sigs.bind(wrapped, args, kwargs)
-        if bound is None:
-            return None
-        a = bound.arguments
-        call = self._start_call(flavour, instance, a.get("model_name"), a.get("model_version"),
-                                a.get("request_id"), a.get("inputs"), a.get("parameters"), streaming,
-                                outputs=a.get("outputs"))
-        a["headers"] = self._headers_with_context(a.get("headers"), call.span)
-        return call, bound
+    def _wrap(self, qualname: str, prepare: Callable, *, returned: Callable, failed: Callable,
+              current: Callable | None = None):
+        """The one skeleton of every synchronous traced call.
 
-    def http_infer(self, qualname: str):
-        return self._sync_infer(qualname, "http")
+        ``prepare(wrapped, instance, args, kwargs)`` is llm-otel's set-up: ``(record, bound)``, with
+        ``bound`` the arguments to pass on (None: the application's own, untouched), or None to run
+        tritonclient bare (also when the set-up fails: reported once). ``current(record)``: the core
+        record whose span is current while tritonclient runs (None: the caller's context stays).
+        ``returned(instance, record, result)`` gives what the application gets;
+        ``failed(instance, record, exc)`` runs before tritonclient's exception propagates unchanged.
+        """
 
-    def grpc_infer(self, qualname: str):
-        return self._sync_infer(qualname, "grpc")
-
-    def _sync_infer(self, qualname: str, flavour: str):
         def wrapper(wrapped, instance, args, kwargs):
-            prepared = self._begin(qualname, lambda: self._prepare_unary(flavour, wrapped, instance, args, kwargs))
+            prepared = self._begin(qualname, lambda: prepare(wrapped, instance, args, kwargs))
             if prepared is None:
                 return wrapped(*args, **kwargs)
-            call, bound = prepared
+            record, bound = prepared
+            if bound is not None:
+                args, kwargs = bound.args, bound.kwargs
             try:
-                with trace.use_span(call.span, end_on_exit=False, record_exception=False,
-                                    set_status_on_exception=False):
-                    result = wrapped(*bound.args, **bound.kwargs)
+                if current is None:
+                    result = wrapped(*args, **kwargs)
+                else:
+                    with self.calls.use(current(record)):
+                        result = wrapped(*args, **kwargs)
             except BaseException as exc:
-                self.finish(call, error=exc)
+                failed(instance, record, exc)
                 raise
-            self.finish(call, error=self._malformed(call, result))
-            return result
+            return returned(instance, record, result)
 
         return wrapper
 
-    def aio_infer(self, qualname: str):
-        flavour = "http.aio" if qualname.startswith("tritonclient.http") else "grpc.aio"
+    # --- unary calls ----------------------------------------------------------------------------
+    def _unary(self, flavour: str) -> Callable:
+        """``prepare`` of a unary call: its record and the arguments with a headers copy carrying
+        its context."""
+
+        def prepare(wrapped, instance, args, kwargs):
+            bound = self._sigs.bind(wrapped, args, kwargs)
+            if bound is None:
+                return None
+            a = bound.arguments
+            call = self._start_call(flavour, instance, a.get("model_name"), a.get("model_version"),
+                                    a.get("request_id"), a.get("inputs"), a.get("parameters"), False,
+                                    outputs=a.get("outputs"))
+            a["headers"] = self._headers_with_context(a.get("headers"), call)
+            return call, bound
+
+        return prepare
+
+    def _returned(self, instance: Any, call: ClientCall, result: Any) -> Any:
+        """A unary call returned: it ends (an error when the response is malformed), result unchanged."""
+        self.finish(call, error=self._malformed(call, result))
+        return result
+
+    def _failed(self, instance: Any, call: ClientCall, exc: BaseException) -> None:
+        self.finish(call, error=exc)
+
+    def sync_call(self, qualname: str):
+        """http / grpc ``infer``: the span ends when tritonclient returns or raises."""
+        return self._wrap(qualname, self._unary(_flavour(qualname)), current=_itself,
+                          returned=self._returned, failed=self._failed)
+
+    def aio_call(self, qualname: str):
+        """http.aio / grpc.aio ``infer``: the same around the coroutine."""
+        prepare = self._unary(_flavour(qualname))
 
         async def run(wrapped, instance, args, kwargs):
-            prepared = self._begin(qualname, lambda: self._prepare_unary(flavour, wrapped, instance, args, kwargs))
+            prepared = self._begin(qualname, lambda: prepare(wrapped, instance, args, kwargs))
             if prepared is None:
                 return await wrapped(*args, **kwargs)
             call, bound = prepared
             try:
-                with trace.use_span(call.span, end_on_exit=False, record_exception=False,
-                                    set_status_on_exception=False):
+                with self.calls.use(call):
                     result = await wrapped(*bound.args, **bound.kwargs)
             except BaseException as exc:
-                self.finish(call, error=exc)
+                self._failed(instance, call, exc)
                 raise
-            self.finish(call, error=self._malformed(call, result))
-            return result
+            return self._returned(instance, call, result)
 
         def wrapper(wrapped, instance, args, kwargs):
             return run(wrapped, instance, args, kwargs)
 
         return wrapper
 
-    def http_async_infer(self, qualname: str):
-        def wrapper(wrapped, instance, args, kwargs):
-            # the POST runs later in a gevent greenlet with an empty context: inject here
-            prepared = self._begin(qualname, lambda: self._prepare_unary("http", wrapped, instance, args, kwargs))
-            if prepared is None:
-                return wrapped(*args, **kwargs)
-            call, bound = prepared
-            try:
-                handle = wrapped(*bound.args, **bound.kwargs)
-            except BaseException as exc:
-                self.finish(call, error=exc)
-                raise
+    def handle_call(self, qualname: str):
+        """http ``async_infer``: the POST runs later in a gevent greenlet with an empty context, so
+        the span starts and the headers are injected here; :meth:`handle_result` ends it."""
+
+        def hold(client: Any, call: ClientCall, handle: Any) -> Any:
             try:
                 with self._lock:
                     self._pending[handle] = call
@@ -623,25 +505,27 @@ class TritonAdapter:
                 self.finish(call)
             return handle
 
-        return wrapper
+        return self._wrap(qualname, self._unary(_flavour(qualname)), returned=hold, failed=self._failed)
 
-    def http_get_result(self, qualname: str):
-        def wrapper(wrapped, instance, args, kwargs):
+    def handle_result(self, qualname: str):
+        """``InferAsyncRequest.get_result``: ends the call of :meth:`handle_call` when the result or
+        error arrives (a ``get_result`` timeout that leaves the request running does not)."""
+
+        def prepare(wrapped, instance, args, kwargs):
             with self._lock:
                 call = self._pending.get(instance)
-            try:
-                result = wrapped(*args, **kwargs)
-            except BaseException as exc:
-                if call is not None and self._done(instance):
-                    self._forget(instance)
-                    self.finish(call, error=exc)
-                raise
-            if call is not None:
-                self._forget(instance)
-                self.finish(call, error=self._malformed(call, result))
-            return result
+            return None if call is None else (call, None)
 
-        return wrapper
+        def failed(handle: Any, call: ClientCall, exc: BaseException) -> None:
+            if self._done(handle):
+                self._forget(handle)
+                self.finish(call, error=exc)
+
+        def returned(handle: Any, call: ClientCall, result: Any) -> Any:
+            self._forget(handle)
+            return self._returned(handle, call, result)
+
+        return self._wrap(qualname, prepare, returned=returned, failed=failed)
 
     @staticmethod
     def _done(handle) -> bool:
@@ -655,16 +539,19 @@ class TritonAdapter:
         with self._lock:
             self._pending.pop(handle, None)
 
-    def grpc_async_infer(self, qualname: str):
+    def callback_call(self, qualname: str):
+        """grpc ``async_infer``: the span ends on gRPC's callback thread, before the application's
+        callback runs, exactly once."""
+        unary = self._unary(_flavour(qualname))
+
         def prepare(wrapped, instance, args, kwargs):
-            prepared = self._prepare_unary("grpc", wrapped, instance, args, kwargs)
+            prepared = unary(wrapped, instance, args, kwargs)
             if prepared is None:
                 return None
             call, bound = prepared
             user_callback = bound.arguments["callback"]
 
             def callback(*cb_args, **cb_kwargs):
-                # gRPC's callback thread: end the span first, then the user's callback, exactly once
                 error = cb_kwargs.get("error", cb_args[1] if len(cb_args) > 1 else None)
                 if error is None:
                     error = self._malformed(call, cb_kwargs.get("result", cb_args[0] if cb_args else None))
@@ -674,22 +561,11 @@ class TritonAdapter:
             bound.arguments["callback"] = callback
             return call, bound
 
-        def wrapper(wrapped, instance, args, kwargs):
-            prepared = self._begin(qualname, lambda: prepare(wrapped, instance, args, kwargs))
-            if prepared is None:
-                return wrapped(*args, **kwargs)
-            call, bound = prepared
-            try:
-                with trace.use_span(call.span, end_on_exit=False, record_exception=False,
-                                    set_status_on_exception=False):
-                    return wrapped(*bound.args, **bound.kwargs)
-            except BaseException as exc:
-                self.finish(call, error=exc)
-                raise
-
-        return wrapper
+        return self._wrap(qualname, prepare, current=_itself, returned=_pass_on, failed=self._failed)
 
     def remember_url(self, qualname: str):
+        """gRPC clients' ``__init__``: their ``server.address``/``server.port`` for later calls."""
+
         def wrapper(wrapped, instance, args, kwargs):
             result = wrapped(*args, **kwargs)
             try:
@@ -702,20 +578,16 @@ class TritonAdapter:
         return wrapper
 
     # --- gRPC streams ---------------------------------------------------------------------------
-    def _start_stream_span(self, flavour: str, client: Any) -> StreamState:
+    def _open_stream(self, flavour: str, client: Any) -> StreamState:
         server = self._server(client)
-        span = self.tracer.start_span(S.LLM_TRITON_STREAM, kind=SpanKind.CLIENT, attributes={
-            A.GEN_AI_PROVIDER_NAME: PROVIDER, A.LLM_TRITON_CLIENT: flavour, **server})
-        return StreamState(span, flavour, server)
+        stream = self.calls.start_stream(S.LLM_TRITON_STREAM, {A.LLM_TRITON_CLIENT: flavour, **server})
+        return StreamState(stream, flavour, server)
 
     def _stream_request(self, state: StreamState, client: Any, model, version, request_id, inputs,
-                        parameters) -> Call:
-        """A request on a stream: child of the caller's span when there is one, else of the stream
-        span; always linked to the stream span, whose context Triton's spans carry."""
-        current = trace.get_current_span()
-        parent = None if current.get_span_context().is_valid else trace.set_span_in_context(state.span)
+                        parameters) -> ClientCall:
+        """A request on a stream (parent and link: :meth:`ClientCalls.start`), now in flight on it."""
         call = self._start_call(state.client, client, model, version, request_id, inputs, parameters,
-                                streaming=True, parent=parent, links=[Link(state.span.get_span_context())])
+                                streaming=True, stream=state.stream)
         state.add(call)
         return call
 
@@ -754,7 +626,7 @@ class TritonAdapter:
             return
         empty = len(response.outputs) == 0
         if not empty:
-            self._on_response(call, now)
+            call.on_response(now)
             if call.problem is None:
                 call.problem = response_problem(response, call.expected, streaming=True)
         if final:
@@ -775,22 +647,23 @@ class TritonAdapter:
                 # no final flag came: the request ended with its last response
                 end = call.times[-1] if call.times else None
                 self.finish(call, error=error, end_reason="stream_end", end_mono=end)
-        span = state.span
-        span.set_attribute(A.LLM_TRITON_STREAM_REQUESTS, state.requests)
-        if cancelled:
-            span.set_attribute(A.ERROR_TYPE, CANCELLED)  # no error status: the application's choice
-        elif error is not None:
-            error_type = _error_type(error)
-            span.set_attribute(A.ERROR_TYPE, error_type)
-            span.set_status(Status(StatusCode.ERROR, error_type))
-        span.end()
+        self.calls.end_stream(state.stream, {A.LLM_TRITON_STREAM_REQUESTS: state.requests},
+                              error_type=None if error is None else _error_type(error), cancelled=cancelled)
 
-    def grpc_start_stream(self, qualname: str):
+    def _stream_failed(self, instance: Any, state: StreamState, exc: BaseException) -> None:
+        self._end_stream(state, error=exc)
+
+    def stream_start(self, qualname: str):
+        """grpc ``start_stream``: the stream span (its context is the stream's metadata) and a
+        callback wrapper that attributes each response to its request before the application's
+        callback runs."""
+        flavour = _flavour(qualname)
+
         def prepare(wrapped, instance, args, kwargs):
             bound = self._sigs.bind(wrapped, args, kwargs)
             if bound is None or getattr(instance, "_stream", None) is not None:
                 return None  # tritonclient refuses a second stream; nothing to trace
-            state = self._start_stream_span("grpc", instance)
+            state = self._open_stream(flavour, instance)
             user_callback = bound.arguments["callback"]
 
             def callback(*cb_args, **cb_kwargs):
@@ -802,30 +675,20 @@ class TritonAdapter:
                     self.errors.report("triton.stream_callback", exc)
                 return user_callback(*cb_args, **cb_kwargs)
 
-            callback._llm_otel_stream = state  # found again by grpc_stream_handler
+            callback._llm_otel_stream = state  # found again by stream_peek
             bound.arguments["callback"] = callback
-            bound.arguments["headers"] = self._headers_with_context(bound.arguments.get("headers"), state.span)
+            bound.arguments["headers"] = self._headers_with_context(bound.arguments.get("headers"), state.stream)
             return state, bound
 
-        def wrapper(wrapped, instance, args, kwargs):
-            prepared = self._begin(qualname, lambda: prepare(wrapped, instance, args, kwargs))
-            if prepared is None:
-                return wrapped(*args, **kwargs)
-            state, bound = prepared
-            try:
-                with trace.use_span(state.span, end_on_exit=False, record_exception=False,
-                                    set_status_on_exception=False):
-                    result = wrapped(*bound.args, **bound.kwargs)
-            except BaseException as exc:
-                self._end_stream(state, error=exc)
-                raise
+        def returned(instance: Any, state: StreamState, result: Any) -> Any:
             with self._lock:
                 self._streams[instance] = state
             return result
 
-        return wrapper
+        return self._wrap(qualname, prepare, current=lambda state: state.stream, returned=returned,
+                          failed=self._stream_failed)
 
-    def grpc_stream_handler(self, qualname: str):
+    def stream_peek(self, qualname: str):
         """Wraps the response iterator so the callback wrapper sees each raw response (tritonclient
         drops the request id of error responses)."""
 
@@ -837,7 +700,10 @@ class TritonAdapter:
 
         return wrapper
 
-    def grpc_async_stream_infer(self, qualname: str):
+    def stream_request(self, qualname: str):
+        """grpc ``async_stream_infer``: one call per request on the open stream (tritonclient gets
+        the application's own arguments: a stream request has no headers)."""
+
         def prepare(wrapped, instance, args, kwargs):
             with self._lock:
                 state = self._streams.get(instance)
@@ -847,67 +713,58 @@ class TritonAdapter:
             if bound is None:
                 return None
             a = bound.arguments
-            return self._stream_request(state, instance, a.get("model_name"), a.get("model_version"),
-                                        a.get("request_id"), a.get("inputs"), a.get("parameters")), state
+            call = self._stream_request(state, instance, a.get("model_name"), a.get("model_version"),
+                                        a.get("request_id"), a.get("inputs"), a.get("parameters"))
+            return (call, state), None
 
-        def wrapper(wrapped, instance, args, kwargs):
-            prepared = self._begin(qualname, lambda: prepare(wrapped, instance, args, kwargs))
-            if prepared is None:
-                return wrapped(*args, **kwargs)
-            call, state = prepared
-            try:
-                return wrapped(*args, **kwargs)
-            except BaseException as exc:
-                state.remove(call)
-                self.finish(call, error=exc)
-                raise
+        def failed(instance: Any, record: tuple[ClientCall, StreamState], exc: BaseException) -> None:
+            call, state = record
+            state.remove(call)
+            self.finish(call, error=exc)
 
-        return wrapper
+        return self._wrap(qualname, prepare, returned=_pass_on, failed=failed)
 
-    def grpc_stop_stream(self, qualname: str):
-        def wrapper(wrapped, instance, args, kwargs):
+    def stream_stop(self, qualname: str):
+        """grpc ``stop_stream``: ends the requests still open and the stream span, after
+        tritonclient's own stop returned or raised."""
+
+        def prepare(wrapped, instance, args, kwargs):
             with self._lock:
                 state = self._streams.pop(instance, None)
-            cancel = False
-            if state is not None:
-                bound = self._sigs.bind(wrapped, args, kwargs)
-                cancel = bool(bound is not None and bound.arguments.get("cancel_requests"))
-                state.cancelling = cancel
+            if state is None:
+                return None
+            bound = self._sigs.bind(wrapped, args, kwargs)
+            state.cancelling = bool(bound is not None and bound.arguments.get("cancel_requests"))
+            return state, None
+
+        def close(instance: Any, state: StreamState, _outcome: Any = None) -> None:
             try:
-                result = wrapped(*args, **kwargs)
-            finally:
-                if state is not None:
-                    try:
-                        self._end_stream(state, cancelled=cancel)
-                    except Exception as exc:  # noqa: BLE001
-                        self.errors.report(qualname, exc)
+                self._end_stream(state, cancelled=state.cancelling)
+            except Exception as exc:  # noqa: BLE001
+                self.errors.report(qualname, exc)
+
+        def returned(instance: Any, state: StreamState, result: Any) -> Any:
+            close(instance, state)
             return result
 
-        return wrapper
+        return self._wrap(qualname, prepare, returned=returned, failed=close)
 
-    def aio_stream_infer(self, qualname: str):
+    def aio_stream(self, qualname: str):
+        """grpc.aio ``stream_infer``: the stream span, one call per item of the request iterator,
+        and a response iterator that attributes each response and ends the stream with the iteration."""
+        flavour = _flavour(qualname)
+
         def prepare(wrapped, instance, args, kwargs):
             bound = self._sigs.bind(wrapped, args, kwargs)
             if bound is None:
                 return None
-            state = self._start_stream_span("grpc.aio", instance)
-            bound.arguments["headers"] = self._headers_with_context(bound.arguments.get("headers"), state.span)
+            state = self._open_stream(flavour, instance)
+            bound.arguments["headers"] = self._headers_with_context(bound.arguments.get("headers"), state.stream)
             bound.arguments["inputs_iterator"] = self._aio_requests(state, instance,
                                                                     bound.arguments["inputs_iterator"])
             return state, bound
 
-        def wrapper(wrapped, instance, args, kwargs):
-            prepared = self._begin(qualname, lambda: prepare(wrapped, instance, args, kwargs))
-            if prepared is None:
-                return wrapped(*args, **kwargs)
-            state, bound = prepared
-            try:
-                with trace.use_span(state.span, end_on_exit=False, record_exception=False,
-                                    set_status_on_exception=False):
-                    responses = wrapped(*bound.args, **bound.kwargs)
-            except BaseException as exc:
-                self._end_stream(state, error=exc)
-                raise
+        def returned(instance: Any, state: StreamState, responses: Any) -> Any:
             try:
                 grpc_call = responses._grpc_call
                 responses._grpc_call = _PeekAioCall(grpc_call, state)
@@ -915,7 +772,8 @@ class TritonAdapter:
                 self.errors.report(qualname, exc)
             return _AioResponses(responses, self, state)
 
-        return wrapper
+        return self._wrap(qualname, prepare, current=lambda state: state.stream, returned=returned,
+                          failed=self._stream_failed)
 
     async def _aio_requests(self, state: StreamState, client: Any, inputs_iterator):
         async for item in inputs_iterator:
@@ -1064,9 +922,6 @@ def _abandon(adapter: TritonAdapter, state: StreamState) -> None:
         for call in state.drain():
             adapter.finish(call, error=_Cancelled("the response iterator was dropped"), end_reason="abandoned",
                            end_mono=now)
-        span = state.span
-        span.set_attribute(A.LLM_TRITON_STREAM_REQUESTS, state.requests)
-        span.set_attribute(A.ERROR_TYPE, CANCELLED)
-        span.end()
+        adapter.calls.end_stream(state.stream, {A.LLM_TRITON_STREAM_REQUESTS: state.requests}, cancelled=True)
     except Exception as exc:  # noqa: BLE001 - runs from the garbage collector
         adapter.errors.report("triton.aio_stream_abandoned", exc)

@@ -94,13 +94,15 @@ class VLLMInstrumentor(BaseInstrumentor):
         settings = kwargs.get("settings") or Settings.from_env()
         tracer_provider = kwargs.get("tracer_provider")
         meter_provider = kwargs.get("meter_provider")
+        sampling = kwargs.get("sampling")  # the adaptive sampler's parts, from instrument()
         role = self.role = plugin.process_role()
         if tracer_provider is None and meter_provider is None:
             if role == "frontend":
-                ensure_providers(settings)
+                sampling = ensure_providers(settings) or sampling
             else:
                 tracer_provider, meter_provider = plugin.engine_process_providers(role)
-        telemetry = Telemetry(tracer_provider, meter_provider, settings, scope=__name__)
+                sampling = None  # engine processes sample as their parent decided (SDK default)
+        telemetry = Telemetry(tracer_provider, meter_provider, settings, scope=__name__, sampling=sampling)
         if role == "frontend":  # where requests start: the head-sampling probability applies here
             from opentelemetry import trace
 

@@ -27,8 +27,11 @@ from typing import Any, Callable
 from opentelemetry.trace import SpanKind
 
 from llm_otel.export.ports import serving_started
-from llm_otel.instrumentation.vllm.engine_core import CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY, EngineCoreAdapter
+from llm_otel.instrumentation.vllm.carrier import CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY
+from llm_otel.instrumentation.vllm.engine_core import EngineCoreAdapter
+from llm_otel.instrumentation.vllm.fields import class_fields, kv_spec
 from llm_otel.propagation import carrier_from_span, context_from_carrier, extract_carrier
+from llm_otel.listeners import RequestFacts
 from llm_otel.semconv import attributes as A
 from llm_otel.signals import kv_source_for
 from llm_otel.signals.kv import KVSpec
@@ -145,9 +148,9 @@ class VLLMAdapter:
             if isinstance(capacity, int) and capacity > 0:
                 self.telemetry.attach_engine_load(_occupancy_source(state, capacity))
         # cache_config.num_gpu_blocks is known once the engine core reported its KV pool
-        state.kv = KVSpec.from_vllm(getattr(engine, "vllm_config", None))
+        state.kv = kv_spec(getattr(engine, "vllm_config", None))
         if first and state.kv is not None:
-            self.telemetry.signals.attach_kv_source(kv_source_for(state, lambda s: s.kv))
+            self.telemetry.attach_kv_source(kv_source_for(state, lambda s: s.kv))
 
     def live_requests(self) -> int:
         """Requests currently tracked (for tests and ``doctor``)."""
@@ -379,21 +382,15 @@ class VLLMAdapter:
         carrier = _engine_carrier.get() or (inbound.carrier if inbound is not None else None)
         if inbound is not None:
             inbound.started += 1
-        signals = self.telemetry.signals
-        class_attrs, class_labels, tier = signals.classify(inbound.headers if inbound is not None else None, request)
-        attrs.update(class_attrs)
         rec = self.telemetry.start_request(
             rid, operation=_operation.get() or "text_completion", provider=PROVIDER, model=model,
             kind=SpanKind.SERVER if inbound is not None else SpanKind.INTERNAL,
             parent=context_from_carrier(carrier) if carrier else None,
             arrival_s=float(request.arrival_time), input_tokens=len(prompt_ids) if prompt_ids is not None else 0,
             engine_version=self.version, choice_index=int(request_index or 0),
-            request_attributes=attrs, user_logprobs=user_logprobs, prompt_text=prompt)
+            request_attributes=attrs, user_logprobs=user_logprobs, prompt_text=prompt,
+            facts=RequestFacts(inbound.headers if inbound is not None else None, class_fields(request), state.kv))
         rec.vocab_size = state.vocab_size
-        try:
-            signals.admit(rec, class_labels, tier, state.kv)
-        except Exception as exc:  # noqa: BLE001 - the record must still be tracked and ended
-            self.telemetry.errors.report("signals.admit", exc)
         if lora_name:  # metric dimensions: the adapter name bounded per process, and the base model
             bounded = self._lora_metric_name(model)
             rec.metric_attributes.update({A.GEN_AI_REQUEST_MODEL: bounded, A.GEN_AI_RESPONSE_MODEL: bounded,
@@ -480,7 +477,7 @@ class VLLMAdapter:
             result = wrapped(*args, **kwargs)
             try:
                 if pending:
-                    self._after_step(state, instance, pending)
+                    self._after_step(state, instance, pending, ts)
                 elif pending is None:  # our pre-pass failed: still end what vLLM has finished
                     self._reap(state, instance)
             except Exception as exc:  # noqa: BLE001
@@ -509,16 +506,18 @@ class VLLMAdapter:
             lp = out.new_logprobs
             if lp is not None and rec.logprob_cap:
                 rec.on_logprobs(lp.logprob_token_ids, lp.logprobs)
-            pending.append((rec, out, ts))
+            pending += rec, out  # flat (record, output) pairs: no tuple per request and step
         return pending
 
-    def _after_step(self, state: _EngineState, output_processor: Any, pending: list) -> None:
+    def _after_step(self, state: _EngineState, output_processor: Any, pending: list, ts: float) -> None:
         live = output_processor.request_states
         produced = 0
-        for rec, out, ts in pending:
-            if out.new_token_ids:
-                rec.on_tokens(out.new_token_ids, ts)  # after vLLM trimmed tokens past a stop string
-                produced += len(out.new_token_ids)
+        pairs = iter(pending)
+        for rec, out in zip(pairs, pairs):
+            ids = out.new_token_ids
+            if ids:
+                rec.on_tokens(ids, ts)  # after vLLM trimmed tokens past a stop string
+                produced += len(ids)
             if out.request_id in live:
                 continue
             reason = out.finish_reason
@@ -534,7 +533,7 @@ class VLLMAdapter:
                 del rec.logprob_rows[rec.num_output_tokens:]
             self.telemetry.finish(rec)
         if produced:
-            self.telemetry.signals.on_tokens(produced, pending[0][2])
+            self.telemetry.on_tokens(produced, ts)
 
     def _reap(self, state: _EngineState, output_processor: Any) -> None:
         """End the records of requests vLLM no longer tracks (after a failure of our own code)."""

@@ -1,110 +1,66 @@
-"""Engine-core side of the vLLM adapter: one ``llm.engine.step`` span per scheduler step.
+"""Engine-core side of the vLLM adapter: reads each scheduler step and calls the core's step API
+(:class:`~llm_otel.telemetry.steps.EngineSteps`), which builds the ``llm.engine.step`` span.
 
 Engine fields read (vLLM 0.32): ``Scheduler.schedule()`` returns the step's ``SchedulerOutput``
-(``num_scheduled_tokens`` {req_id: tokens}, ``scheduled_new_reqs``, ``scheduled_cached_reqs``
-with ``req_ids``/``num_output_tokens`` (0 = still prefilling), ``preempted_req_ids``,
-``finished_req_ids``); ``Scheduler.requests[req_id].sampling_params.extra_args`` holds the carrier
-the frontend put there (the request span's ``traceparent``).
+(``num_scheduled_tokens`` {req_id: tokens}, ``total_num_scheduled_tokens``, ``preempted_req_ids``,
+``finished_req_ids``; prefill/decode token counts in :mod:`~llm_otel.instrumentation.vllm.carrier`);
+``Scheduler.requests[req_id].sampling_params.extra_args`` holds the carrier the frontend put
+there (the request span's ``traceparent``), which becomes the step span's link to that request.
 
-``Scheduler.make_stats()`` returns the step's ``SchedulerStats`` (KV-cache usage, prefix-cache
-hits/queries, running/waiting requests) for :class:`~llm_otel.telemetry.engine_state.EngineStateMetrics`;
-each step's interval and whether it scheduled prompt tokens feed the GPU metrics' phase.
+``Scheduler.make_stats()`` returns the step's ``SchedulerStats`` (``kv_cache_usage``,
+``prefix_cache_stats.queries``/``.hits``, ``num_running_reqs``/``num_waiting_reqs``), read into a
+:class:`~llm_otel.telemetry.engine_state.SchedulerState` for the engine-state metrics; each
+step's interval and whether it scheduled prompt tokens feed the GPU metrics' phase.
 
-The step span is the root of its own trace (batching is fan-in) and **links** to the request
-spans it served; it is emitted only when at least one of them is sampled, so unsampled traffic
-costs a dict lookup per request per step, and at most ``LLM_OTEL_STEP_SPANS_PER_S`` times a
-second (:class:`StepSpanBudget`): an engine steps every few milliseconds, and a span for every
-step would cost more than the requests' own trees. It starts at the step's start (explicit time) once
-``schedule()`` has chosen the batch, and its ids ride on the ``SchedulerOutput`` to the worker,
-which records the step on the device timeline (docs/gpu.md).
+A step gets a span only when at least one request in its batch is sampled (unsampled traffic
+costs a dict lookup per request per step) and the step-span budget allows it. The span starts at
+the step's start (explicit time) once ``schedule()`` has chosen the batch, its ids ride on the
+``SchedulerOutput`` to the worker, which records the step on the device timeline (docs/gpu.md),
+and this adapter ends it with the step - whether the worker runs in this process or another.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
-from opentelemetry.trace import Link, SpanKind
-
-from llm_otel.propagation import parse_traceparent
-from llm_otel.semconv import attributes as A
-from llm_otel.semconv import spans as S
+from llm_otel.instrumentation.vllm.carrier import request_span_context, set_step_ids, step_has_prefill, step_tokens
 from llm_otel.telemetry import Telemetry
-from llm_otel.telemetry.engine_state import EngineStateMetrics, PhaseClock, step_has_prefill
+from llm_otel.telemetry.engine_state import EngineStateMetrics, PhaseClock, SchedulerState, engine_state_instruments
+from llm_otel.telemetry.steps import EngineSteps
 
-CARRIER_KEY = "llm_otel.traceparent"  # key in vLLM SamplingParams.extra_args
-CARRIER_STATE_KEY = "llm_otel.tracestate"  # the request span's tracestate (ot=th:, vendors), if any
-CARRIER_TOPK_KEY = "llm_otel.logit_top_k"  # present: the worker computes llm.logit_dist (k)
-STEP_CARRIER_ATTR = "llm_otel_step"  # on vLLM's SchedulerOutput: (trace_id, span_id, sampled) of the step span
 MAX_CACHED_LINKS = 100_000
 
 
-class StepSpanBudget:
-    """Token bucket for step spans: ``rate`` per second, burst of ``max(1, rate)`` (one second's
-    worth). ``rate`` 0 allows none, ``inf`` every step. Called on the engine loop only (one
-    thread); :meth:`ready` is a float comparison when spans are allowed."""
-
-    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.rate = float(rate)
-        self.capacity = max(1.0, self.rate) if self.rate > 0.0 else 0.0
-        self.tokens = self.capacity
-        self.clock = clock
-        self._last = clock()
-
-    def ready(self) -> bool:
-        """Whether a step span may start now (does not take it)."""
-        if self.tokens >= 1.0:
-            return True
-        if self.rate <= 0.0:
-            return False
-        now = self.clock()
-        self.tokens = min(self.capacity, self.tokens + (now - self._last) * self.rate)
-        self._last = now
-        return self.tokens >= 1.0
-
-    def take(self) -> None:
-        if self.rate != float("inf"):
-            self.tokens -= 1.0
-            if self.tokens < 1.0:
-                self._last = self.clock()
-
-
 class EngineCoreAdapter:
-    """Wrapper factories for ``Scheduler.schedule`` and ``EngineCore.step``.
+    """Wrapper factories for ``Scheduler.schedule``, ``Scheduler.make_stats`` and ``EngineCore.step``.
 
     The step span starts when ``schedule()`` has chosen the batch - before the model runs - so its
-    ids can travel with the ``SchedulerOutput`` to the worker (attribute :data:`STEP_CARRIER_ATTR`:
-    ``(trace_id, span_id, sampled)``), whose device records and NVTX range carry them; it ends
-    with the step. When the model runs in this process (vLLM's ``UniProcExecutor``: one GPU) the
-    step tracker completes the span with its device times.
-
-    ``step_listeners``: callables ``(span, scheduler_output, start_ns, end_ns)`` run before each
-    step span ends.
+    ids can travel with the ``SchedulerOutput`` to the worker (:func:`~llm_otel.instrumentation.vllm.carrier.set_step_ids`),
+    whose device records and NVTX range carry them; it ends with ``EngineCore.step``. The device
+    timing is the worker's child span ``llm.engine.step.device``, in this process or another.
     """
 
     def __init__(self, telemetry: Telemetry) -> None:
         self.telemetry = telemetry
-        self._links: dict[str, Link | None] = {}
+        self._request_spans: dict[str, Any] = {}  # req id -> sampled request SpanContext | None
         self._last_output: Any = None
         self._step_start_ns: int | None = None
         self._span: Any = None
-        self.step_listeners: list[Callable] = []
+        self.step_spans = EngineSteps(telemetry)
         self.phase_clock = PhaseClock()
         self.state_metrics: EngineStateMetrics | None = None
         self.gpu_metrics = None
         self._model: str | None = None
-        self.budget = StepSpanBudget(telemetry.settings.step_spans_per_s)
 
     def engine_metrics(self) -> EngineStateMetrics:
         """Engine-state and GPU instruments, created on first use: only in the process that runs
         the scheduler (vLLM's engine core, or the frontend when the core runs in-process)."""
         if self.state_metrics is None:
             from llm_otel.export.identity import vllm_dp_rank
-            from llm_otel.gpu.metrics import register_gpu_metrics
 
-            meter = self.telemetry.instruments.meter
-            self.state_metrics = EngineStateMetrics(meter, dp_rank=vllm_dp_rank())
-            self.gpu_metrics = register_gpu_metrics(meter, self.phase_clock.phase)
+            self.state_metrics, self.gpu_metrics = engine_state_instruments(
+                self.telemetry, self.phase_clock.phase, dp_rank=vllm_dp_rank())
         return self.state_metrics
 
     def make_stats(self, hook: str):
@@ -115,7 +71,7 @@ class EngineCoreAdapter:
             try:
                 if self._model is None:
                     self._model = _served_model(instance)
-                self.engine_metrics().on_scheduler_stats(stats, self._model)
+                self.engine_metrics().on_step_state(scheduler_state(stats), self._model)
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
             return stats
@@ -156,26 +112,25 @@ class EngineCoreAdapter:
                     self.telemetry.errors.report(hook, exc)
                 if span is not None:
                     try:
-                        self._finish(span, output, start_ns, time.time_ns(), time.thread_time_ns() - cpu0)
+                        self.step_spans.finish(span, end_ns=time.time_ns(),
+                                               cpu_time_s=(time.thread_time_ns() - cpu0) / 1e9)
                     except Exception as exc:  # noqa: BLE001
                         self.telemetry.errors.report(hook, exc)
             return result
 
         return wrapper
 
-    def _link(self, requests: dict, req_id: str) -> Link | None:
-        if req_id in self._links:
-            return self._links[req_id]
-        link = None
+    def _request_span(self, requests: dict, req_id: str) -> Any:
+        """The sampled request span's SpanContext of ``req_id`` (None: unsampled), read once per request."""
+        if req_id in self._request_spans:
+            return self._request_spans[req_id]
         req = requests.get(req_id)
-        extra = getattr(getattr(req, "sampling_params", None), "extra_args", None)
-        if extra:
-            sc = parse_traceparent(extra.get(CARRIER_KEY))
-            if sc is not None and sc.trace_flags.sampled:
-                link = Link(sc)
-        if len(self._links) < MAX_CACHED_LINKS:
-            self._links[req_id] = link
-        return link
+        sc = request_span_context(getattr(req, "sampling_params", None))
+        if sc is not None and not sc.trace_flags.sampled:
+            sc = None
+        if len(self._request_spans) < MAX_CACHED_LINKS:
+            self._request_spans[req_id] = sc
+        return sc
 
     def _start(self, scheduler: Any, output: Any) -> None:
         """Start the step span for the batch ``schedule()`` returned (only if a request in it is
@@ -183,51 +138,40 @@ class EngineCoreAdapter:
         requests = scheduler.requests
         scheduled: dict[str, int] = output.num_scheduled_tokens
         for req_id in output.finished_req_ids or ():
-            self._links.pop(req_id, None)
-        if not self.budget.ready():
+            self._request_spans.pop(req_id, None)
+        if not self.step_spans.ready():
             return
-        links = []
+        linked = []
         for req_id in scheduled:
-            link = self._link(requests, req_id)
-            if link is not None:
-                links.append(link)
-        if not links:
+            sc = self._request_span(requests, req_id)
+            if sc is not None:
+                linked.append(sc)
+        if not linked:
             return
-        self.budget.take()
-        prefill = sum(scheduled.get(r.req_id, 0) for r in output.scheduled_new_reqs)
-        cached = output.scheduled_cached_reqs
-        for req_id, n_out in zip(cached.req_ids, cached.num_output_tokens):
-            if n_out == 0:  # chunked prefill continuing
-                prefill += scheduled.get(req_id, 0)
-        attrs = {
-            A.LLM_ENGINE_STEP_BATCH_SIZE: len(scheduled),
-            A.LLM_ENGINE_STEP_PREFILL_TOKENS: prefill,
-            A.LLM_ENGINE_STEP_DECODE_TOKENS: int(output.total_num_scheduled_tokens) - prefill,
-            A.LLM_ENGINE_STEP_PREEMPTED: len(output.preempted_req_ids or ()),
-        }
+        prefill, decode = step_tokens(output)
         start_ns = self._step_start_ns if self._step_start_ns is not None else time.time_ns()
-        span = self.telemetry.tracer.start_span(S.LLM_ENGINE_STEP, kind=SpanKind.INTERNAL, links=links,
-                                                attributes=attrs, start_time=start_ns)
+        span = self.step_spans.start(linked, start_ns=start_ns, batch_size=len(scheduled), prefill_tokens=prefill,
+                                     decode_tokens=decode, preempted=len(output.preempted_req_ids or ()))
         if self._step_start_ns is None:  # schedule() outside a hooked step: nothing would end it
-            span.end()
+            self.step_spans.finish(span)
             return
         self._span = span
-        sc = span.get_span_context()
-        try:
-            setattr(output, STEP_CARRIER_ATTR, (sc.trace_id, sc.span_id, bool(sc.trace_flags.sampled)))
-        except Exception:  # noqa: BLE001 - a SchedulerOutput that takes no attributes: no device timing
-            pass
-        steps = self.telemetry.steps_if_started
-        if steps is not None:
-            steps.register_span(span)
+        set_step_ids(output, self.step_spans.ids(span))
 
-    def _finish(self, span: Any, output: Any, start_ns: int, end_ns: int, cpu_ns: int) -> None:
-        span.set_attribute(A.LLM_ENGINE_STEP_CPU_TIME, cpu_ns / 1e9)
-        for listener in self.step_listeners:
-            listener(span, output, start_ns, end_ns)
-        steps = self.telemetry.steps_if_started
-        if steps is None or not steps.release_span(span, end_ns):
-            span.end(end_time=end_ns)
+
+def scheduler_state(stats: Any) -> SchedulerState | None:
+    """vLLM's ``SchedulerStats`` as plain values (None: no statistics this step): ``kv_cache_usage``,
+    ``num_running_reqs``, ``num_waiting_reqs``, ``prefix_cache_stats.queries`` / ``.hits``; a field
+    the installed vLLM lacks is None."""
+    if stats is None:
+        return None
+    prefix = getattr(stats, "prefix_cache_stats", None)
+    return SchedulerState(
+        kv_cache_usage=getattr(stats, "kv_cache_usage", None),
+        running=getattr(stats, "num_running_reqs", None),
+        waiting=getattr(stats, "num_waiting_reqs", None),
+        prefix_queries=None if prefix is None else int(getattr(prefix, "queries", 0) or 0),
+        prefix_hits=None if prefix is None else int(getattr(prefix, "hits", 0) or 0))
 
 
 def _served_model(scheduler: Any) -> str:

@@ -4,9 +4,10 @@ engine's full-vocabulary logits.
 Device timing (docs/gpu.md): ``GPUModelRunner.execute_model(scheduler_output)`` begins a step on
 the core's :class:`~llm_otel.telemetry.steps.StepTracker` - NVTX range and ring-buffer record on
 torch's current CUDA stream - and the step ends after ``sample_tokens`` (or at once when
-``execute_model`` returned the output itself). The step span's ids come from the engine core on
-the ``SchedulerOutput`` (``STEP_CARRIER_ATTR``); steps without a sampled request carry none and
-cost one ``getattr``. ``scheduler_output.num_scheduled_tokens`` gives the batch's request ids,
+``execute_model`` returned the output itself); the tracker emits ``llm.engine.step.device`` under
+the engine core's step span. The step span's ids come from the engine core on the
+``SchedulerOutput`` (:mod:`~llm_otel.instrumentation.vllm.carrier`); steps without a sampled
+request carry none and cost one ``getattr``. ``scheduler_output.num_scheduled_tokens`` gives the batch's request ids,
 ``scheduled_new_reqs[i].sampling_params.extra_args`` the request span of a request's first step
 (its NVTX process range), ``finished_req_ids`` the requests whose ranges end.
 
@@ -54,11 +55,11 @@ from typing import Any
 import numpy as np
 
 from llm_otel.gpu.capture import capture_gate
-from llm_otel.instrumentation.vllm.engine_core import (CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY,
-                                                       STEP_CARRIER_ATTR)
-from llm_otel.propagation import context_from_carrier, parse_traceparent
+from llm_otel.instrumentation.vllm.carrier import (CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY,
+                                                   request_span_context, step_ids, step_phase, step_tokens)
+from llm_otel.propagation import context_from_carrier
 from llm_otel.telemetry import Telemetry
-from llm_otel.telemetry.spans import emit_logit_dist
+from llm_otel.telemetry.spans import emit_logit_dist_for
 from llm_otel.telemetry.steps import step_parent
 
 IDLE_FLUSH_S = 2.0
@@ -216,7 +217,7 @@ class WorkerAdapter:
         return cuda.current_stream().cuda_stream
 
     def _begin_step(self, so: Any):
-        carrier = getattr(so, STEP_CARRIER_ATTR, None)
+        carrier = step_ids(so)
         steps = self.telemetry.steps if carrier is not None else self.telemetry.steps_if_started
         if steps is None:
             return None
@@ -229,25 +230,16 @@ class WorkerAdapter:
         if stream is False:
             return None
         trace_id, span_id, sampled = carrier
-        scheduled = so.num_scheduled_tokens
         new = so.scheduled_new_reqs
-        prefill = sum(scheduled.get(r.req_id, 0) for r in new)
-        cached = so.scheduled_cached_reqs
-        for req_id, n_out in zip(cached.req_ids, cached.num_output_tokens):
-            if n_out == 0:
-                prefill += scheduled.get(req_id, 0)
-        total = int(so.total_num_scheduled_tokens)
-        phase = "decode" if prefill == 0 else "prefill" if prefill == total else "mixed"
         request_spans = None
         if steps.nvtx.active and new:
             request_spans = {}
             for r in new:
-                extra = getattr(getattr(r, "sampling_params", None), "extra_args", None)
-                sc = parse_traceparent(extra.get(CARRIER_KEY)) if extra else None
+                sc = request_span_context(getattr(r, "sampling_params", None))
                 if sc is not None:
                     request_spans[r.req_id] = (sc.trace_id, sc.span_id)
-        return steps.begin(list(scheduled), parent=step_parent(trace_id, span_id, sampled), phase=phase,
-                           stream=stream, request_spans=request_spans)
+        return steps.begin(list(so.num_scheduled_tokens), parent=step_parent(trace_id, span_id, sampled),
+                           phase=step_phase(*step_tokens(so)), stream=stream, request_spans=request_spans)
 
     def _end_step(self, ctx: Any, hook: str) -> None:
         try:
@@ -473,8 +465,8 @@ class WorkerAdapter:
         margin = np.array([st[1].margin[j] for st, j in steps], dtype=np.float64)
         nonfinite = np.array([st[1].nonfinite[j] for st, j in steps], dtype=bool)
         sampled_lp = np.array([st[2][j] if st[2] is not None else np.nan for st, j in steps], dtype=np.float64)
-        emit_logit_dist(
-            self.telemetry.tracer, self.telemetry.settings, stream.parent, source="full_vocab_logits",
+        emit_logit_dist_for(
+            self.telemetry, stream.parent, source="full_vocab_logits",
             start_ns=times_ns[0], end_ns=times_ns[-1], times_ns=times_ns, top_ids=top_ids, top_logprobs=top_lp,
             sampled_logprobs=sampled_lp, entropy=entropy, margin=margin, nonfinite=nonfinite)
 

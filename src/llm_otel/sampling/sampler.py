@@ -1,0 +1,252 @@
+"""The adaptive root sampler on the SDK's composable samplers, its SDK wrapper and factories."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from typing import Sequence
+
+from opentelemetry import trace
+from opentelemetry.sdk.trace._sampling_experimental import (
+    ComposableSampler,
+    SamplingIntent,
+    composable_parent_threshold,
+    composite_sampler,
+)
+from opentelemetry.sdk.trace._sampling_experimental._util import MAX_THRESHOLD
+from opentelemetry.sdk.trace.sampling import Sampler, SamplingResult
+
+from llm_otel.sampling.budget import TraceBudget, trace_budget
+from llm_otel.sampling.drift import DriftDetector
+from llm_otel.sampling.drift import DriftListener
+from llm_otel.sampling.occupancy import EngineOccupancy, default_poller
+from llm_otel.sampling.policy import UtilizationPolicy, quantize_threshold
+from llm_otel.semconv import attributes as A
+
+__all__ = ["AdaptiveRootSampler", "Sampling", "adaptive_sampler", "sampling_of", "traces_sampler_factory"]
+
+logger = logging.getLogger("llm_otel")
+
+def _as_poller(poller):
+    """What the sampler reads utilisation from. Returns ``poller`` itself when it has a
+    ``utilization`` attribute (a :class:`~llm_otel.gpu.nvml.UtilizationPoller` or alike), a started
+    ``UtilizationPoller`` around it when it is a bare ``SignalSource`` (a ``read()`` method and no
+    ``utilization``), None for None. Raises TypeError for anything else, at construction, so that
+    span creation never meets it."""
+    try:
+        has_utilization = hasattr(poller, "utilization")
+    except Exception:  # noqa: BLE001 - a property failing now: read (guarded) at each decision
+        has_utilization = True
+    if poller is None or has_utilization:
+        return poller
+    if callable(getattr(poller, "read", None)):
+        from llm_otel.gpu.nvml import UtilizationPoller
+
+        return UtilizationPoller(poller).start()
+    raise TypeError(f"poller must be a UtilizationPoller (a .utilization attribute) or a SignalSource "
+                    f"(a .read() method returning utilisation in [0, 1]), not {type(poller).__name__}")
+
+
+class AdaptiveRootSampler(ComposableSampler):
+    """Composable root sampler: threshold from the policy (and drift boost); outliers kept untracked.
+
+    ``poller``: a ``UtilizationPoller`` (its ``utilization``, a fraction in [0, 1] or None, is read
+    at most every 100 ms), a bare ``SignalSource`` (wrapped in a started ``UtilizationPoller``, see
+    :attr:`poller`), or None (base rate). Raises TypeError for anything else. A utilisation that
+    cannot be read or is not a finite number counts as None (logged once); nothing raises out of a
+    sampling decision. ``budget``: a :class:`TraceBudget` applied to every root decision after the
+    policy (and the drift boost): the threshold used is the larger of the two, and a root the
+    budget lowered carries ``llm.sampling.reason=budget``. None: no budget.
+    """
+
+    def __init__(self, policy: UtilizationPolicy | None = None, poller=None,
+                 drift: DriftDetector | None = None, budget: TraceBudget | None = None) -> None:
+        self.policy = policy or UtilizationPolicy()
+        self.budget = budget
+        self.poller = _as_poller(poller)
+        self._bad_utilization_logged = False
+        self.drift = drift or DriftDetector()
+        self._state = (quantize_threshold(self.policy.probability), {A.LLM_SAMPLING_REASON: "head"})
+        self._next_update = 0.0
+        self._lock = threading.Lock()
+
+    def _policy_now(self) -> None:
+        """Re-evaluate the policy threshold and reason (``_state``) when 100 ms have passed."""
+        now = time.monotonic()
+        if now >= self._next_update:
+            with self._lock:
+                if now >= self._next_update:
+                    self._next_update = now + 0.1
+                    util = self._utilization()
+                    boosting = self.drift.boosting(now)
+                    p = 1.0 if boosting else self.policy.update(util, now)
+                    # threshold and reason change together (one tuple, swapped atomically)
+                    self._state = (quantize_threshold(p),
+                                   {A.LLM_SAMPLING_REASON: "drift_boost" if boosting else "head"})
+
+    def current_probability(self) -> float:
+        """The probability a root decided now would get: the policy's (or the drift boost's),
+        re-evaluated at most every 100 ms, lowered by the trace budget's (read, not recorded)."""
+        self._policy_now()
+        policy = (MAX_THRESHOLD - self._state[0]) / MAX_THRESHOLD
+        return policy if self.budget is None else min(policy, self.budget.probability())
+
+    def _utilization(self) -> float | None:
+        if self.poller is None:
+            return None
+        try:
+            util = self.poller.utilization
+            if util is None:
+                return None
+            util = float(util)
+            if math.isfinite(util):
+                return util
+            problem = f"not a finite number: {util!r}"
+        except Exception as exc:  # noqa: BLE001 - a broken signal must not fail span creation
+            problem = f"{type(exc).__name__}: {exc}"
+        if not self._bad_utilization_logged:
+            self._bad_utilization_logged = True
+            logger.warning("llm-otel: sampler utilisation unusable (%s); using the base rate", problem)
+        return None
+
+    def sampling_intent(self, parent_ctx, name, span_kind, attributes, links, trace_state=None) -> SamplingIntent:
+        if attributes and attributes.get(A.LLM_SAMPLING_REASON) == "outlier":
+            return SamplingIntent(threshold=0, threshold_reliable=False)  # kept, no `th`: no count bias
+        self._policy_now()
+        threshold, attrs = self._state
+        if self.budget is not None:
+            threshold, lowered = self.budget.limit(threshold)
+            if lowered:
+                attrs = _BUDGET_REASON
+        return SamplingIntent(threshold=threshold, attributes=attrs)
+
+    def get_description(self) -> str:
+        budget = "" if self.budget is None else f",traces_per_s={self.budget.traces_per_s:g}"
+        return f"LlmOtelAdaptive{{floor={self.policy.floor},ceiling={self.policy.ceiling}{budget}}}"
+
+
+_BUDGET_REASON = {A.LLM_SAMPLING_REASON: A.LlmSamplingReasonValues.BUDGET}
+
+
+def adaptive_sampler(policy: UtilizationPolicy | None = None, poller=None,
+                     drift: DriftDetector | None = None, budget: TraceBudget | None = None) -> Sampler:
+    """A complete SDK sampler: parent threshold for children, :class:`AdaptiveRootSampler` for roots.
+
+    ``budget`` (a :class:`TraceBudget`, or None for none) limits the kept-root rate; it applies to
+    root decisions only - a child of a sampled parent (e.g. a request a router already traced)
+    reuses the parent's threshold and is never subject to it.
+
+    ``poller`` defaults to :func:`default_poller`: NVML GPU utilisation, or without NVML
+    :class:`EngineOccupancy` (the vLLM adapter attaches its engines; polled from the first). A ``UtilizationPoller``
+    is used as given (start it yourself); a bare ``SignalSource`` (``read() -> [0, 1]``) is wrapped in
+    a started ``UtilizationPoller`` (``sampler.root.poller``; stop it when done). Raises TypeError
+    for any other ``poller``.
+    """
+    if poller is None:
+        poller = default_poller()
+    root = AdaptiveRootSampler(policy, poller, drift, budget)
+    # a poller reading engine occupancy (the default where NVML sees no GPU): engines attach to it
+    source = getattr(root.poller, "source", None)
+    return _AdaptiveSampler(root, source if isinstance(source, EngineOccupancy) else None)
+
+
+class _AdaptiveSampler(Sampler):
+    """SDK Sampler around the SDK's composite sampler that (a) hands it the parent's tracestate -
+    the SDK tracer does not pass one, so children would lose ``th`` - and (b) keeps the span's own
+    attributes: the SDK uses the sampler's result attributes as the span's attributes, and the
+    experimental composite sampler returns only the intent's."""
+
+    def __init__(self, root: AdaptiveRootSampler, occupancy: EngineOccupancy | None = None) -> None:
+        self.root = root
+        # what this sampler was built with, for the telemetry core (drift listener, engine load)
+        self.sampling = Sampling(root, occupancy)
+        self._inner = composite_sampler(composable_parent_threshold(root))
+
+    def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None,
+                      trace_state=None) -> SamplingResult:
+        if trace_state is None:
+            parent = trace.get_current_span(parent_context).get_span_context()
+            if parent.is_valid:
+                trace_state = parent.trace_state
+        result = self._inner.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
+        if attributes:
+            merged = dict(attributes)
+            merged.update(result.attributes)
+            return SamplingResult(result.decision, merged, result.trace_state)
+        return result
+
+    def get_description(self) -> str:
+        return self._inner.get_description()
+
+
+class Sampling:
+    """What llm-otel's adaptive sampler was built with, handed to the telemetry core explicitly
+    (``build_providers_and_sampling`` returns it; ``instrument()`` passes it to ``Telemetry``).
+
+    Attributes:
+        root: the :class:`AdaptiveRootSampler` (its ``drift`` detector learns from every request).
+        poller: what the root reads utilisation from (a ``UtilizationPoller`` or None).
+        occupancy: the :class:`~llm_otel.sampling.occupancy.EngineOccupancy` the poller reads when
+            the sampler follows engine load instead of a GPU (engines attach to it), else None.
+        listener: the request-lifecycle listener feeding ``root.drift`` (TTFT, TPOT at finish).
+    """
+
+    __slots__ = ("root", "occupancy", "listener")
+
+    def __init__(self, root: AdaptiveRootSampler, occupancy: EngineOccupancy | None = None) -> None:
+        self.root = root
+        self.occupancy = occupancy
+        self.listener = DriftListener(root.drift)
+
+    @property
+    def poller(self):
+        return self.root.poller
+
+    @property
+    def gpu_poller(self):
+        """The poller when it reads GPU utilisation (signals share it), None for engine occupancy."""
+        return self.poller if self.occupancy is None else None
+
+    def stop(self) -> None:
+        """Stop the poller's thread (a forked process that builds its own)."""
+        if self.poller is not None:
+            self.poller.stop()
+
+
+def sampling_of(tracer_provider) -> Sampling | None:
+    """The :class:`Sampling` of a tracer provider the application built with llm-otel's
+    :func:`adaptive_sampler` (``TracerProvider(sampler=adaptive_sampler())``), else None: a
+    provider with any other sampler gets no drift detector and no engine-load signal."""
+    sampler = getattr(tracer_provider, "sampler", None)
+    return sampler.sampling if isinstance(sampler, _AdaptiveSampler) else None
+
+
+
+def traces_sampler_factory(arg: str | None = None, traces_per_s: float | None = None) -> Sampler:
+    """``opentelemetry_traces_sampler`` entry point (``OTEL_TRACES_SAMPLER=llm_otel_adaptive``).
+
+    ``OTEL_TRACES_SAMPLER_ARG``: ``floor[,ceiling]`` probabilities, e.g. ``0.01,1``. The trace
+    budget is ``traces_per_s`` (llm-otel's providers pass their settings'), else
+    ``LLM_OTEL_TRACES_PER_S`` from the environment (the SDK configurator passes only ``arg``).
+    Raises ConfigError for a bad argument or budget.
+    """
+    from llm_otel.config import ConfigError, traces_per_s as configured_traces_per_s
+
+    floor, ceiling = 0.01, 1.0
+    if arg:
+        parts: Sequence[str] = [p for p in arg.split(",") if p.strip()]
+        try:
+            floor = float(parts[0])
+            if len(parts) > 1:
+                ceiling = float(parts[1])
+        except ValueError:
+            floor = math.nan
+    if not 0 < floor <= ceiling <= 1:
+        raise ConfigError(f"OTEL_TRACES_SAMPLER_ARG={arg!r}: expected 'floor[,ceiling]' with "
+                          "0 < floor <= ceiling <= 1")
+    if traces_per_s is None:
+        traces_per_s = configured_traces_per_s()
+    budget = trace_budget(traces_per_s)
+    return adaptive_sampler(UtilizationPolicy(floor=floor, ceiling=ceiling), budget=budget)
