@@ -204,7 +204,7 @@ def _decides_children_alike(sampler) -> bool:
     (parent threshold for children)."""
     from opentelemetry.sdk.trace import sampling
 
-    from llm_otel.sampling import _AdaptiveSampler
+    from llm_otel.sampling.sampler import _AdaptiveSampler
 
     if type(sampler) in (sampling.StaticSampler, _AdaptiveSampler):
         return True
