@@ -23,14 +23,15 @@ class Recorder:
 
     def on_start(self, rec, facts):
         self.calls.append(("start", rec.request_id, facts.headers, facts.engine_fields, facts.kv))
-        return SpanNotes({"llm.request.tenant": "acme"}, {"test.start": 1}, (("test.started", {"test.n": 1}),))
+        return SpanNotes({"llm.request.tenant": "acme"}, {"llm.request.tier": "premium"},
+                         (("llm.vram.pressure", {"llm.vram.pressure.level": "warn"}),))
 
     def on_tokens(self, count, engine_mono):
         self.calls.append(("tokens", count, engine_mono))
 
     def on_finish(self, rec, duration_s):
         self.calls.append(("finish", rec.request_id, round(duration_s, 3)))
-        return SpanNotes(attributes={"test.finish": 2})
+        return SpanNotes(attributes={"llm.request.model.revision": "canary"})
 
 
 def start(cap, facts=None, request_id="r1"):
@@ -50,9 +51,10 @@ def test_a_registered_listener_sees_start_every_step_and_finish_and_its_notes_la
                               ("tokens", 2, 5.0), ("tokens", 0, 5.1), ("finish", "r1", 0.25)]
     assert sum(n for _, n in cap.telemetry.signals._steps) == 2  # the signals still count tokens (0: none)
     (span,) = [s for s in cap.finished() if s.name == "chat m"]
-    assert span.attributes["llm.request.tenant"] == "acme" and span.attributes["test.start"] == 1
-    assert span.attributes["test.finish"] == 2
-    assert [e.name for e in span.events if e.name.startswith("test.")] == ["test.started"]
+    assert span.attributes["llm.request.tenant"] == "acme" and span.attributes["llm.request.tier"] == "premium"
+    assert span.attributes["llm.request.model.revision"] == "canary"
+    assert [(e.name, dict(e.attributes)) for e in span.events if e.name == "llm.vram.pressure"] == \
+        [("llm.vram.pressure", {"llm.vram.pressure.level": "warn"})]
     # request attributes are the record's too (an outlier root is rebuilt from them)
     assert rec.request_attributes["llm.request.tenant"] == "acme"
 
