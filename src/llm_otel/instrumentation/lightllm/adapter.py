@@ -51,6 +51,7 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind
 
+from llm_otel.errors import guard
 from llm_otel.instrumentation.lightllm import carrier as C
 from llm_otel.listeners import RequestFacts
 from llm_otel.propagation import TRACEPARENT, TRACESTATE, carrier_from_span, context_from_carrier, extract_carrier
@@ -189,12 +190,10 @@ class HttpAdapter:
 
         def wrapper(wrapped, instance, args, kwargs):
             result = wrapped(*args, **kwargs)
-            try:
+            with guard(hook, self.telemetry.errors):
                 name = model_name(args=_bind(wrapped, args, kwargs).get("args"))
                 if name != "unknown" or self._model is None:
                     self._model = name
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
             return result
 
         return wrapper
@@ -231,7 +230,7 @@ class HttpAdapter:
 
     def transfer(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
-            try:
+            with guard(hook, self.telemetry.errors):
                 state = otel_context.get_value(_STATE_KEY)
                 if isinstance(state, _HttpRequest) and state.group_id is None:
                     bound = _bind(wrapped, args, kwargs)
@@ -241,21 +240,17 @@ class HttpAdapter:
                         gid = request_id(objs.group_req_id)
                         if gid is not None:
                             self._start(state, gid, getattr(objs, "multimodal_params", None), max(1, len(reqs)), reqs)
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
             return wrapped(*args, **kwargs)
 
         return wrapper
 
     def abort(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
-            try:
+            with guard(hook, self.telemetry.errors):
                 gid = request_id(_bind(wrapped, args, kwargs).get("group_req_id", args[0] if args else None))
                 state = self.live.get(gid) if gid is not None else None
                 if state is not None:
                     state.aborted = True
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
             return wrapped(*args, **kwargs)
 
         return wrapper
@@ -380,10 +375,8 @@ class HttpAdapter:
             error = "aborted" if aborted else type(exc).__qualname__
             raise
         finally:
-            try:
+            with guard(hook, self.telemetry.errors):
                 self._end(state, error, failure)
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
 
     def _on_item(self, state: _HttpRequest, item) -> None:
         sub_id, _text, metadata, finish_status = item
@@ -456,10 +449,8 @@ class RouterAdapter:
 
     def add_req(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
-            try:
+            with guard(hook, self.telemetry.errors):
                 self._queued(wrapped, args, kwargs)
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
             return wrapped(*args, **kwargs)
 
         return wrapper
@@ -620,10 +611,8 @@ class WorkerAdapter:
 
     def add_reqs(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
-            try:
+            with guard(hook, self.telemetry.errors):
                 self._admitted(wrapped, args, kwargs)
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
             return wrapped(*args, **kwargs)
 
         return wrapper

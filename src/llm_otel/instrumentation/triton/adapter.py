@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import wrapt
 
+from llm_otel.errors import guard
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import spans as S
 from llm_otel.telemetry import Telemetry
@@ -568,11 +569,9 @@ class TritonAdapter:
 
         def wrapper(wrapped, instance, args, kwargs):
             result = wrapped(*args, **kwargs)
-            try:
+            with guard(qualname, self.errors):
                 url = kwargs["url"] if "url" in kwargs else (args[0] if args else None)
                 self._urls[instance] = _url_server(url)
-            except Exception as exc:  # noqa: BLE001
-                self.errors.report(qualname, exc)
             return result
 
         return wrapper
@@ -738,10 +737,8 @@ class TritonAdapter:
             return state, None
 
         def close(instance: Any, state: StreamState, _outcome: Any = None) -> None:
-            try:
+            with guard(qualname, self.errors):
                 self._end_stream(state, cancelled=state.cancelling)
-            except Exception as exc:  # noqa: BLE001
-                self.errors.report(qualname, exc)
 
         def returned(instance: Any, state: StreamState, result: Any) -> Any:
             close(instance, state)
@@ -765,11 +762,9 @@ class TritonAdapter:
             return state, bound
 
         def returned(instance: Any, state: StreamState, responses: Any) -> Any:
-            try:
+            with guard(qualname, self.errors):  # on failure still traced, without error request ids
                 grpc_call = responses._grpc_call
                 responses._grpc_call = _PeekAioCall(grpc_call, state)
-            except Exception as exc:  # noqa: BLE001 - still traced, without error request ids
-                self.errors.report(qualname, exc)
             return _AioResponses(responses, self, state)
 
         return self._wrap(qualname, prepare, current=lambda state: state.stream, returned=returned,
@@ -778,11 +773,9 @@ class TritonAdapter:
     async def _aio_requests(self, state: StreamState, client: Any, inputs_iterator):
         async for item in inputs_iterator:
             if isinstance(item, dict):
-                try:
+                with guard("triton.aio_stream_request", self.errors):
                     self._stream_request(state, client, item.get("model_name"), item.get("model_version"),
                                          item.get("request_id"), item.get("inputs"), item.get("parameters"))
-                except Exception as exc:  # noqa: BLE001
-                    self.errors.report("triton.aio_stream_request", exc)
             yield item
 
 
@@ -867,10 +860,8 @@ class _AioResponses(wrapt.ObjectProxy):
         try:
             return self.__wrapped__.cancel()
         finally:
-            try:
+            with guard("triton.aio_stream", self._self_adapter.errors):
                 self._self_adapter._end_stream(state, cancelled=True)
-            except Exception as exc:  # noqa: BLE001
-                self._self_adapter.errors.report("triton.aio_stream", exc)
 
     async def __anext__(self):
         adapter, state = self._self_adapter, self._self_state
@@ -916,12 +907,10 @@ def _abandon(adapter: TritonAdapter, state: StreamState) -> None:
     """Finalizer of a grpc.aio response iterator collected before its stream ended."""
     if state.closed:
         return
-    try:
+    with guard("triton.aio_stream_abandoned", adapter.errors):  # runs from the garbage collector
         state.closed = True
         now = time.monotonic()
         for call in state.drain():
             adapter.finish(call, error=_Cancelled("the response iterator was dropped"), end_reason="abandoned",
                            end_mono=now)
         adapter.calls.end_stream(state.stream, {A.LLM_TRITON_STREAM_REQUESTS: state.requests}, cancelled=True)
-    except Exception as exc:  # noqa: BLE001 - runs from the garbage collector
-        adapter.errors.report("triton.aio_stream_abandoned", exc)

@@ -54,6 +54,7 @@ from typing import Any
 
 import numpy as np
 
+from llm_otel.errors import guard
 from llm_otel.gpu.capture import capture_gate
 from llm_otel.instrumentation.vllm.carrier import (CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY,
                                                    request_span_context, step_ids, step_phase, step_tokens)
@@ -310,7 +311,7 @@ class WorkerAdapter:
         a request chosen for logit statistics (and forgets a reused slot's previous request)."""
         def wrapper(wrapped, instance, args, kwargs):
             output = wrapped(*args, **kwargs)
-            try:
+            with guard(hook, self.telemetry.errors):
                 req_idx = args[0] if args else kwargs["req_idx"]
                 sp = args[1] if len(args) > 1 else kwargs["sampling_params"]
                 extra = getattr(sp, "extra_args", None)
@@ -323,8 +324,6 @@ class WorkerAdapter:
                     slots.choose(int(req_idx), _Chosen(req_id, extra, getattr(sp, "max_tokens", None)))
                 elif slots:
                     slots.forget(int(req_idx))
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
             return output
 
         return wrapper
@@ -477,10 +476,8 @@ class WorkerAdapter:
             stale = [r for r, s in self._streams.items() if s.last_mono <= cutoff]
             streams = [self._streams.pop(r) for r in stale]
         for stream in streams:
-            try:
+            with guard("worker.flush", self.telemetry.errors):
                 self._emit(stream)
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report("worker.flush", exc)
         return len(streams)
 
     def _ensure_flusher(self) -> None:
