@@ -75,7 +75,7 @@ class HookErrors:
                 logger.warning("llm-otel: %s (%s: %s); further failures of %s are only counted",
                                message, type(exc).__name__, exc, hook)
             self._count(hook, type(exc).__qualname__)
-        except Exception:  # noqa: BLE001 - telemetry about telemetry must not raise either
+        except Exception:  # noqa: BLE001 - silent: telemetry about telemetry must not raise either
             pass
 
     def bad_input(self, hook: str, problem: str) -> None:
@@ -90,7 +90,7 @@ class HookErrors:
                 logger.warning("llm-otel: %s ignored a call with bad input (%s); the engine is unaffected and "
                                "further bad input here is only counted", hook, problem)
             self._count(hook, "invalid_input")
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - silent: the error counter itself; nothing left to report to
             pass
 
     def _count(self, hook: str, error_type: str) -> None:
@@ -120,7 +120,7 @@ def _adopt(errors: HookErrors) -> None:
     for (hook, error_type), n in pending.items():
         try:
             errors._counter.add(n, {A.LLM_INSTRUMENTATION_HOOK: hook, A.ERROR_TYPE: error_type})
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - silent: the error counter itself; nothing left to report to
             pass
 
 

@@ -39,7 +39,7 @@ def _get(headers: Any, name: str) -> str | None:
                 if isinstance(k, str) and k.lower() == name:
                     return v
         return value
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - silent: feature probe of a caller's header object: no carrier
         return None
 
 

@@ -305,10 +305,9 @@ class Signals:
         if mode in ("auto", "kv_cache"):
             held = total = 0
             for src in list(self._kv_sources):
-                try:
+                got = None
+                with guard("signals.kv_source", message="a KV usage source failed; this tick reads the others"):
                     got = src()
-                except Exception:  # noqa: BLE001
-                    got = None
                 if got is not None:
                     held, total = held + got[0], total + got[1]
             if total > 0:

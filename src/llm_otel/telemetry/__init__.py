@@ -315,7 +315,7 @@ class Telemetry:
             self.errors.report("telemetry.spans", exc)
             try:
                 rec.span.end(end_time=end_ns)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - silent: cleanup after the failure reported above
                 pass
         finally:
             rec.logprob_rows = []  # free the per-step arrays now, whatever holds the record

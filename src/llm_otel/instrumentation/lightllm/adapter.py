@@ -99,18 +99,18 @@ def _finish_info(finish_status: Any) -> tuple[bool, bool, str | None]:
     """(finished, aborted, reason) of a LightLLM ``FinishStatus``."""
     try:
         finished = bool(finish_status.is_finished())
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - silent: feature probe of a FinishStatus layout
         return False, False, None
     aborted = False
     try:
         aborted = bool(finish_status.is_aborted())
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - silent: feature probe of a FinishStatus layout
         pass
     reason = None
     if finished and not aborted:
         try:
             reason = finish_status.get_finish_reason()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - silent: feature probe of a FinishStatus layout
             reason = None
     return finished, aborted, reason if isinstance(reason, str) else None
 
@@ -145,7 +145,7 @@ def engine_version() -> str:
         from importlib.metadata import version
 
         return version("lightllm")
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - silent: feature probe: version unknown
         return ""
 
 
@@ -599,7 +599,7 @@ def _master_rank() -> bool | None:
         return is_master_worker()
     try:
         return get_current_rank_in_dp() == 0
-    except Exception:  # noqa: BLE001 - not initialised: treat as master
+    except Exception:  # noqa: BLE001 - silent: not initialised: treat as master
         return None
 
 

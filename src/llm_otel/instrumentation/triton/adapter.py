@@ -133,12 +133,12 @@ def _error_type(exc: BaseException) -> str:
         code = exc.code() if callable(getattr(exc, "code", None)) else None
         if code is not None and isinstance(getattr(code, "name", None), str):
             return code.name
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - silent: feature probe of the exception's gRPC code
         pass
     status = None
     try:
         status = exc.status() if callable(getattr(exc, "status", None)) else None
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - silent: feature probe of the exception's status
         status = None
     if isinstance(status, str) and status:
         return status.removeprefix("StatusCode.")
@@ -174,7 +174,7 @@ def response_problem(response: Any, expected: tuple[str, ...], streaming: bool) 
     that cannot be read at all is itself the problem. Never raises."""
     try:
         outputs = _outputs(response)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - silent: the response problem goes on the call's span
         return f"unreadable response ({type(exc).__name__})"
     names = dict(outputs)
     if streaming and not outputs:
@@ -195,7 +195,7 @@ def _expected(outputs: Any) -> tuple[str, ...]:
     for out in outputs or ():
         try:
             name = out.name()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - silent: an output without a name is skipped
             continue
         if isinstance(name, str):
             names.append(name)
@@ -259,7 +259,7 @@ def request_attributes(inputs: Any, parameters: Any) -> tuple[bool, dict[str, An
     for inp in inputs or ():
         try:
             name = inp.name()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - silent: an input without a name is skipped
             continue
         if name in _LLM_INPUTS:
             llm = True
@@ -356,7 +356,7 @@ class TritonAdapter:
             if isinstance(url, str):
                 return _url_server(url)
             return dict(self._urls.get(client, {}))
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - silent: feature probe: server address unknown
             return {}
 
     def _start_call(self, flavour: str, client: Any, model: Any, version: Any, request_id: Any,
@@ -386,7 +386,7 @@ class TritonAdapter:
             return None
         try:
             response = result.get_response()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - silent: the response problem goes on the call's span
             return _Malformed(f"unreadable response ({type(exc).__name__})")
         problem = response_problem(response, call.expected, streaming=False)
         return _Malformed(problem) if problem else None
@@ -533,7 +533,7 @@ class TritonAdapter:
         """False while a get_result timeout left the request running (retrieved later)."""
         try:
             return bool(handle._greenlet.ready())
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - silent: feature probe of the gevent handle
             return True
 
     def _forget(self, handle) -> None:
@@ -617,7 +617,7 @@ class TritonAdapter:
         try:
             if FINAL_PARAM in response.parameters:
                 final = bool(response.parameters[FINAL_PARAM].bool_param)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - silent: feature probe: a response without the final flag
             final = False
         if error is not None:
             state.remove(call)

@@ -76,7 +76,7 @@ def engine_version() -> str:
             from importlib.metadata import version
 
             return version(dist)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - silent: feature probe: version unknown
             continue
     return ""
 
@@ -136,7 +136,7 @@ class VLLMAdapter:
                 state.model = str(name)
             try:
                 state.vocab_size = int(model_config.get_vocab_size())
-            except Exception:  # noqa: BLE001 - only the entropy estimate needs it
+            except Exception:  # noqa: BLE001 - silent: only the entropy estimate needs it
                 state.vocab_size = None
             max_lp = getattr(model_config, "max_logprobs", None)
             if isinstance(max_lp, int):
@@ -193,7 +193,7 @@ class VLLMAdapter:
                 return False
             try:
                 error._llm_otel_reported = True
-            except Exception:  # noqa: BLE001 - exceptions with __slots__
+            except Exception:  # noqa: BLE001 - silent: exceptions with __slots__
                 pass
             return True
         except Exception as exc:  # noqa: BLE001
@@ -312,7 +312,7 @@ class VLLMAdapter:
     def _rejected(self, hook: str, engine: Any, args, kwargs, arrival: float, error: BaseException) -> None:
         try:
             error._llm_otel_reported = True  # one span per failure, however many hooks it crosses
-        except Exception:  # noqa: BLE001 - exceptions with __slots__
+        except Exception:  # noqa: BLE001 - silent: exceptions with __slots__
             pass
         with guard(hook, self.telemetry.errors):
             if engine.output_processor not in self._states:

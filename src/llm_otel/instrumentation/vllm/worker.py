@@ -78,13 +78,13 @@ def owns_sampling_result() -> bool:
 
         if ps.get_tp_group().rank_in_group != 0:
             return False
-    except Exception:  # noqa: BLE001 - no process groups: the only rank
+    except Exception:  # noqa: BLE001 - silent: no process groups: the only rank
         return True
     for name in ("get_pcp_group", "get_dcp_group"):  # newer context-parallel groups, when vLLM has them
         try:
             if getattr(ps, name)().rank_in_group != 0:
                 return False
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - silent: feature probe: no such process group
             continue
     return True
 
@@ -208,7 +208,7 @@ class WorkerAdapter:
                 import torch
 
                 cuda = torch.cuda if torch.cuda.is_available() else None
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - silent: feature probe: no torch/CUDA
                 cuda = None
             self._torch_cuda = cuda
         if cuda is None or not cuda.is_initialized():
