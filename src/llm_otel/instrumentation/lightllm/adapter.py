@@ -217,11 +217,9 @@ class HttpAdapter:
     # wrapper factories
     def generate(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
-            try:
+            state = None
+            with guard(hook, self.telemetry.errors):
                 state = self._begin(wrapped, args, kwargs)
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
-                state = None
             if state is None:
                 return wrapped(*args, **kwargs)
             return self._traced(hook, state, wrapped(*args, **kwargs))

@@ -402,11 +402,9 @@ class TritonAdapter:
 
     def _begin(self, hook: str, fn: Callable[[], Any]) -> Any:
         """Run llm-otel's own set-up; on failure report once and return None (call goes on bare)."""
-        try:
+        with guard(hook, self.errors):
             return fn()
-        except Exception as exc:  # noqa: BLE001
-            self.errors.report(hook, exc)
-            return None
+        return None
 
     def _wrap(self, qualname: str, prepare: Callable, *, returned: Callable, failed: Callable,
               current: Callable | None = None):
@@ -498,11 +496,10 @@ class TritonAdapter:
         the span starts and the headers are injected here; :meth:`handle_result` ends it."""
 
         def hold(client: Any, call: ClientCall, handle: Any) -> Any:
-            try:
+            with guard(qualname, self.errors) as g:
                 with self._lock:
                     self._pending[handle] = call
-            except Exception as exc:  # noqa: BLE001
-                self.errors.report(qualname, exc)
+            if g.failed:
                 self.finish(call)
             return handle
 

@@ -187,7 +187,7 @@ class VLLMAdapter:
         """End every request still tracked for ``engine`` with ``error.type`` = the exception's
         class name; True if there was any. The exception's message is not recorded (it can quote
         the prompt)."""
-        try:
+        with guard(hook, self.telemetry.errors):
             if not self._end_in_flight(self._states.get(getattr(engine, "output_processor", None)),
                                        type(error).__name__):
                 return False
@@ -196,9 +196,7 @@ class VLLMAdapter:
             except Exception:  # noqa: BLE001 - silent: exceptions with __slots__
                 pass
             return True
-        except Exception as exc:  # noqa: BLE001
-            self.telemetry.errors.report(hook, exc)
-            return False
+        return False
 
     def engine_core_client(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
@@ -572,7 +570,7 @@ class VLLMAdapter:
         window = self.settings.flush_deadline_s + 0.5
 
         def wrapper(wrapped, instance, args, kwargs):
-            try:
+            with guard(hook, self.telemetry.errors) as g:
                 from llm_otel.export.lifecycle import wait_flushed
 
                 procs = kwargs.pop("procs", args[0] if args else None)
@@ -583,8 +581,7 @@ class VLLMAdapter:
                     for p in live:
                         p.terminate()
                     wait_flushed([p.pid for p in live], time.monotonic() + window)
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
+            if g.failed:
                 return wrapped(*args, **kwargs)
             return wrapped(procs, timeout=timeout, **kwargs)
 
