@@ -135,7 +135,9 @@ class guard:  # noqa: N801 - used like a function: ``with guard("site"):``
     reported to ``errors`` (:func:`process_errors` when None) as a failure of ``site`` - counted,
     logged once per site (``message``: see :meth:`HookErrors.report`) - and swallowed;
     ``failed`` tells the code after the block. ``BaseException`` (KeyboardInterrupt, SystemExit)
-    passes through. Costs an object and two calls: fine per step, not per token."""
+    passes through. Costs an object and three calls, 0.3-0.7 us more than an inline ``try`` (timeit
+    of a wrapper around a no-op, loaded 2-core machine): used per request and at set-up, while the
+    per-step and per-token wrappers keep an inline ``try``/``except`` that reports the same way."""
 
     __slots__ = ("site", "errors", "message", "failed")
 
