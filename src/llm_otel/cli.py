@@ -193,7 +193,7 @@ def doctor(env=None, out=None, *, api_servers: int = 1, dp_size: int = 1, serve_
         started = time.monotonic()
         try:
             result = exporter.export([span])
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - silent: the CLI prints the exception as the check's result
             result = exc
         finally:
             exporter.shutdown()
@@ -220,7 +220,7 @@ def doctor(env=None, out=None, *, api_servers: int = 1, dp_size: int = 1, serve_
         endpoint = getattr(metric_exporter, "endpoint", None) or getattr(metric_exporter, "_endpoint", "?")
         try:
             result = metric_exporter.export(reader.get_metrics_data(), timeout_millis=5_000)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - silent: the CLI prints the exception as the check's result
             result = exc
         finally:
             metric_exporter.shutdown(timeout_millis=1_000)

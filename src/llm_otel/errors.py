@@ -75,7 +75,7 @@ class HookErrors:
                 logger.warning("llm-otel: %s (%s: %s); further failures of %s are only counted",
                                message, type(exc).__name__, exc, hook)
             self._count(hook, type(exc).__qualname__)
-        except Exception:  # noqa: BLE001 - telemetry about telemetry must not raise either
+        except Exception:  # noqa: BLE001 - silent: telemetry about telemetry must not raise either
             pass
 
     def bad_input(self, hook: str, problem: str) -> None:
@@ -90,7 +90,7 @@ class HookErrors:
                 logger.warning("llm-otel: %s ignored a call with bad input (%s); the engine is unaffected and "
                                "further bad input here is only counted", hook, problem)
             self._count(hook, "invalid_input")
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - silent: the error counter itself; nothing left to report to
             pass
 
     def _count(self, hook: str, error_type: str) -> None:
@@ -120,7 +120,7 @@ def _adopt(errors: HookErrors) -> None:
     for (hook, error_type), n in pending.items():
         try:
             errors._counter.add(n, {A.LLM_INSTRUMENTATION_HOOK: hook, A.ERROR_TYPE: error_type})
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - silent: the error counter itself; nothing left to report to
             pass
 
 
@@ -135,7 +135,9 @@ class guard:  # noqa: N801 - used like a function: ``with guard("site"):``
     reported to ``errors`` (:func:`process_errors` when None) as a failure of ``site`` - counted,
     logged once per site (``message``: see :meth:`HookErrors.report`) - and swallowed;
     ``failed`` tells the code after the block. ``BaseException`` (KeyboardInterrupt, SystemExit)
-    passes through. Costs an object and two calls: fine per step, not per token."""
+    passes through. Costs an object and three calls, 0.3-0.7 us more than an inline ``try`` (timeit
+    of a wrapper around a no-op, loaded 2-core machine): used per request and at set-up, while the
+    per-step and per-token wrappers keep an inline ``try``/``except`` that reports the same way."""
 
     __slots__ = ("site", "errors", "message", "failed")
 

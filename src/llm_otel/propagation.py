@@ -19,6 +19,8 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanContext, TraceFlags, TraceState
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from llm_otel.errors import process_errors
+
 logger = logging.getLogger("llm_otel")
 
 TRACEPARENT = "traceparent"
@@ -37,7 +39,7 @@ def _get(headers: Any, name: str) -> str | None:
                 if isinstance(k, str) and k.lower() == name:
                     return v
         return value
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - silent: feature probe of a caller's header object: no carrier
         return None
 
 
@@ -88,8 +90,8 @@ def context_from_carrier(carrier: Mapping[str, str] | None) -> Context | None:
     if ts:
         try:
             sc = SpanContext(sc.trace_id, sc.span_id, True, sc.trace_flags, TraceState.from_header([ts]))
-        except Exception:  # noqa: BLE001
-            logger.debug("llm-otel: ignoring malformed tracestate %.80r", ts)
+        except Exception:  # noqa: BLE001 - a caller's header, not our bug
+            process_errors().bad_input("propagation.tracestate", f"malformed tracestate {ts!r:.80}; the parent is kept without it")
     return trace.set_span_in_context(trace.NonRecordingSpan(sc))
 
 

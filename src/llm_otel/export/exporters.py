@@ -147,7 +147,7 @@ class ProcessSpanExporter(_PerProcess, SpanExporter):
             self.in_flight += len(chunk)
             try:
                 outcome = inner.export(chunk)
-            except Exception as exc:  # noqa: BLE001 - an exporter bug must not kill the batch thread
+            except Exception as exc:  # noqa: BLE001 - silent: counted as a failed export (last_error, SDK result); the batch thread lives
                 outcome = SpanExportResult.FAILURE
                 self.last_error = f"{type(exc).__name__}: {exc}"
             finally:
@@ -227,7 +227,7 @@ class ProcessMetricExporter(_PerProcess, MetricExporter):
         self.in_flight += 1
         try:
             outcome = inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - silent: counted as a failed export (last_error, the SDK's export result)
             outcome = MetricExportResult.FAILURE
             self.last_error = f"{type(exc).__name__}: {exc}"
         finally:

@@ -258,7 +258,7 @@ def in_ray_worker() -> bool:
         from ray._private import worker as ray_worker  # ray 2.x
 
         return getattr(ray_worker.global_worker, "mode", None) == ray_worker.WORKER_MODE
-    except Exception:  # noqa: BLE001 - an unknown Ray layout: not a Ray worker we can recognise
+    except Exception:  # noqa: BLE001 - silent: an unknown Ray layout: not a Ray worker we can recognise
         return False
 
 
@@ -358,7 +358,7 @@ def vllm_stack_role() -> str | None:
         return None
     try:
         found = _vllm_object_on_stack()
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - silent: feature probe: no vLLM object on the stack
         return None
     return found[0] if found is not None else None
 

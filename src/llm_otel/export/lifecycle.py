@@ -301,7 +301,7 @@ def lifecycle(role: str | None = None, deadline_s: float | None = None) -> Proce
 
                 try:
                     deadline_s = Settings.from_env().flush_deadline_s
-                except Exception:  # noqa: BLE001 - reported where settings are validated
+                except Exception:  # noqa: BLE001 - silent: reported where settings are validated
                     deadline_s = DEFAULT_DEADLINE_S
             _current = ProcessLifecycle(role or "application", deadline_s)
         elif role is not None:

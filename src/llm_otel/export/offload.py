@@ -573,7 +573,7 @@ class OffloadBuffer:
         try:
             try:
                 data = pickle.dumps(frame, protocol=pickle.HIGHEST_PROTOCOL)
-            except Exception:  # noqa: BLE001 - a value pickle cannot take: lose that value, not the frame
+            except Exception:  # noqa: BLE001 - silent: a value pickle cannot take: lose that value, not the frame
                 frame = self._encodable(frame)
                 n = _span_count(frame[1]) if frame[0] == "spans" else n
                 data = pickle.dumps(frame, protocol=pickle.HIGHEST_PROTOCOL)
@@ -603,7 +603,7 @@ class OffloadBuffer:
                 pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
                 out.append(record)
                 continue
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - silent: the record is cleaned below
                 pass
             if kind == "spans" and record[0] is None:  # a tree record: plain values, cannot be cleaned
                 lost += record[1]
@@ -613,7 +613,7 @@ class OffloadBuffer:
             try:
                 pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
                 out.append(record)
-            except Exception:  # noqa: BLE001 - e.g. an unpicklable span name or status description
+            except Exception:  # noqa: BLE001 - silent: e.g. an unpicklable span name or status description
                 lost += 1
         first = not (self.attributes_dropped or self.spans_unencodable)
         self.attributes_dropped += dropped
@@ -766,7 +766,7 @@ class OffloadBuffer:
                 proc.kill()
         except subprocess.TimeoutExpired:
             proc.kill()
-        except Exception:  # noqa: BLE001 - already gone
+        except Exception:  # noqa: BLE001 - silent: already gone
             pass
 
 
@@ -837,7 +837,7 @@ def _clean_value(value):
     if callable(item) and type(value).__module__ == "numpy":
         try:
             value = item()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - silent: counted as a dropped attribute by the caller
             return _INVALID
         return value if isinstance(value, _VALID) else _INVALID
     return _INVALID
@@ -1137,7 +1137,7 @@ def main() -> int:
                 before = exporter.failed
                 try:
                     result = exporter.export(spans)
-                except Exception as exc:  # noqa: BLE001 - counted as failed, the loop goes on
+                except Exception as exc:  # noqa: BLE001 - silent: counted as failed, the loop goes on
                     exporter.last_error = f"{type(exc).__name__}: {exc}"
                     result = SpanExportResult.FAILURE
                 failed = len(spans) if result is not SpanExportResult.SUCCESS and exporter.failed == before \
@@ -1160,7 +1160,7 @@ def main() -> int:
         try:
             exporter.shutdown()
             metrics.flush(2000, final=True)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - silent: exit cleanup of the exporter process
             pass
     return 0
 
@@ -1175,7 +1175,7 @@ def _exit_with_parent(parent: int) -> None:
 
     try:
         grace = Settings.from_env().flush_deadline_s
-    except Exception:  # noqa: BLE001 - the serving process reported the bad setting
+    except Exception:  # noqa: BLE001 - silent: the serving process reported the bad setting
         grace = DEFAULT_DEADLINE_S
 
     def watch() -> None:
@@ -1263,7 +1263,7 @@ class _ChildMetrics:
                 self.provider = None
             else:
                 self.provider.force_flush(max(1, timeout_ms))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - silent: counted as failed spans (last_error)
             self.exporter.last_error = f"{type(exc).__name__}: {exc}"
             return max(1, self.exporter.failed - before)
         return self.exporter.failed - before

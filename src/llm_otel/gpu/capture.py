@@ -88,7 +88,7 @@ class CaptureGate:
                 return False
         try:
             return bool(cuda.is_initialized() and cuda.is_current_stream_capturing())
-        except Exception:  # noqa: BLE001 - a torch without CUDA
+        except Exception:  # noqa: BLE001 - silent: a torch without CUDA
             return False
 
     # --- hooking torch --------------------------------------------------------------------------

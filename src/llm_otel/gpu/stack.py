@@ -74,7 +74,7 @@ def cuda_stack(import_torch: bool = False) -> CudaStack:
     if torch is None and import_torch:
         try:
             import torch  # noqa: F811
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - silent: feature probe: no torch
             torch = None
     torch_cuda = getattr(getattr(torch, "version", None), "cuda", None) if torch is not None else None
     dist, major = installed_cupy()

@@ -248,7 +248,7 @@ class DeviceTimeline:
                        ring.name, type(exc).__name__, exc)
         try:
             ring.close()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - silent: cleanup after the failure reported above
             pass
 
     def _ensure_thread(self) -> None:
@@ -307,6 +307,6 @@ def _current_cuda_device() -> int | None:
     try:
         if torch is not None and torch.cuda.is_initialized():
             return int(torch.cuda.current_device())
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - silent: feature probe: no CUDA device
         pass
     return None

@@ -6,6 +6,8 @@ import logging
 import threading
 from typing import Callable
 
+from llm_otel.errors import process_errors
+
 __all__ = ["EngineOccupancy", "utilization_is_gpu", "default_poller"]
 
 logger = logging.getLogger("llm_otel")
@@ -39,7 +41,7 @@ class EngineOccupancy:
             try:
                 self.on_attach()
             except Exception as exc:  # noqa: BLE001 - called from an engine's constructor hook
-                logger.warning("llm-otel: engine occupancy poller did not start (%s)", exc)
+                process_errors().report("sampling.occupancy.start", exc, "engine occupancy poller did not start")
 
     @property
     def engines(self) -> int:
@@ -60,7 +62,7 @@ class EngineOccupancy:
                 if capacity > 0:
                     best = max(best, min(1.0, requests / capacity))
             except Exception as exc:  # noqa: BLE001 - one broken engine must not stop the signal
-                logger.warning("llm-otel: engine occupancy source failed (%s: %s); dropped", type(exc).__name__, exc)
+                process_errors().report("sampling.occupancy.source", exc, "engine occupancy source failed; dropped")
                 dead.append(source)
         if dead:
             with self._lock:

@@ -18,6 +18,7 @@ from opentelemetry.sdk.trace._sampling_experimental import (
 from opentelemetry.sdk.trace._sampling_experimental._util import MAX_THRESHOLD
 from opentelemetry.sdk.trace.sampling import Sampler, SamplingResult
 
+from llm_otel.errors import process_errors
 from llm_otel.sampling.budget import TraceBudget, trace_budget
 from llm_otel.sampling.drift import DriftDetector
 from llm_otel.sampling.drift import DriftListener
@@ -37,7 +38,7 @@ def _as_poller(poller):
     span creation never meets it."""
     try:
         has_utilization = hasattr(poller, "utilization")
-    except Exception:  # noqa: BLE001 - a property failing now: read (guarded) at each decision
+    except Exception:  # noqa: BLE001 - silent: a property failing now: read (guarded) at each decision
         has_utilization = True
     if poller is None or has_utilization:
         return poller
@@ -66,7 +67,6 @@ class AdaptiveRootSampler(ComposableSampler):
         self.policy = policy or UtilizationPolicy()
         self.budget = budget
         self.poller = _as_poller(poller)
-        self._bad_utilization_logged = False
         self.drift = drift or DriftDetector()
         self._state = (quantize_threshold(self.policy.probability), {A.LLM_SAMPLING_REASON: "head"})
         self._next_update = 0.0
@@ -103,12 +103,10 @@ class AdaptiveRootSampler(ComposableSampler):
             util = float(util)
             if math.isfinite(util):
                 return util
-            problem = f"not a finite number: {util!r}"
+            process_errors().bad_input("sampling.utilization",
+                                       f"sampler utilisation unusable: not a finite number: {util!r}; using the base rate")
         except Exception as exc:  # noqa: BLE001 - a broken signal must not fail span creation
-            problem = f"{type(exc).__name__}: {exc}"
-        if not self._bad_utilization_logged:
-            self._bad_utilization_logged = True
-            logger.warning("llm-otel: sampler utilisation unusable (%s); using the base rate", problem)
+            process_errors().report("sampling.utilization", exc, "sampler utilisation unusable; using the base rate")
         return None
 
     def sampling_intent(self, parent_ctx, name, span_kind, attributes, links, trace_state=None) -> SamplingIntent:

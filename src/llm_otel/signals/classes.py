@@ -29,6 +29,7 @@ import threading
 from typing import Any, Iterable, Mapping
 
 from llm_otel.config import ConfigError
+from llm_otel.errors import guard
 from llm_otel.semconv import attributes as A
 
 logger = logging.getLogger("llm_otel")
@@ -86,7 +87,7 @@ def header_values(headers: Any, name: str) -> list[str]:
                 return []
         items = headers.items() if isinstance(headers, Mapping) else headers
         return [str(v) for k, v in items if str(k).lower() == name]
-    except Exception:  # noqa: BLE001 - hostile or odd header objects
+    except Exception:  # noqa: BLE001 - silent: hostile or odd header objects
         return []
 
 
@@ -176,7 +177,5 @@ class ClassExtractor:
 
     def _collapsed(self, dim: str, reason: str) -> None:
         if self.on_collapse is not None:
-            try:
+            with guard("signals.classes.on_collapse"):
                 self.on_collapse(dim, reason)
-            except Exception:  # noqa: BLE001
-                pass

@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 
 from opentelemetry.metrics import Meter, Observation
 
+from llm_otel.errors import guard, process_errors
 from llm_otel.listeners import RequestFacts, SpanNotes
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import metrics as M
@@ -121,8 +122,8 @@ class Signals:
             if tier is not None:
                 span_attrs[A.LLM_REQUEST_TIER] = metric_attrs[A.LLM_REQUEST_TIER] = tier.name
             return span_attrs, metric_attrs, tier
-        except Exception:  # noqa: BLE001
-            logger.debug("llm-otel: request classification failed", exc_info=True)
+        except Exception as exc:  # noqa: BLE001
+            process_errors().report("signals.classify", exc, "request classification failed; the request has no class or tier")
             return {}, {}, None
 
     def on_start(self, rec: Any, facts: RequestFacts) -> SpanNotes:
@@ -287,10 +288,8 @@ class Signals:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.config.tick_s):
-            try:
+            with guard("signals.tick"):
                 self.tick()
-            except Exception:  # noqa: BLE001
-                logger.debug("llm-otel: signals tick failed", exc_info=True)
 
     def tick(self, now: float | None = None) -> str:
         """Read the usage source once and update the pressure level (the thread calls this)."""
@@ -306,10 +305,9 @@ class Signals:
         if mode in ("auto", "kv_cache"):
             held = total = 0
             for src in list(self._kv_sources):
-                try:
+                got = None
+                with guard("signals.kv_source", message="a KV usage source failed; this tick reads the others"):
                     got = src()
-                except Exception:  # noqa: BLE001
-                    got = None
                 if got is not None:
                     held, total = held + got[0], total + got[1]
             if total > 0:

@@ -35,7 +35,7 @@ from llm_otel.semconv import attributes as A
 from llm_otel.semconv import spans as S
 from llm_otel.signals import Signals, SignalsConfig
 from llm_otel.telemetry.client import ClientCalls
-from llm_otel.telemetry.errors import HookErrors
+from llm_otel.telemetry.errors import HookErrors, guard
 from llm_otel.telemetry.metrics import Instruments
 from llm_otel.telemetry.record import RequestRecord
 from llm_otel.telemetry.spans import SpanBuilder
@@ -249,12 +249,10 @@ class Telemetry:
                 [{"role": "user", "parts": [{"type": "text", "content": self.truncate(prompt_text)}]}]))
         if facts is not None:
             for listener in self._start_listeners:
-                try:
+                with guard(listener.error_key, self.errors):  # the record must still be tracked and ended
                     notes = listener.on_start(rec, facts)
                     if notes is not None:
                         self._note(rec, notes)
-                except Exception as exc:  # noqa: BLE001 - the record must still be tracked and ended
-                    self.errors.report(listener.error_key, exc)
         return rec
 
     @staticmethod
@@ -297,19 +295,15 @@ class Telemetry:
         end_ns = time.time_ns() if end_ns is None else end_ns
         duration_s = max(0.0, (end_ns - rec.arrival_ns) / 1e9)
         for listener in self._finish_listeners:  # metrics, drift, signals: every request, sampled or not
-            try:
+            with guard(listener.error_key, self.errors):
                 notes = listener.on_finish(rec, duration_s)
                 if notes is not None and rec.span is not None:
                     self._note(rec, notes)
-            except Exception as exc:  # noqa: BLE001
-                self.errors.report(listener.error_key, exc)
         if rec.span is None:
             return
         if not rec.recording and self.sampling_root is not None:
-            try:
+            with guard("telemetry.outlier", self.errors):
                 self._capture_outlier(rec, duration_s)
-            except Exception as exc:  # noqa: BLE001
-                self.errors.report("telemetry.outlier", exc)
         if rec.recording and self._steps is not None:
             self._device_time(rec)
         try:
@@ -321,19 +315,17 @@ class Telemetry:
             self.errors.report("telemetry.spans", exc)
             try:
                 rec.span.end(end_time=end_ns)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - silent: cleanup after the failure reported above
                 pass
         finally:
             rec.logprob_rows = []  # free the per-step arrays now, whatever holds the record
 
     def _device_time(self, rec: RequestRecord) -> None:
         """Device time of the steps that served the request, when they ran in this process."""
-        try:
+        with guard("telemetry.device_time", self.errors):
             acc = self._steps.request_device_time(rec.request_id)
             if acc is not None:
                 rec.span.set_attributes({A.LLM_REQUEST_DEVICE_TIME: acc[0], A.LLM_REQUEST_DEVICE_STEPS: acc[1]})
-        except Exception as exc:  # noqa: BLE001
-            self.errors.report("telemetry.device_time", exc)
 
     def _capture_outlier(self, rec: RequestRecord, duration_s: float) -> None:
         """A request the head sampler dropped that failed or breached an SLO: record its tree as its

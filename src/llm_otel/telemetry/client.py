@@ -225,7 +225,7 @@ class ClientCalls:
             self.errors.report(f"{self.provider}.finish", exc)
             try:
                 call.span.end()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - silent: cleanup after the failure reported above
                 pass
 
     def end_stream(self, stream: ClientStream, attributes: Mapping[str, Any], *, error_type: str | None = None,

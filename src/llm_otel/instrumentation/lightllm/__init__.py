@@ -43,6 +43,7 @@ import wrapt
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 from llm_otel.config import Settings
+from llm_otel.errors import process_errors
 from llm_otel.instrumentation._hooks import AppliedHook, _resolve, apply_hooks, remove_hooks
 from llm_otel.instrumentation.lightllm import carrier
 from llm_otel.instrumentation.lightllm.adapter import LightLLMAdapter
@@ -104,8 +105,8 @@ class LightLLMInstrumentor(BaseInstrumentor):
                     return
                 self._hook_module(module)
         except Exception as exc:  # noqa: BLE001
-            logger.warning("llm-otel: could not instrument %s (%s); it runs uninstrumented",
-                           getattr(module, "__name__", module), exc)
+            process_errors().report("instrumentation.lightllm.import_hook", exc,
+                                    f"could not instrument {getattr(module, '__name__', module)}; it runs uninstrumented")
 
     def _hook_module(self, module) -> None:
         name = module.__name__

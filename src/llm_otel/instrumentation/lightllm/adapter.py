@@ -51,6 +51,7 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind
 
+from llm_otel.errors import guard
 from llm_otel.instrumentation.lightllm import carrier as C
 from llm_otel.listeners import RequestFacts
 from llm_otel.propagation import TRACEPARENT, TRACESTATE, carrier_from_span, context_from_carrier, extract_carrier
@@ -98,18 +99,18 @@ def _finish_info(finish_status: Any) -> tuple[bool, bool, str | None]:
     """(finished, aborted, reason) of a LightLLM ``FinishStatus``."""
     try:
         finished = bool(finish_status.is_finished())
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - silent: feature probe of a FinishStatus layout
         return False, False, None
     aborted = False
     try:
         aborted = bool(finish_status.is_aborted())
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - silent: feature probe of a FinishStatus layout
         pass
     reason = None
     if finished and not aborted:
         try:
             reason = finish_status.get_finish_reason()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - silent: feature probe of a FinishStatus layout
             reason = None
     return finished, aborted, reason if isinstance(reason, str) else None
 
@@ -144,7 +145,7 @@ def engine_version() -> str:
         from importlib.metadata import version
 
         return version("lightllm")
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - silent: feature probe: version unknown
         return ""
 
 
@@ -189,12 +190,10 @@ class HttpAdapter:
 
         def wrapper(wrapped, instance, args, kwargs):
             result = wrapped(*args, **kwargs)
-            try:
+            with guard(hook, self.telemetry.errors):
                 name = model_name(args=_bind(wrapped, args, kwargs).get("args"))
                 if name != "unknown" or self._model is None:
                     self._model = name
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
             return result
 
         return wrapper
@@ -218,11 +217,9 @@ class HttpAdapter:
     # wrapper factories
     def generate(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
-            try:
+            state = None
+            with guard(hook, self.telemetry.errors):
                 state = self._begin(wrapped, args, kwargs)
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
-                state = None
             if state is None:
                 return wrapped(*args, **kwargs)
             return self._traced(hook, state, wrapped(*args, **kwargs))
@@ -231,7 +228,7 @@ class HttpAdapter:
 
     def transfer(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
-            try:
+            with guard(hook, self.telemetry.errors):
                 state = otel_context.get_value(_STATE_KEY)
                 if isinstance(state, _HttpRequest) and state.group_id is None:
                     bound = _bind(wrapped, args, kwargs)
@@ -241,21 +238,17 @@ class HttpAdapter:
                         gid = request_id(objs.group_req_id)
                         if gid is not None:
                             self._start(state, gid, getattr(objs, "multimodal_params", None), max(1, len(reqs)), reqs)
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
             return wrapped(*args, **kwargs)
 
         return wrapper
 
     def abort(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
-            try:
+            with guard(hook, self.telemetry.errors):
                 gid = request_id(_bind(wrapped, args, kwargs).get("group_req_id", args[0] if args else None))
                 state = self.live.get(gid) if gid is not None else None
                 if state is not None:
                     state.aborted = True
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
             return wrapped(*args, **kwargs)
 
         return wrapper
@@ -380,10 +373,8 @@ class HttpAdapter:
             error = "aborted" if aborted else type(exc).__qualname__
             raise
         finally:
-            try:
+            with guard(hook, self.telemetry.errors):
                 self._end(state, error, failure)
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
 
     def _on_item(self, state: _HttpRequest, item) -> None:
         sub_id, _text, metadata, finish_status = item
@@ -456,10 +447,8 @@ class RouterAdapter:
 
     def add_req(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
-            try:
+            with guard(hook, self.telemetry.errors):
                 self._queued(wrapped, args, kwargs)
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
             return wrapped(*args, **kwargs)
 
         return wrapper
@@ -608,7 +597,7 @@ def _master_rank() -> bool | None:
         return is_master_worker()
     try:
         return get_current_rank_in_dp() == 0
-    except Exception:  # noqa: BLE001 - not initialised: treat as master
+    except Exception:  # noqa: BLE001 - silent: not initialised: treat as master
         return None
 
 
@@ -620,10 +609,8 @@ class WorkerAdapter:
 
     def add_reqs(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
-            try:
+            with guard(hook, self.telemetry.errors):
                 self._admitted(wrapped, args, kwargs)
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
             return wrapped(*args, **kwargs)
 
         return wrapper

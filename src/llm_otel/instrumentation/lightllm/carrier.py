@@ -94,7 +94,7 @@ def make_setstate(original=None):
             carrier = getattr(self, CARRIER_ATTR, None)
             if valid(carrier):
                 TABLE.put(carrier[GROUP_KEY], carrier)
-        except Exception:  # noqa: BLE001 - never break LightLLM's unpickling
+        except Exception:  # noqa: BLE001 - silent: never break LightLLM's unpickling
             pass
 
     __setstate__.__llm_otel__ = True

@@ -48,6 +48,8 @@ import os
 import sys
 from typing import Any
 
+from llm_otel.errors import process_errors
+
 logger = logging.getLogger("llm_otel")
 
 _S = "lightllm.server."
@@ -158,7 +160,8 @@ def relabel_this_process(role: str | None = None, **extra: Any) -> None:
         if role == "frontend":  # the HTTP worker serves: its exporter process starts now
             _prewarm()
     except Exception as exc:  # noqa: BLE001
-        logger.warning("llm-otel: could not tell which LightLLM process this is (%s)", exc)
+        process_errors().report("instrumentation.lightllm.process.relabel", exc,
+                                "could not tell which LightLLM process this is; its spans keep the old labels")
 
 
 def _prewarm() -> None:
@@ -210,7 +213,8 @@ def install() -> None:
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=_after_os_fork)
     except Exception as exc:  # noqa: BLE001
-        logger.warning("llm-otel: LightLLM process labels not installed (%s)", exc)
+        process_errors().report("instrumentation.lightllm.process.install", exc,
+                                "LightLLM process labels not installed")
 
 
 def _relabel_at_bootstrap() -> None:

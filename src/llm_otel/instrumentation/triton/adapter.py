@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import wrapt
 
+from llm_otel.errors import guard
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import spans as S
 from llm_otel.telemetry import Telemetry
@@ -132,12 +133,12 @@ def _error_type(exc: BaseException) -> str:
         code = exc.code() if callable(getattr(exc, "code", None)) else None
         if code is not None and isinstance(getattr(code, "name", None), str):
             return code.name
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - silent: feature probe of the exception's gRPC code
         pass
     status = None
     try:
         status = exc.status() if callable(getattr(exc, "status", None)) else None
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - silent: feature probe of the exception's status
         status = None
     if isinstance(status, str) and status:
         return status.removeprefix("StatusCode.")
@@ -173,7 +174,7 @@ def response_problem(response: Any, expected: tuple[str, ...], streaming: bool) 
     that cannot be read at all is itself the problem. Never raises."""
     try:
         outputs = _outputs(response)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - silent: the response problem goes on the call's span
         return f"unreadable response ({type(exc).__name__})"
     names = dict(outputs)
     if streaming and not outputs:
@@ -194,7 +195,7 @@ def _expected(outputs: Any) -> tuple[str, ...]:
     for out in outputs or ():
         try:
             name = out.name()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - silent: an output without a name is skipped
             continue
         if isinstance(name, str):
             names.append(name)
@@ -258,7 +259,7 @@ def request_attributes(inputs: Any, parameters: Any) -> tuple[bool, dict[str, An
     for inp in inputs or ():
         try:
             name = inp.name()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - silent: an input without a name is skipped
             continue
         if name in _LLM_INPUTS:
             llm = True
@@ -355,7 +356,7 @@ class TritonAdapter:
             if isinstance(url, str):
                 return _url_server(url)
             return dict(self._urls.get(client, {}))
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - silent: feature probe: server address unknown
             return {}
 
     def _start_call(self, flavour: str, client: Any, model: Any, version: Any, request_id: Any,
@@ -385,7 +386,7 @@ class TritonAdapter:
             return None
         try:
             response = result.get_response()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - silent: the response problem goes on the call's span
             return _Malformed(f"unreadable response ({type(exc).__name__})")
         problem = response_problem(response, call.expected, streaming=False)
         return _Malformed(problem) if problem else None
@@ -401,11 +402,9 @@ class TritonAdapter:
 
     def _begin(self, hook: str, fn: Callable[[], Any]) -> Any:
         """Run llm-otel's own set-up; on failure report once and return None (call goes on bare)."""
-        try:
+        with guard(hook, self.errors):
             return fn()
-        except Exception as exc:  # noqa: BLE001
-            self.errors.report(hook, exc)
-            return None
+        return None
 
     def _wrap(self, qualname: str, prepare: Callable, *, returned: Callable, failed: Callable,
               current: Callable | None = None):
@@ -497,11 +496,10 @@ class TritonAdapter:
         the span starts and the headers are injected here; :meth:`handle_result` ends it."""
 
         def hold(client: Any, call: ClientCall, handle: Any) -> Any:
-            try:
+            with guard(qualname, self.errors) as g:
                 with self._lock:
                     self._pending[handle] = call
-            except Exception as exc:  # noqa: BLE001
-                self.errors.report(qualname, exc)
+            if g.failed:
                 self.finish(call)
             return handle
 
@@ -532,7 +530,7 @@ class TritonAdapter:
         """False while a get_result timeout left the request running (retrieved later)."""
         try:
             return bool(handle._greenlet.ready())
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - silent: feature probe of the gevent handle
             return True
 
     def _forget(self, handle) -> None:
@@ -568,11 +566,9 @@ class TritonAdapter:
 
         def wrapper(wrapped, instance, args, kwargs):
             result = wrapped(*args, **kwargs)
-            try:
+            with guard(qualname, self.errors):
                 url = kwargs["url"] if "url" in kwargs else (args[0] if args else None)
                 self._urls[instance] = _url_server(url)
-            except Exception as exc:  # noqa: BLE001
-                self.errors.report(qualname, exc)
             return result
 
         return wrapper
@@ -618,7 +614,7 @@ class TritonAdapter:
         try:
             if FINAL_PARAM in response.parameters:
                 final = bool(response.parameters[FINAL_PARAM].bool_param)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - silent: feature probe: a response without the final flag
             final = False
         if error is not None:
             state.remove(call)
@@ -738,10 +734,8 @@ class TritonAdapter:
             return state, None
 
         def close(instance: Any, state: StreamState, _outcome: Any = None) -> None:
-            try:
+            with guard(qualname, self.errors):
                 self._end_stream(state, cancelled=state.cancelling)
-            except Exception as exc:  # noqa: BLE001
-                self.errors.report(qualname, exc)
 
         def returned(instance: Any, state: StreamState, result: Any) -> Any:
             close(instance, state)
@@ -765,11 +759,9 @@ class TritonAdapter:
             return state, bound
 
         def returned(instance: Any, state: StreamState, responses: Any) -> Any:
-            try:
+            with guard(qualname, self.errors):  # on failure still traced, without error request ids
                 grpc_call = responses._grpc_call
                 responses._grpc_call = _PeekAioCall(grpc_call, state)
-            except Exception as exc:  # noqa: BLE001 - still traced, without error request ids
-                self.errors.report(qualname, exc)
             return _AioResponses(responses, self, state)
 
         return self._wrap(qualname, prepare, current=lambda state: state.stream, returned=returned,
@@ -778,11 +770,9 @@ class TritonAdapter:
     async def _aio_requests(self, state: StreamState, client: Any, inputs_iterator):
         async for item in inputs_iterator:
             if isinstance(item, dict):
-                try:
+                with guard("triton.aio_stream_request", self.errors):
                     self._stream_request(state, client, item.get("model_name"), item.get("model_version"),
                                          item.get("request_id"), item.get("inputs"), item.get("parameters"))
-                except Exception as exc:  # noqa: BLE001
-                    self.errors.report("triton.aio_stream_request", exc)
             yield item
 
 
@@ -867,10 +857,8 @@ class _AioResponses(wrapt.ObjectProxy):
         try:
             return self.__wrapped__.cancel()
         finally:
-            try:
+            with guard("triton.aio_stream", self._self_adapter.errors):
                 self._self_adapter._end_stream(state, cancelled=True)
-            except Exception as exc:  # noqa: BLE001
-                self._self_adapter.errors.report("triton.aio_stream", exc)
 
     async def __anext__(self):
         adapter, state = self._self_adapter, self._self_state
@@ -916,12 +904,10 @@ def _abandon(adapter: TritonAdapter, state: StreamState) -> None:
     """Finalizer of a grpc.aio response iterator collected before its stream ended."""
     if state.closed:
         return
-    try:
+    with guard("triton.aio_stream_abandoned", adapter.errors):  # runs from the garbage collector
         state.closed = True
         now = time.monotonic()
         for call in state.drain():
             adapter.finish(call, error=_Cancelled("the response iterator was dropped"), end_reason="abandoned",
                            end_mono=now)
         adapter.calls.end_stream(state.stream, {A.LLM_TRITON_STREAM_REQUESTS: state.requests}, cancelled=True)
-    except Exception as exc:  # noqa: BLE001 - runs from the garbage collector
-        adapter.errors.report("triton.aio_stream_abandoned", exc)

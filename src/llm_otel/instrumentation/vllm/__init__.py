@@ -44,6 +44,7 @@ from opentelemetry.instrumentation.dependencies import get_dependency_conflicts
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 from llm_otel.config import Settings
+from llm_otel.errors import guard
 from llm_otel.instrumentation._hooks import AppliedHook, apply_hooks, library_missing, remove_hooks
 from llm_otel.instrumentation.vllm.adapter import VLLMAdapter
 from llm_otel.instrumentation.vllm.hooks import HOOKS
@@ -109,10 +110,8 @@ class VLLMInstrumentor(BaseInstrumentor):
             from llm_otel.export.ports import when_serving
 
             def observe_sampling() -> bool:  # once this process serves (vllm serve's launcher never does)
-                try:
+                with guard("sampling.probability", telemetry.errors):
                     telemetry.instruments.observe_sampling(tracer_provider or trace.get_tracer_provider())
-                except Exception as exc:  # noqa: BLE001
-                    telemetry.errors.report("sampling.probability", exc)
                 return True
 
             when_serving(observe_sampling)
@@ -133,10 +132,8 @@ class VLLMInstrumentor(BaseInstrumentor):
             lifecycle(role).before_flush(self._fail_in_flight_at_exit)  # never finished by vLLM
             create_flush_dir()  # the engine processes started from here say when they flushed
         if role == "engine_core":  # engine-state and GPU instruments now, not on the first step
-            try:
+            with guard("core.engine_metrics", telemetry.errors):
                 self.adapter.core.engine_metrics()
-            except Exception as exc:  # noqa: BLE001
-                telemetry.errors.report("core.engine_metrics", exc)
         self._applied = apply_hooks(HOOKS, self.adapter, "vLLM")
         self._set_enable_env = plugin.ENABLE_ENV not in os.environ
         if self._set_enable_env:

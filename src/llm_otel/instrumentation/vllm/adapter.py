@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 from opentelemetry.trace import SpanKind
 
+from llm_otel.errors import guard
 from llm_otel.export.ports import serving_started
 from llm_otel.instrumentation.vllm.carrier import CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY
 from llm_otel.instrumentation.vllm.engine_core import EngineCoreAdapter
@@ -75,7 +76,7 @@ def engine_version() -> str:
             from importlib.metadata import version
 
             return version(dist)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - silent: feature probe: version unknown
             continue
     return ""
 
@@ -135,7 +136,7 @@ class VLLMAdapter:
                 state.model = str(name)
             try:
                 state.vocab_size = int(model_config.get_vocab_size())
-            except Exception:  # noqa: BLE001 - only the entropy estimate needs it
+            except Exception:  # noqa: BLE001 - silent: only the entropy estimate needs it
                 state.vocab_size = None
             max_lp = getattr(model_config, "max_logprobs", None)
             if isinstance(max_lp, int):
@@ -186,30 +187,26 @@ class VLLMAdapter:
         """End every request still tracked for ``engine`` with ``error.type`` = the exception's
         class name; True if there was any. The exception's message is not recorded (it can quote
         the prompt)."""
-        try:
+        with guard(hook, self.telemetry.errors):
             if not self._end_in_flight(self._states.get(getattr(engine, "output_processor", None)),
                                        type(error).__name__):
                 return False
             try:
                 error._llm_otel_reported = True
-            except Exception:  # noqa: BLE001 - exceptions with __slots__
+            except Exception:  # noqa: BLE001 - silent: exceptions with __slots__
                 pass
             return True
-        except Exception as exc:  # noqa: BLE001
-            self.telemetry.errors.report(hook, exc)
-            return False
+        return False
 
     def engine_core_client(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
             serving_started()  # this process serves requests: its deferred Prometheus endpoint starts
             if self.settings.vllm_engine_events:
-                try:
+                with guard(hook, self.telemetry.errors):
                     bound = inspect.signature(wrapped).bind(*args, **kwargs)
                     if "log_stats" in bound.arguments:
                         bound.arguments["log_stats"] = True
                         args, kwargs = bound.args, bound.kwargs
-                except Exception as exc:  # noqa: BLE001
-                    self.telemetry.errors.report(hook, exc)
             return wrapped(*args, **kwargs)
 
         return wrapper
@@ -218,13 +215,11 @@ class VLLMAdapter:
         """AsyncLLM.add_request: keep the trace headers vLLM drops when its own tracing is off."""
 
         async def wrapper(wrapped, instance, args, kwargs):
-            try:
+            with guard(hook, self.telemetry.errors):
                 if instance.output_processor not in self._states:
                     self._register_engine(instance)
                 headers = kwargs.get("trace_headers", args[6] if len(args) > 6 else None)
                 _engine_carrier.set(extract_carrier(headers) if headers else None)
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
             return await wrapped(*args, **kwargs)
 
         return wrapper
@@ -236,14 +231,12 @@ class VLLMAdapter:
         async def wrapper(wrapped, instance, args, kwargs):
             arrival = time.time()
             inbound = None
-            try:
+            with guard(hook, self.telemetry.errors):
                 raw = kwargs.get("raw_request", args[1] if len(args) > 1 else None)
                 inbound = _Inbound(extract_carrier(raw.headers) if raw is not None else None, operation,
                                    raw.headers if raw is not None else None)
                 _inbound.set(inbound)  # the request's task (and the streaming tasks it starts) see it
                 _operation.set(operation)
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
             try:
                 result = await wrapped(*args, **kwargs)
             except Exception as error:
@@ -265,7 +258,7 @@ class VLLMAdapter:
 
     def _rejected_http(self, hook: str, args, kwargs, inbound: _Inbound, arrival: float,
                        error_type: str, message: str) -> None:
-        try:
+        with guard(hook, self.telemetry.errors):
             request = kwargs.get("request", args[0] if args else None)
             model = getattr(request, "model", None) or "unknown"
 
@@ -276,22 +269,16 @@ class VLLMAdapter:
             self.telemetry.reject(operation=inbound.operation, provider=PROVIDER, model=str(model),
                                   arrival_s=arrival, error=_Error(message), kind=SpanKind.SERVER,
                                   parent=context_from_carrier(inbound.carrier), engine_version=self.version)
-        except Exception as exc:  # noqa: BLE001
-            self.telemetry.errors.report(hook, exc)
 
     def engine_init(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
             before, self.before_first_engine = self.before_first_engine, None
             if before is not None:
-                try:
+                with guard(hook, self.telemetry.errors):
                     before()
-                except Exception as exc:  # noqa: BLE001
-                    self.telemetry.errors.report(hook, exc)
             result = wrapped(*args, **kwargs)
-            try:
+            with guard(hook, self.telemetry.errors):
                 self._register_engine(instance)
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
             return result
 
         return wrapper
@@ -303,14 +290,12 @@ class VLLMAdapter:
         def wrapper(wrapped, instance, args, kwargs):
             arrival = time.time()
             token = None
-            try:
+            with guard(hook, self.telemetry.errors):
                 if instance.output_processor not in self._states:  # instrumented after the engine was built
                     self._register_engine(instance)
                 headers = kwargs.get("trace_headers", args[6] if len(args) > 6 else None)
                 if headers:
                     token = _engine_carrier.set(extract_carrier(headers))
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
             try:
                 return wrapped(*args, **kwargs)
             except Exception as error:
@@ -325,9 +310,9 @@ class VLLMAdapter:
     def _rejected(self, hook: str, engine: Any, args, kwargs, arrival: float, error: BaseException) -> None:
         try:
             error._llm_otel_reported = True  # one span per failure, however many hooks it crosses
-        except Exception:  # noqa: BLE001 - exceptions with __slots__
+        except Exception:  # noqa: BLE001 - silent: exceptions with __slots__
             pass
-        try:
+        with guard(hook, self.telemetry.errors):
             if engine.output_processor not in self._states:
                 self._register_engine(engine)
             state = self._state_for(engine.output_processor)
@@ -336,16 +321,12 @@ class VLLMAdapter:
                                   model=state.model, arrival_s=arrival, error=error,
                                   engine_version=self.version,
                                   request_attributes=_sampling_attributes(params))
-        except Exception as exc:  # noqa: BLE001
-            self.telemetry.errors.report(hook, exc)
 
     def output_add_request(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
             result = wrapped(*args, **kwargs)
-            try:
+            with guard(hook, self.telemetry.errors):
                 self._start(instance, *_bind_add_request(*args, **kwargs))
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
             return result
 
         return wrapper
@@ -548,12 +529,10 @@ class VLLMAdapter:
         the exception's class name, its metrics counted."""
 
         def wrapper(wrapped, instance, args, kwargs):
-            try:
+            with guard(hook, self.telemetry.errors):
                 error = kwargs.get("e", args[0] if args else None)
                 if isinstance(error, BaseException):
                     self._end_in_flight(self._states.get(instance), type(error).__name__)
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
             return wrapped(*args, **kwargs)
 
         return wrapper
@@ -591,7 +570,7 @@ class VLLMAdapter:
         window = self.settings.flush_deadline_s + 0.5
 
         def wrapper(wrapped, instance, args, kwargs):
-            try:
+            with guard(hook, self.telemetry.errors) as g:
                 from llm_otel.export.lifecycle import wait_flushed
 
                 procs = kwargs.pop("procs", args[0] if args else None)
@@ -602,8 +581,7 @@ class VLLMAdapter:
                     for p in live:
                         p.terminate()
                     wait_flushed([p.pid for p in live], time.monotonic() + window)
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
+            if g.failed:
                 return wrapped(*args, **kwargs)
             return wrapped(procs, timeout=timeout, **kwargs)
 
@@ -625,7 +603,7 @@ class VLLMAdapter:
     def abort_requests(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
             aborted = wrapped(*args, **kwargs)
-            try:
+            with guard(hook, self.telemetry.errors):
                 state = self._states.get(instance)
                 if state is not None and aborted:
                     for rid in aborted:
@@ -635,8 +613,6 @@ class VLLMAdapter:
                             rec.error_type = "aborted"
                             rec.error_message = "request aborted before it finished"
                             self.telemetry.finish(rec)
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
             return aborted
 
         return wrapper

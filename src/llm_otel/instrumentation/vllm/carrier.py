@@ -39,7 +39,7 @@ def set_step_ids(scheduler_output: Any, ids: tuple[int, int, bool]) -> None:
     worker; one that takes no attributes simply carries none (no device timing for that step)."""
     try:
         setattr(scheduler_output, STEP_CARRIER_ATTR, ids)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - silent: a step that takes no attributes carries none (documented above)
         pass
 
 

@@ -29,7 +29,7 @@ def kv_spec(vllm_config: Any) -> KVSpec | None:
         return KVSpec.checked(layers=int(model.get_num_layers(parallel)), kv_heads=int(model.get_num_kv_heads(parallel)),
                               head_dim=int(model.get_head_size()), dtype_bytes=size,
                               block_size=int(cache.block_size), num_blocks=int(num_blocks) if num_blocks else None)
-    except Exception:  # noqa: BLE001 - an engine layout we do not know: no KV signals
+    except Exception:  # noqa: BLE001 - silent: an engine layout we do not know: no KV signals
         return None
 
 

@@ -23,6 +23,8 @@ import multiprocessing.util
 import os
 import sys
 
+from llm_otel.errors import process_errors
+
 logger = logging.getLogger("llm_otel")
 ENABLE_ENV = "LLM_OTEL_ENABLED"
 
@@ -71,7 +73,8 @@ def register() -> None:
         elif inst.adapter is None and inst._pending is not None:  # deferred by opentelemetry-instrument
             inst._activate(**inst._pending)
     except Exception as exc:  # noqa: BLE001
-        logger.warning("llm-otel: could not instrument this vLLM process (%s); it runs uninstrumented", exc)
+        process_errors().report("instrumentation.vllm.plugin", exc,
+                                "could not instrument this vLLM process; it runs uninstrumented")
 
 
 def engine_process_providers(role: str):
@@ -106,7 +109,8 @@ def engine_process_providers(role: str):
         try:
             prometheus = prometheus_reader_from_env(role=role)  # engine core: port + 1 + DP rank
         except Exception as exc:  # noqa: BLE001 - a bad port must not stop the engine process
-            logger.warning("llm-otel: no Prometheus endpoint in this %s process (%s)", role, exc)
+            process_errors().report("instrumentation.vllm.plugin.prometheus", exc,
+                                    f"no Prometheus endpoint in this {role} process")
             prometheus = None
         if prometheus is not None:
             readers.append(prometheus)
@@ -165,8 +169,8 @@ def _after_multiprocessing_fork(_anchor: object) -> None:
         inst.instrument()
         logger.debug("llm-otel: forked vLLM %s process (pid %d) set up for its role", role, os.getpid())
     except Exception as exc:  # noqa: BLE001
-        logger.warning("llm-otel: could not set up this forked vLLM process (%s: %s); it runs uninstrumented",
-                       type(exc).__name__, exc)
+        process_errors().report("instrumentation.vllm.plugin.fork", exc,
+                                "could not set up this forked vLLM process; it runs uninstrumented")
 
 
 multiprocessing.util.register_after_fork(_FORK_HOOK, _after_multiprocessing_fork)

@@ -54,6 +54,7 @@ from typing import Any
 
 import numpy as np
 
+from llm_otel.errors import guard
 from llm_otel.gpu.capture import capture_gate
 from llm_otel.instrumentation.vllm.carrier import (CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY,
                                                    request_span_context, step_ids, step_phase, step_tokens)
@@ -77,13 +78,13 @@ def owns_sampling_result() -> bool:
 
         if ps.get_tp_group().rank_in_group != 0:
             return False
-    except Exception:  # noqa: BLE001 - no process groups: the only rank
+    except Exception:  # noqa: BLE001 - silent: no process groups: the only rank
         return True
     for name in ("get_pcp_group", "get_dcp_group"):  # newer context-parallel groups, when vLLM has them
         try:
             if getattr(ps, name)().rank_in_group != 0:
                 return False
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - silent: feature probe: no such process group
             continue
     return True
 
@@ -207,7 +208,7 @@ class WorkerAdapter:
                 import torch
 
                 cuda = torch.cuda if torch.cuda.is_available() else None
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - silent: feature probe: no torch/CUDA
                 cuda = None
             self._torch_cuda = cuda
         if cuda is None or not cuda.is_initialized():
@@ -310,7 +311,7 @@ class WorkerAdapter:
         a request chosen for logit statistics (and forgets a reused slot's previous request)."""
         def wrapper(wrapped, instance, args, kwargs):
             output = wrapped(*args, **kwargs)
-            try:
+            with guard(hook, self.telemetry.errors):
                 req_idx = args[0] if args else kwargs["req_idx"]
                 sp = args[1] if len(args) > 1 else kwargs["sampling_params"]
                 extra = getattr(sp, "extra_args", None)
@@ -323,8 +324,6 @@ class WorkerAdapter:
                     slots.choose(int(req_idx), _Chosen(req_id, extra, getattr(sp, "max_tokens", None)))
                 elif slots:
                     slots.forget(int(req_idx))
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
             return output
 
         return wrapper
@@ -477,10 +476,8 @@ class WorkerAdapter:
             stale = [r for r, s in self._streams.items() if s.last_mono <= cutoff]
             streams = [self._streams.pop(r) for r in stale]
         for stream in streams:
-            try:
+            with guard("worker.flush", self.telemetry.errors):
                 self._emit(stream)
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report("worker.flush", exc)
         return len(streams)
 
     def _ensure_flusher(self) -> None:
