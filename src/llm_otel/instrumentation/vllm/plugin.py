@@ -63,6 +63,15 @@ def register() -> None:
 
             defer_frontend_endpoints()  # vLLM's launcher may only start API servers: bind when serving
 
+            from llm_otel.instrumentation.vllm import VLLMInstrumentor
+
+            inst = VLLMInstrumentor()
+            if inst.is_instrumented_by_opentelemetry and inst.adapter is None and inst._pending is not None:
+                # a spawned API server (vllm serve --api-server-count N): opentelemetry-instrument
+                # deferred this unnamed child's instrumentor, which instrument() below would skip as
+                # already instrumented - and the server would run with no request spans
+                inst._activate(**inst._pending)
+                return
             llm_otel.instrument(engines=["vllm"])  # no-op if the application already did
             return
         from llm_otel.instrumentation.vllm import VLLMInstrumentor
