@@ -277,3 +277,26 @@ def test_version_lives_in_version_py_matches_pyproject_and_no_layer_imports_the_
     offenders = [str(p.relative_to(root)) for p in (root / "src" / "llm_otel").rglob("*.py")
                  if "from llm_otel import __version__" in p.read_text()]
     assert offenders == []
+
+
+def test_a_bad_variable_under_opentelemetry_instrument_is_one_error_line_and_other_instrumentations_run(tmp_path):
+    """Bad input at start, zero-code (fresh-install review of issue 21): an instrumentor raising
+    ConfigError made opentelemetry-instrument abort the whole auto-instrumentation - every other
+    library's instrumentation too - with two tracebacks. Now: one ERROR line naming the variable,
+    llm-otel instruments nothing, the SDK's auto-initialisation completes and the app runs."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
+    env.update(LLM_OTEL_TOKEN_EVENTS="bad", OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none",
+               OTEL_LOGS_EXPORTER="none")
+    instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
+    app = ("from llm_otel.instrumentation.vllm import VLLMInstrumentor\n"
+           "from llm_otel.instrumentation.triton import TritonClientInstrumentor\n"
+           "print('app ran', VLLMInstrumentor().adapter is None, TritonClientInstrumentor().adapter is None)\n")
+    out = subprocess.run([instrument, sys.executable, "-c", app], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=str(tmp_path))
+    assert out.returncode == 0 and "app ran True True" in out.stdout, out.stderr[-3000:]
+    ours = [line for line in out.stderr.splitlines() if "llm-otel" in line]
+    assert len(ours) == 1 and "LLM_OTEL_TOKEN_EVENTS" in ours[0], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "Failed to auto initialize" not in out.stderr, out.stderr[-3000:]

@@ -142,3 +142,21 @@ def remove_hooks(applied: list[AppliedHook]) -> None:
     for item in reversed(applied):
         setattr(item.owner, item.attribute, item.original)
     applied.clear()
+
+
+_CONFIG_ERROR_LOGGED = [False]
+
+
+def configuration_refused(engine: str, exc: BaseException) -> None:
+    """An instrumentor's ``_instrument`` met an invalid ``OTEL_*``/``LLM_OTEL_*`` value
+    (:class:`llm_otel.config.ConfigError`): that engine stays uninstrumented, with one ERROR line per
+    process naming the variable. It must not raise: under ``opentelemetry-instrument`` an exception
+    from one instrumentor aborts the whole auto-instrumentation (every other library's too) with
+    tracebacks. ``llm_otel.instrument()`` validates the same settings first and raises ConfigError
+    itself, so the explicit API still fails loudly."""
+    if not _CONFIG_ERROR_LOGGED[0]:
+        _CONFIG_ERROR_LOGGED[0] = True
+        logger.error("llm-otel: invalid configuration, %s; llm-otel instruments nothing in this process "
+                     "(other OpenTelemetry instrumentations are unaffected)", exc)
+    else:
+        logger.debug("llm-otel: %s not instrumented: %s", engine, exc)

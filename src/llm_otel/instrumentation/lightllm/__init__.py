@@ -42,9 +42,9 @@ from typing import Any, Collection
 import wrapt
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
-from llm_otel.config import Settings
+from llm_otel.config import ConfigError, Settings
 from llm_otel.errors import process_errors
-from llm_otel.instrumentation._hooks import AppliedHook, _resolve, apply_hooks, remove_hooks
+from llm_otel.instrumentation._hooks import AppliedHook, configuration_refused, _resolve, apply_hooks, remove_hooks
 from llm_otel.instrumentation.lightllm import carrier
 from llm_otel.instrumentation.lightllm.adapter import LightLLMAdapter
 from llm_otel.instrumentation.lightllm.hooks import HOOKS, MODULES, SETSTATE, detect_layout, expected
@@ -74,6 +74,12 @@ class LightLLMInstrumentor(BaseInstrumentor):
         return _instruments
 
     def _instrument(self, **kwargs: Any) -> None:
+        try:
+            self._instrument_engine(**kwargs)
+        except ConfigError as exc:
+            configuration_refused("LightLLM", exc)
+
+    def _instrument_engine(self, **kwargs: Any) -> None:
         from llm_otel._setup import ensure_providers
 
         if importlib.util.find_spec("lightllm") is None:

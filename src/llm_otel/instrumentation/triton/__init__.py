@@ -41,8 +41,8 @@ from typing import Any, Collection
 
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
-from llm_otel.config import Settings
-from llm_otel.instrumentation._hooks import AppliedHook, apply_hooks, library_missing, remove_hooks
+from llm_otel.config import ConfigError, Settings
+from llm_otel.instrumentation._hooks import AppliedHook, configuration_refused, apply_hooks, library_missing, remove_hooks
 from llm_otel.instrumentation.triton.adapter import TritonAdapter
 from llm_otel.instrumentation.triton.hooks import HOOKS
 from llm_otel.instrumentation.triton.package import _instruments
@@ -66,6 +66,12 @@ class TritonClientInstrumentor(BaseInstrumentor):
         return _instruments
 
     def _instrument(self, **kwargs: Any) -> None:
+        try:
+            self._instrument_engine(**kwargs)
+        except ConfigError as exc:
+            configuration_refused("Triton client", exc)
+
+    def _instrument_engine(self, **kwargs: Any) -> None:
         from llm_otel._setup import ensure_providers
 
         if library_missing("tritonclient", "Triton client"):

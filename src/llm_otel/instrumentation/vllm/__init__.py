@@ -43,9 +43,10 @@ from typing import Any, Collection
 from opentelemetry.instrumentation.dependencies import get_dependency_conflicts
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
-from llm_otel.config import Settings
+from llm_otel.config import ConfigError, Settings
 from llm_otel.errors import guard
-from llm_otel.instrumentation._hooks import AppliedHook, apply_hooks, library_missing, remove_hooks
+from llm_otel.instrumentation._hooks import (AppliedHook, apply_hooks, configuration_refused, library_missing,
+                                             remove_hooks)
 from llm_otel.instrumentation.vllm.adapter import VLLMAdapter
 from llm_otel.instrumentation.vllm.hooks import HOOKS
 from llm_otel.instrumentation.vllm.package import _instruments, _instruments_any
@@ -85,7 +86,10 @@ class VLLMInstrumentor(BaseInstrumentor):
             # which one they are; the vllm.general_plugins entry point activates this later.
             self._pending = kwargs
             return
-        self._activate(**kwargs)
+        try:
+            self._activate(**kwargs)
+        except ConfigError as exc:
+            configuration_refused("vLLM", exc)
 
     def _activate(self, **kwargs: Any) -> None:
         from llm_otel._setup import ensure_providers
