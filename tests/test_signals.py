@@ -597,6 +597,20 @@ def test_token_efficiency_per_gib_in_use():
     assert signals.usage() == (0.25, "nvml")
 
 
+def test_token_efficiency_counts_any_token_rate_in_fixed_memory():
+    """Fresh-install review of issue 21: the signals kept the last 16,384 step updates, so a
+    per-token reporter (LightLLM) read at most ~1,638 tokens/s over the default 10 s window."""
+    cap, signals, reader = signals_captured({"LLM_OTEL_EFFICIENCY_WINDOW_S": "10"})
+    poller = UtilizationPoller(MemorySource())
+    poller.sample()
+    signals.poller = poller
+    for k in range(50_000):  # one token at a time, 5,000 per second for 10 s
+        signals.on_tokens(1, 1000.0 + k / 5000)
+    signals.on_tokens(7, 900.0)  # older than the window: not counted, nothing overwritten
+    assert signals.token_efficiency(now=1000.0 + 49_999 / 5000) == pytest.approx(5000 / 2, rel=0.002)
+    assert len(signals._bucket_ids) == 2048  # the ring does not grow
+
+
 def test_stop_ends_the_thread_and_the_health_endpoint():
     _, signals, _ = signals_captured({"LLM_OTEL_HEALTH_PORT": "0"})
     signals.start()

@@ -12,7 +12,6 @@ import logging
 import threading
 import time
 import weakref
-from collections import deque
 from typing import Any, Callable, Mapping
 
 from opentelemetry.metrics import Meter, Observation
@@ -49,6 +48,9 @@ def request_instruments(meter: Meter) -> tuple:
         description="Finished requests checked against their tier's targets.")
     return kv_size, slo_checks
 
+
+_BUCKETS = 2048  # token-rate ring: 2000 buckets span the efficiency window (48 spare)
+_SLOT_MASK = _BUCKETS - 1
 
 class Signals:
     """Per-``instrument()`` signal state and instruments.
@@ -99,7 +101,13 @@ class Signals:
                                   cfg.health_gpu_knee, cfg.health_warmup_s, cfg.health_window_s,
                                   utilization=self._utilization)
         self._kv_sources: list[Callable[[], tuple[int, int] | None]] = []
-        self._steps: deque[tuple[float, int]] = deque(maxlen=16384)  # (monotonic s, output tokens)
+        # output tokens per time bucket over the efficiency window: a preallocated ring, so any token
+        # rate is counted in fixed memory (a bounded list of steps capped the rate it could see:
+        # LightLLM reports every token, vLLM steps over a long window - fresh-install review)
+        self._bucket_s = max(cfg.efficiency_window_s, 1e-3) / (_BUCKETS - 48)
+        self._buckets_per_s = 1.0 / self._bucket_s
+        self._bucket_ids = [-1] * _BUCKETS
+        self._bucket_tokens = [0] * _BUCKETS
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -168,9 +176,23 @@ class Signals:
         return SpanNotes(None, attributes, events)
 
     def on_tokens(self, count: int, engine_mono: float) -> None:
-        """Output tokens an engine step produced (hot path: one deque append per step)."""
+        """Output tokens an engine step produced at ``engine_mono`` (monotonic seconds); hot path:
+        one bucket update, O(1), no allocation. A stamp older than the window is dropped."""
         if count:
-            self._steps.append((engine_mono, count))
+            idx = int(engine_mono * self._buckets_per_s)
+            slot = idx & _SLOT_MASK
+            ids = self._bucket_ids
+            held = ids[slot]
+            if idx == held:
+                self._bucket_tokens[slot] += count
+            elif idx > held:
+                ids[slot] = idx
+                self._bucket_tokens[slot] = count
+
+    @property
+    def _steps(self) -> list[tuple[float, int]]:
+        """``(bucket start, monotonic s; output tokens)`` of the buckets that hold tokens, oldest first."""
+        return sorted((i * self._bucket_s, n) for i, n in zip(self._bucket_ids, self._bucket_tokens) if i >= 0 and n)
 
     def on_finish(self, rec: Any, duration_s: float) -> SpanNotes | None:
         """Lifecycle listener at finish: KV estimate of prompt + output, SLO checks of the tier,
@@ -339,7 +361,8 @@ class Signals:
             return None
         now = time.monotonic() if now is None else now
         window = self.config.efficiency_window_s
-        tokens = sum(n for t, n in list(self._steps) if now - window < t <= now)
+        lo, hi = int((now - window) * self._buckets_per_s), int(now * self._buckets_per_s)  # buckets (lo, hi]: the window, to one bucket
+        tokens = sum(n for i, n in zip(list(self._bucket_ids), list(self._bucket_tokens)) if lo < i <= hi)
         return tokens / window / (mem[0] / GIB)
 
     # --- observation ---------------------------------------------------------------------------
