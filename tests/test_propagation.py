@@ -58,3 +58,24 @@ def test_carrier_from_span_writes_what_the_w3c_propagator_injects(state, flags):
         expected: dict = {}
         TraceContextTextMapPropagator().inject(expected, context=trace.set_span_in_context(span))
         assert carrier_from_span(span) == expected
+
+
+def test_a_malformed_tracestate_is_one_log_line_not_one_per_request(caplog):
+    """Fresh-install review of issue 21: the API's tracestate parser logged a warning echoing the
+    bad member for every request, so a client could flood the server's log; the parent is kept
+    without the tracestate, as the API's parser would have done."""
+    import logging
+
+    from opentelemetry import trace as otel_trace
+
+    from llm_otel.propagation import context_from_carrier, extract_carrier
+
+    caplog.set_level(logging.DEBUG)
+    headers = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+               "tracestate": "a=" + "b" * 300}
+    for _ in range(5):
+        ctx = context_from_carrier(extract_carrier(headers))
+        sc = otel_trace.get_current_span(ctx).get_span_context()
+        assert sc.trace_id == 0x0af7651916cd43dd8448eb211c80319c and not sc.trace_state
+    echoes = [r for r in caplog.records if "bbbbbbbbbb" in r.getMessage() and r.levelno >= logging.WARNING]
+    assert len(echoes) <= 1, [r.getMessage()[:120] for r in echoes]

@@ -159,8 +159,11 @@ class guard:  # noqa: N801 - used like a function: ``with guard("site"):``
 
 
 def _reset_for_tests() -> None:
-    """Forget which sites were logged (tests that look for a site's one log line run in any order)."""
+    """Forget which sites were logged and what the fallback holds for the next metered
+    ``HookErrors`` (tests that look for a site's one log line or its count run in any order)."""
     for errors in (_fallback, _default):
         if errors is not None:
             with errors._lock:
                 errors._logged.clear()
+    with _fallback._lock:
+        _fallback._unexported = {}

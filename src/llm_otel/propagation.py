@@ -89,10 +89,34 @@ def context_from_carrier(carrier: Mapping[str, str] | None) -> Context | None:
     ts = carrier.get(TRACESTATE)
     if ts:
         try:
+            if not _tracestate_well_formed(ts):
+                # checked here: the API's parser logs a warning echoing the member for every request
+                # that sends it (a client could flood the server's log); the parser would drop the
+                # whole header too
+                raise ValueError("a member is not key=value in W3C tracestate format")
             sc = SpanContext(sc.trace_id, sc.span_id, True, sc.trace_flags, TraceState.from_header([ts]))
         except Exception:  # noqa: BLE001 - a caller's header, not our bug
             process_errors().bad_input("propagation.tracestate", f"malformed tracestate {ts!r:.80}; the parent is kept without it")
     return trace.set_span_in_context(trace.NonRecordingSpan(sc))
+
+
+def _tracestate_well_formed(header: str) -> bool:
+    """Every non-empty member of a ``tracestate`` header matches the W3C member grammar (the
+    OpenTelemetry API's own pattern when it has one)."""
+    pattern = _MEMBER
+    if pattern is None:
+        return True
+    for member in header.split(","):
+        member = member.strip(" \t")
+        if member and pattern.fullmatch(member) is None:
+            return False
+    return True
+
+
+try:  # the API's member grammar (opentelemetry.trace.span); without it its parser decides alone
+    from opentelemetry.trace.span import _member_pattern as _MEMBER
+except ImportError:  # silent: an API version without it falls back to its own parser
+    _MEMBER = None
 
 
 def carrier_from_span(span: trace.Span) -> dict[str, str]:
