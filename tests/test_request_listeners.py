@@ -73,15 +73,20 @@ def test_a_failing_listener_is_counted_under_its_key_and_the_request_goes_on():
         def on_start(self, rec, facts):
             raise ValueError("start bug")
 
+        def on_tokens(self, count, engine_mono):
+            raise ValueError("tokens bug")
+
         def on_finish(self, rec, duration_s):
             raise ValueError("finish bug")
 
     cap = make_captured()
     cap.telemetry.add_listener(Broken())
     rec = start(cap, RequestFacts())
+    cap.telemetry.on_tokens(3, 5.0)  # never raises into the adapter; the listeners after it still count
+    assert sum(n for _, n in cap.telemetry.signals._steps) == 3
     cap.telemetry.finish(rec)
     assert [s.name for s in cap.finished()].count("chat m") == 1
-    assert cap.telemetry.errors.counts == {"telemetry.test_listener": 2}
+    assert cap.telemetry.errors.counts == {"telemetry.test_listener": 3}
     (point,) = cap.metric_points("gen_ai.server.request.duration")  # the metrics listener ran first
     assert point.count == 1
 

@@ -164,7 +164,10 @@ class Telemetry:
 
     def _dispatch_tokens(self, count: int, engine_mono: float) -> None:
         for hook in self._token_hooks:
-            hook(count, engine_mono)
+            try:
+                hook(count, engine_mono)
+            except Exception as exc:  # noqa: BLE001 - counted under that listener's key; the others still count
+                self.errors.report(getattr(getattr(hook, "__self__", None), "error_key", "telemetry.listener"), exc)
 
     def attach_kv_source(self, source) -> None:
         """One engine's KV usage for the VRAM pressure level: ``source() -> (blocks held by live
