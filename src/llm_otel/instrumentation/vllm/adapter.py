@@ -463,6 +463,10 @@ class VLLMAdapter:
                     self._reap(state, instance)
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
+                try:  # a failure part-way through the step: the requests vLLM finished still end
+                    self._reap(state, instance)
+                except Exception as exc2:  # noqa: BLE001
+                    self.telemetry.errors.report(hook, exc2)
             return result
 
         return wrapper
