@@ -291,6 +291,8 @@ def test_health_windows_keep_the_newest_samples_in_fixed_memory():
     import gc
     import tracemalloc
 
+    from llm_otel.signals import health as health_module
+
     clock = Clock()
     h = HealthScore(latency_target_s=1.0, max_error_rate=0.5, warmup_s=0, max_samples=8, clock=clock)
     for _ in range(8):
@@ -309,12 +311,16 @@ def test_health_windows_keep_the_newest_samples_in_fixed_memory():
     gc.collect()
     tracemalloc.start()
     try:
-        before = tracemalloc.get_traced_memory()[0]
+        # only what the health module allocates: other threads of the test process (exporters,
+        # samplers of earlier tests) allocate meanwhile too, and made a whole-process count flaky
+        only_health = [tracemalloc.Filter(True, health_module.__file__)]
+        before = tracemalloc.take_snapshot().filter_traces(only_health)
         for i in range(10_000):
             clock.t += 0.01
             big.observe(0.05 + (i % 7) * 1e-3, error=i % 50 == 0)
         gc.collect()
-        grown = tracemalloc.get_traced_memory()[0] - before
+        after = tracemalloc.take_snapshot().filter_traces(only_health)
+        grown = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
     finally:
         tracemalloc.stop()
     assert grown < 2_000, grown  # a deque of tuples: about 175 bytes per request until full
