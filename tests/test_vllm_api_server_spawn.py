@@ -27,8 +27,12 @@ APP = """
         load_general_plugins()  # what vLLM's API server does before building its engine client
         from vllm.v1.engine.output_processor import OutputProcessor
         from llm_otel.instrumentation.vllm import VLLMInstrumentor
+        from llm_otel.export.identity import tracked_identity
         inst = VLLMInstrumentor()
+        ident = tracked_identity() or {}
         queue.put({"name": multiprocessing.current_process().name, "role": inst.role,
+                   "resource": {k: ident.get(k) for k in ("llm.process.role", "llm.process.name",
+                                                          "llm.process.api_server.index")},
                    "adapter": inst.adapter is not None, "pending": inst._pending is not None,
                    "hooked": hasattr(OutputProcessor.add_request, "__wrapped__")})
 
@@ -54,4 +58,6 @@ def test_a_spawned_api_server_under_opentelemetry_instrument_is_instrumented(tmp
     (line,) = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
     result = json.loads(line[len("RESULT "):])
     assert result == {"name": "ApiServer_0", "role": "frontend", "adapter": True, "pending": False,
-                      "hooked": True}, (result, out.stderr[-3000:])
+                      "hooked": True,
+                      "resource": {"llm.process.role": "frontend", "llm.process.name": "ApiServer_0",
+                                   "llm.process.api_server.index": 0}}, (result, out.stderr[-3000:])

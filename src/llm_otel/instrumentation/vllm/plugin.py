@@ -71,6 +71,11 @@ def register() -> None:
                 # deferred this unnamed child's instrumentor, which instrument() below would skip as
                 # already instrumented - and the server would run with no request spans
                 inst._activate(**inst._pending)
+                # its providers were built before multiprocessing named it: say which API server it is
+                from llm_otel.export.identity import relabel, vllm_api_server_index
+
+                name = multiprocessing.current_process().name
+                relabel("frontend", process_name=name, api_server_index=vllm_api_server_index(name))
                 return
             llm_otel.instrument(engines=["vllm"])  # no-op if the application already did
             return
