@@ -57,35 +57,30 @@ def register() -> None:
     if not enabled():
         return
     try:
-        if process_role() == "frontend":
-            import llm_otel
+        from llm_otel.instrumentation.vllm import VLLMInstrumentor
+
+        frontend = process_role() == "frontend"
+        if frontend:
             from llm_otel.export.ports import defer_frontend_endpoints
 
             defer_frontend_endpoints()  # vLLM's launcher may only start API servers: bind when serving
-
-            from llm_otel.instrumentation.vllm import VLLMInstrumentor
-
-            inst = VLLMInstrumentor()
-            if inst.is_instrumented_by_opentelemetry and inst.adapter is None and inst._pending is not None:
-                # a spawned API server (vllm serve --api-server-count N): opentelemetry-instrument
-                # deferred this unnamed child's instrumentor, which instrument() below would skip as
-                # already instrumented - and the server would run with no request spans
-                inst._activate(**inst._pending)
-                # its providers were built before multiprocessing named it: say which API server it is
+        inst = VLLMInstrumentor()
+        if inst.is_instrumented_by_opentelemetry and inst.adapter is None and inst._pending is not None:
+            # opentelemetry-instrument deferred this spawned child's instrumentor before it was named
+            # (engine core, worker, or an API server of vllm serve --api-server-count N, which
+            # instrument() would skip as already instrumented: no request spans at all)
+            inst._activate(**inst._pending)
+            if frontend:  # its providers were built before multiprocessing named it
                 from llm_otel.export.identity import relabel, vllm_api_server_index
 
                 name = multiprocessing.current_process().name
                 relabel("frontend", process_name=name, api_server_index=vllm_api_server_index(name))
-                return
-            llm_otel.instrument(engines=["vllm"])  # no-op if the application already did
-            return
-        from llm_otel.instrumentation.vllm import VLLMInstrumentor
+        elif frontend:
+            import llm_otel
 
-        inst = VLLMInstrumentor()
-        if not inst.is_instrumented_by_opentelemetry:
+            llm_otel.instrument(engines=["vllm"])  # no-op if the application already did
+        elif not inst.is_instrumented_by_opentelemetry:
             inst.instrument()
-        elif inst.adapter is None and inst._pending is not None:  # deferred by opentelemetry-instrument
-            inst._activate(**inst._pending)
     except Exception as exc:  # noqa: BLE001
         process_errors().report("instrumentation.vllm.plugin", exc,
                                 "could not instrument this vLLM process; it runs uninstrumented")
