@@ -83,18 +83,16 @@ class Signals:
         # per-request instruments: recorded in the exporter process when llm-otel built the providers
         # (llm_otel.export.offload.offload_instruments replaces them with remote stand-ins)
         self.kv_size, self.slo_checks = request_instruments(meter)
-        meter.create_observable_gauge(M.LLM_SERVER_TOKEN_EFFICIENCY, callbacks=[self._observe_efficiency],
-                                      unit=M.LLM_SERVER_TOKEN_EFFICIENCY_UNIT,
-                                      description="Output tokens/s per GiB of GPU memory in use.")
-        meter.create_observable_gauge(M.LLM_SERVER_VRAM_PRESSURE, callbacks=[self._observe_pressure],
-                                      unit=M.LLM_SERVER_VRAM_PRESSURE_UNIT,
-                                      description="VRAM pressure level: 0 ok, 1 warn, 2 critical.")
-        meter.create_observable_gauge(M.LLM_SERVER_VRAM_USAGE, callbacks=[self._observe_usage],
-                                      unit=M.LLM_SERVER_VRAM_USAGE_UNIT,
-                                      description="Memory usage fraction behind the pressure level.")
-        meter.create_observable_gauge(M.LLM_SERVER_HEALTH_SCORE, callbacks=[self._observe_health],
-                                      unit=M.LLM_SERVER_HEALTH_SCORE_UNIT,
-                                      description="Weighted health score in [0, 1].")
+        for name, callback, unit, description in (
+                (M.LLM_SERVER_TOKEN_EFFICIENCY, self._observe_efficiency, M.LLM_SERVER_TOKEN_EFFICIENCY_UNIT,
+                 "Output tokens/s per GiB of GPU memory in use."),
+                (M.LLM_SERVER_VRAM_PRESSURE, self._observe_pressure, M.LLM_SERVER_VRAM_PRESSURE_UNIT,
+                 "VRAM pressure level: 0 ok, 1 warn, 2 critical."),
+                (M.LLM_SERVER_VRAM_USAGE, self._observe_usage, M.LLM_SERVER_VRAM_USAGE_UNIT,
+                 "Memory usage fraction behind the pressure level."),
+                (M.LLM_SERVER_HEALTH_SCORE, self._observe_health, M.LLM_SERVER_HEALTH_SCORE_UNIT,
+                 "Weighted health score in [0, 1].")):
+            meter.create_observable_gauge(name, callbacks=[callback], unit=unit, description=description)
         self.pressure = PressureMonitor(cfg.vram_warn, cfg.vram_warn_hold_s, cfg.vram_critical,
                                         cfg.vram_critical_hold_s, cfg.vram_clear_margin, cfg.vram_clear_hold_s)
         self.health = HealthScore(cfg.health_weights, cfg.health_ttft_target_s, cfg.health_max_error_rate,
