@@ -129,22 +129,33 @@ def test_streaming_chat_without_traceparent_is_a_new_root_shared_by_every_proces
 
 
 def test_c02_client_disconnect_mid_stream_ends_the_spans_with_error_and_partial_counts(rx, server):
-    tid = "abcdef0123456789abcdef0123456789"
-    # 2000 tokens keep the engine decoding for seconds after the client has gone, so the abort has to
-    # be what ends the request (with 400 a fast machine finished before the disconnect was noticed)
-    body = {"model": SERVED, "prompt": "import os", "max_tokens": 2000, "stream": True, "ignore_eos": True}
-    received = 0
-    with httpx.stream("POST", server["base"] + "/v1/completions", json=body, timeout=60,
-                      headers={"traceparent": f"00-{tid}-{TP_PARENT}-01"}) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                received += 1
-            if received >= 5:
-                break  # closing the response disconnects the client mid-decode
-    (root,) = request_spans(rx, tid)
-    assert root["status_code"] == "STATUS_CODE_ERROR", root["attributes"]
-    assert root["attributes"]["error.type"] == "aborted"
-    assert 5 <= root["attributes"]["gen_ai.usage.output_tokens"] < 2000
+    """C02: a client that disconnects mid-decode ends the request span and ``llm.token_stream`` with
+    error.type=aborted and the tokens produced so far; the engine keeps serving."""
+    # 2000 tokens (the server's max_model_len is 2048) keep the engine decoding for seconds after the
+    # client has gone, so the abort has to be what ends the request. Whether the server notices the
+    # disconnect before the request ends is up to uvicorn/starlette/vLLM, not llm-otel (starlette does
+    # not close the stream's generator when its cancellation lands outside it; vLLM aborts when that
+    # generator is closed or collected). A request that ran to max_tokens with finish_reason=length is
+    # that case and is retried with a new trace; every other outcome is judged below.
+    for attempt in range(3):
+        tid = f"abcdef0123456789abcdef012345678{attempt}"
+        body = {"model": SERVED, "prompt": "import os", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+        received = 0
+        with httpx.stream("POST", server["base"] + "/v1/completions", json=body, timeout=60,
+                          headers={"traceparent": f"00-{tid}-{TP_PARENT}-01"}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    received += 1
+                if received >= 5:
+                    break  # closing the response disconnects the client mid-decode
+        (root,) = request_spans(rx, tid)
+        attrs = root["attributes"]
+        if not (root["status_code"] == "STATUS_CODE_UNSET" and attrs.get("gen_ai.usage.output_tokens") == 2000
+                and list(attrs.get("gen_ai.response.finish_reasons", ())) == ["length"]):
+            break
+    assert root["status_code"] == "STATUS_CODE_ERROR", json.dumps(attrs)
+    assert attrs["error.type"] == "aborted"
+    assert 5 <= attrs["gen_ai.usage.output_tokens"] < 2000
     (stream,) = children(rx, root, "llm.token_stream")
     assert stream["status_code"] == "STATUS_CODE_ERROR"
     # the engine keeps serving and the next request is traced normally
