@@ -66,9 +66,7 @@ def test_second_call_does_not_rebuild(built: pathlib.Path, monkeypatch: pytest.M
 
     monkeypatch.setattr(tiny_model, "_build", fail)
     messages: list[str] = []
-    start = time.monotonic()
     again = ensure_tiny_model(built, progress=messages.append)
-    assert time.monotonic() - start < 1.0
     assert again == built
     assert messages == []
     assert {p.name: p.stat().st_mtime_ns for p in built.iterdir()} == before

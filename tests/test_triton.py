@@ -265,8 +265,9 @@ def _check_timing(cap, span, responses: int) -> None:
     assert ts.attributes["llm.time_to_first_token"] == pytest.approx(gaps[0])
     if responses > 1:
         assert ts.attributes["llm.stream.response_gap.max"] == pytest.approx(max(gaps[1:]))
-        # the model sleeps 10 ms per token: the client cannot see tokens closer than that
-        assert ts.attributes["llm.stream.response_gap.p50"] >= 0.009
+    # the model sleeps 10 ms before each token: the last response cannot reach the client sooner than
+    # responses x 10 ms after the call started (a bound no scheduling delay can break; single gaps can)
+    assert sum(gaps) >= 0.0099 * responses
 
 
 def test_c11_grpc_stream_requests_timed_and_server_spans_under_the_stream(triton, receiver, cap):
@@ -487,7 +488,8 @@ def test_metrics_duration_and_chunk_timing(triton, cap):
     (span,) = ours(cap, "text_completion tok_stream")
     ts = _token_stream(cap, span)
     assert delta[names[0]][1] == pytest.approx(ts.attributes["llm.time_to_first_token"])
-    assert delta[names[1]][1] / 4 >= 0.009  # the model sleeps 10 ms per token
+    # the model sleeps 10 ms before each of the 5 tokens: TTFT plus the 4 gaps is at least 50 ms
+    assert delta[names[0]][1] + delta[names[1]][1] >= 0.0099 * 5
     assert point(names[2]).attributes["gen_ai.provider.name"] == "triton"
 
 
