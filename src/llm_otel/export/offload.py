@@ -57,7 +57,13 @@ Guarantees:
   frame is encoded record by record and the values the SDK would reject are dropped and counted
   (``attributes_dropped``, one log line), not the frame; lists are copied when set, as the SDK does.
 
-Metrics stay in the serving process (the SDK meter provider; exemplars need the live context).
+**Per-request metrics built there too** (:func:`offload_instruments`, when llm-otel built the meter
+provider for OTLP): a finished request's GenAI observations go as one record
+(:meth:`~llm_otel.telemetry.metrics.Instruments.observations`: values, attribute sets and the
+request span's ids), and the exporter process records them with the same
+:meth:`~llm_otel.telemetry.metrics.Instruments.apply` into the same instruments, the exemplar
+context rebuilt from those ids. Other metrics (gauges, the drop counters, the application's own
+meter provider) stay in the serving process.
 """
 
 from __future__ import annotations
@@ -432,7 +438,9 @@ class OffloadBuffer:
 
     def push_metric(self, record: tuple) -> None:
         """One metric observation ``(instrument attribute, value, attributes, (trace_id, span_id,
-        flags) or None)`` for the exporter process's instruments; O(1), never blocks."""
+        flags) or None)`` for the exporter process's instruments, or one finished request's GenAI
+        observations ``("request", Instruments.observations(...), None, ids)`` (:meth:`push_request`);
+        O(1), never blocks. A full buffer loses (and counts) every point of the record."""
         if self._pid != _PID[0]:
             if self.disowned:
                 return
@@ -440,11 +448,22 @@ class OffloadBuffer:
         if self._closed:
             return
         if len(self._mqueue) >= self.metric_capacity:
-            self._lose_metrics(1, BACKLOG)
+            self._lose_metrics(_metric_points((record,)), BACKLOG)
             return
         self._mqueue.append(record)
         if self._thread is None:
             self._start_thread()
+
+    def push_request(self, observations: tuple, span_context) -> None:
+        """:attr:`Instruments.sink <llm_otel.telemetry.metrics.Instruments.sink>`: one finished
+        request's GenAI observations (:meth:`~llm_otel.telemetry.metrics.Instruments.observations`)
+        as one record; ``span_context`` is the request span's (None when it is not recording): its
+        ids go along when it is sampled, as the SDK's ``trace_based`` exemplar filter keeps only
+        sampled spans, and the exporter process's exemplars point at it. O(1), never blocks."""
+        ids = None
+        if span_context is not None and span_context.trace_flags.sampled and span_context.is_valid:
+            ids = (span_context.trace_id, span_context.span_id, int(span_context.trace_flags))
+        self.push_metric(("request", observations, None, ids))
 
     def _lose_metrics(self, n: int, error_type: str) -> None:
         if n <= 0:
@@ -546,7 +565,7 @@ class OffloadBuffer:
         while mqueue:
             batch = [mqueue.popleft() for _ in range(min(4 * _BATCH, len(mqueue)))]
             if not self._send(("metrics", batch), 0):
-                self._lose_metrics(len(batch), DOWN)
+                self._lose_metrics(_metric_points(batch), DOWN)
                 break
         queue = self._queue
         while queue:
@@ -614,7 +633,7 @@ class OffloadBuffer:
                 pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
                 out.append(record)
             except Exception:  # noqa: BLE001 - silent: e.g. an unpicklable span name or status description
-                lost += 1
+                lost += 1 if kind == "spans" else _metric_points((record,))
         first = not (self.attributes_dropped or self.spans_unencodable)
         self.attributes_dropped += dropped
         if kind == "spans" and lost:
@@ -770,6 +789,20 @@ class OffloadBuffer:
             pass
 
 
+def _metric_points(records) -> int:
+    """Metric points in a batch of metric records: one per observation, :meth:`Instruments.points
+    <llm_otel.telemetry.metrics.Instruments.points>` per request record (only asked when some are lost)."""
+    n = 0
+    for record in records:
+        if record[0] == "request":
+            from llm_otel.telemetry.metrics import Instruments
+
+            n += Instruments.points(record[1])
+        else:
+            n += 1
+    return n
+
+
 def _span_count(records) -> int:
     """Spans in a batch of span records and tree records (``(None, spans, ...)``)."""
     n = len(records)
@@ -865,6 +898,13 @@ def _clean_record(kind: str, record: tuple) -> tuple[tuple, int]:
     """A span record (see :meth:`OffloadSpan.end`) or metric record (``push_metric``) with its
     attributes, event and link attributes cleaned; (record, values dropped)."""
     if kind == "metrics":
+        if record[0] == "request":  # a request's observations: its four attribute sets
+            sets, n = [], 0
+            for attributes in record[1][0]:
+                attributes, k = clean_attributes(attributes)
+                sets.append(attributes)
+                n += k
+            return (record[0], (tuple(sets), *record[1][1:]), record[2], record[3]), n
         attributes, n = clean_attributes(record[2])
         return (record[0], record[1], attributes, record[3]), n
     fields = list(record)
@@ -954,8 +994,9 @@ def offload_instruments(instruments, tracer_provider, meter_provider, scope: tup
 
     _NO_TRACE[0] = no_trace
     buffer._instruments_init = ("instruments", *scope, instruments.itl_every)  # noqa: SLF001
-    for name in OFFLOADED_INSTRUMENTS:
+    for name in OFFLOADED_INSTRUMENTS:  # rejected requests (Instruments.record_rejected)
         setattr(instruments, name, _RemoteInstrument(buffer, name))
+    instruments.sink = buffer.push_request  # finished requests: one record each
     if signals is not None:
         for name in OFFLOADED_SIGNAL_INSTRUMENTS:
             setattr(signals, name, _RemoteInstrument(buffer, name))
@@ -1239,6 +1280,12 @@ class _ChildMetrics:
         contexts = self._contexts
         for name, value, attributes, ids in batch:
             ctx = _NO_TRACE
+            if name == "request":  # one finished request's observations: the request span's ids, once
+                if ids is not None:
+                    ctx = trace_api.set_span_in_context(trace_api.NonRecordingSpan(
+                        SpanContext(ids[0], ids[1], is_remote=False, trace_flags=TraceFlags(ids[2]))))
+                instruments.apply(value, ctx)
+                continue
             if ids is not None:
                 ctx = contexts.get(ids)
                 if ctx is None:
