@@ -508,7 +508,8 @@ class VLLMAdapter:
         live = output_processor.request_states
         produced = 0
         for out in outputs:
-            rec = records.get(out.request_id)
+            rid = out.request_id
+            rec = records.get(rid)
             if rec is None:
                 continue
             events = out.events
@@ -519,18 +520,18 @@ class VLLMAdapter:
                         if kind == "queued" and rec.queued_mono is None and rec.handed_mono is not None:
                             state.clock.observe_queued(rec.handed_mono, ev.timestamp)
                         rec.on_event(kind, ev.timestamp)
-            if rec.cached_tokens is None and out.prefill_stats is not None:
-                rec.cached_tokens = out.prefill_stats.num_cached_tokens
+            stats = out.prefill_stats  # the prefill's step only
+            if stats is not None and rec.cached_tokens is None:
+                rec.cached_tokens = stats.num_cached_tokens
             ids = out.new_token_ids
             if ids:
-                rec.on_tokens(ids, ts)  # after vLLM trimmed tokens past a stop string
-                produced += len(ids)
-            if out.request_id in live:
+                produced += rec.on_tokens(ids, ts)  # after vLLM trimmed tokens past a stop string
+            if rid in live:
                 continue
             reason = out.finish_reason
             rec.finish_reason = _FINISH[int(reason)] if reason is not None and 0 <= int(reason) < len(_FINISH) else "stop"
             rec.error_type = _ERROR_TYPES.get(rec.finish_reason)
-            state.pop(out.request_id)
+            state.pop(rid)
             if rec.output_state is not None:  # content capture is on: the detokenized completion
                 text = getattr(getattr(rec.output_state, "detokenizer", None), "output_text", None)
                 rec.output_state = None
