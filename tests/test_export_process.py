@@ -466,23 +466,31 @@ def test_metric_observations_a_full_buffer_cannot_take_are_counted(receiver):
 
 
 def test_a_request_metric_record_a_full_buffer_cannot_take_counts_all_its_points(receiver):
-    """A finished request's GenAI observations are one record; a full buffer loses the record
-    and counts every point it held (what the exporter process would have recorded)."""
+    """A finished request's GenAI observations are one record, weighing the observations it may
+    record in the metric buffer (bounded in observations, however long the requests): a full
+    buffer loses the record and counts every point it held; what the writer takes frees its weight."""
     from llm_otel.telemetry.metrics import Instruments
 
-    tp, reader = _offload(receiver, Settings(console="off", adaptive_sampling="off", export_process_buffer=1))
+    tp, reader = _offload(receiver)
+    buffer = tp.buffer
     sets = ({"m": "x"},) * 4
     ok = (sets, True, 0.5, 0.1, 0.01, [0.01, 0.02, 0.03], 20.0, 0.002, 7, 10, None)
-    with tp.buffer._lock:  # noqa: SLF001 - the writer is busy: nothing leaves the buffer
-        for _ in range(tp.buffer.metric_capacity):
-            tp.buffer.push_request(ok, None)
-        tp.buffer.push_request(ok, None)
+    buffer.metric_capacity = 3 * (8 + 3)  # three such records
+    with buffer._lock:  # noqa: SLF001 - the writer is busy: nothing leaves the buffer
+        for _ in range(4):
+            buffer.push_request(ok, None)
+        assert len(buffer._mqueue) == 3  # noqa: SLF001
     data = reader.get_metrics_data()
     dropped = [p.value for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
                if m.name == M.LLM_OTEL_METRIC_POINTS_DROPPED for p in m.data.data_points
                if p.attributes.get("error.type") == BACKLOG]
     # duration, TTFT, TPOT, 3 ITL gaps, token rate, the request count, queue time, input and output tokens
     assert dropped == [Instruments.points(ok)] == [11]
+    assert buffer._drain() and buffer._mput == buffer._mtaken == 33  # noqa: SLF001
+    with buffer._lock:  # noqa: SLF001
+        for _ in range(3):
+            buffer.push_request(ok, None)
+        assert len(buffer._mqueue) == 3  # noqa: SLF001 - taken records freed their weight
     tp.shutdown()
 
 

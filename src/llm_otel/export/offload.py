@@ -403,7 +403,13 @@ class OffloadBuffer:
     def _start_state(self) -> None:
         self._pid = os.getpid()
         self._queue: deque = deque()
-        self._mqueue: deque = deque()      # metric observations (offload_instruments)
+        self._mqueue: deque = deque()      # metric records (offload_instruments)
+        # observations put into / taken out of _mqueue (a request record weighs what it may record):
+        # the metric buffer is bounded in observations, whatever their records' sizes. One writer
+        # each - the serving thread puts, the writer thread takes (under _lock) - and an int
+        # attribute's += runs without a thread switch in CPython, so neither count loses an update
+        self._mput = 0
+        self._mtaken = 0
         self._wake = threading.Event()
         self._lock = threading.Lock()      # the pipe: one writer at a time (thread, flush)
         self._start_lock = threading.Lock()
@@ -436,21 +442,23 @@ class OffloadBuffer:
                 M.LLM_OTEL_METRIC_POINTS_DROPPED, unit=M.LLM_OTEL_METRIC_POINTS_DROPPED_UNIT,
                 description="GenAI metric observations this process could not hand to its exporter process.")
 
-    def push_metric(self, record: tuple) -> None:
+    def push_metric(self, record: tuple, weight: int = 1) -> None:
         """One metric observation ``(instrument attribute, value, attributes, (trace_id, span_id,
         flags) or None)`` for the exporter process's instruments, or one finished request's GenAI
-        observations ``("request", Instruments.observations(...), None, ids)`` (:meth:`push_request`);
-        O(1), never blocks. A full buffer loses (and counts) every point of the record."""
+        observations ``("request", Instruments.observations(...), weight, ids)`` (:meth:`push_request`;
+        ``weight``: the observations it may record at most); O(1), never blocks. While
+        ``metric_capacity`` observations wait, a new record is lost and every point it held counted."""
         if self._pid != _PID[0]:
             if self.disowned:
                 return
             self._start_state()
         if self._closed:
             return
-        if len(self._mqueue) >= self.metric_capacity:
+        if self._mput - self._mtaken + weight > self.metric_capacity:
             self._lose_metrics(_metric_points((record,)), BACKLOG)
             return
         self._mqueue.append(record)
+        self._mput += weight
         if self._thread is None:
             self._start_thread()
 
@@ -463,7 +471,8 @@ class OffloadBuffer:
         ids = None
         if span_context is not None and span_context.trace_flags.sampled and span_context.is_valid:
             ids = (span_context.trace_id, span_context.span_id, int(span_context.trace_flags))
-        self.push_metric(("request", observations, None, ids))
+        weight = _REQUEST_POINTS + len(observations[5])  # at most: the fixed ones and one per ITL gap
+        self.push_metric(("request", observations, weight, ids), weight)
 
     def _lose_metrics(self, n: int, error_type: str) -> None:
         if n <= 0:
@@ -564,6 +573,7 @@ class OffloadBuffer:
                 self._instruments_to = self._proc
         while mqueue:
             batch = [mqueue.popleft() for _ in range(min(4 * _BATCH, len(mqueue)))]
+            self._mtaken += _metric_weight(batch)
             if not self._send(("metrics", batch), 0):
                 self._lose_metrics(_metric_points(batch), DOWN)
                 break
@@ -787,6 +797,19 @@ class OffloadBuffer:
             proc.kill()
         except Exception:  # noqa: BLE001 - silent: already gone
             pass
+
+
+# the observations of one finished request besides its ITL gaps, at most: duration, TTFT, TPOT,
+# output token rate, the request count, queue time, input and output tokens (Instruments.apply)
+_REQUEST_POINTS = 8
+
+
+def _metric_weight(records) -> int:
+    """The buffer weight of a batch of metric records (:meth:`OffloadBuffer.push_metric`)."""
+    n = 0
+    for record in records:
+        n += record[2] if record[0] == "request" else 1
+    return n
 
 
 def _metric_points(records) -> int:
