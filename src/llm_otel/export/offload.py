@@ -189,8 +189,10 @@ class OffloadSpan(trace_api.Span):
             self._name, ctx.trace_id, ctx.span_id, int(ctx.trace_flags), tuple(ctx.trace_state.items()),
             None if parent is None else (parent.trace_id, parent.span_id, parent.is_remote, int(parent.trace_flags),
                                          tuple(parent.trace_state.items())),
-            self._kind.value, self._start, self._end, self._attributes, self._events,
-            [_link_record(link) for link in self._links], self._status, self._scope))
+            # no new container for a span without events or links (most): fewer objects for the
+            # garbage collector to traverse while the record waits for the writer
+            self._kind.value, self._start, self._end, self._attributes, self._events or (),
+            tuple([_link_record(link) for link in self._links]) if self._links else (), self._status, self._scope))
 
     def __enter__(self):
         return self
