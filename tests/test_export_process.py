@@ -364,10 +364,31 @@ GENAI_REQUEST_METRICS = (M.GEN_AI_SERVER_REQUEST_DURATION, M.GEN_AI_SERVER_TIME_
                          M.LLM_SERVER_REQUESTS, M.LLM_SERVER_REQUEST_KV_CACHE_SIZE, M.LLM_SERVER_SLO_CHECKS)
 
 
-def test_genai_metrics_are_the_same_and_their_exemplars_point_at_exported_request_spans(receiver):
-    """Every request's GenAI metrics, recorded by the exporter process: same points as in process,
-    the serving process's resource, exemplars naming sampled request spans that were exported."""
-    settings = Settings(console="off", adaptive_sampling="off", itl_sample_every=1)
+def _choices(telemetry: Telemetry) -> None:
+    """An ``n = 2`` request (one record per choice sharing a ChoiceGroup: the request-level
+    observations once, by the last choice) with a different model, so its series are its own."""
+    from llm_otel.telemetry.record import ChoiceGroup
+
+    base, group = 1_700_000_010.0, ChoiceGroup(2)
+    for c in range(2):
+        rec = telemetry.start_request("n2", operation="text_completion", provider="vllm", model="m2",
+                                      arrival_s=base, input_tokens=5, choice_index=c)
+        rec.choice_group = group
+        rec.mono_offset_ns = round((base - 2000.0) * 1e9)
+        for k in range(9 + c):
+            rec.on_tokens([k, k], 2000.01 + k * 0.004 * (c + 1))
+        rec.finish_reason = "stop"
+        telemetry.finish(rec, end_ns=round((base + 0.1 + c * 0.05) * 1e9))
+
+
+@pytest.mark.parametrize("itl_every", [1, 4])
+def test_genai_metrics_are_the_same_and_their_exemplars_point_at_exported_request_spans(receiver, itl_every):
+    """Every request's GenAI metrics, recorded by the exporter process from one record per
+    finished request: the same points as in process - names, attributes, counts, sums, buckets,
+    the serving process's resource and scope - and the same exemplars (trace id, span id, value),
+    which name the sampled request spans that were exported. Same ids and the same ITL sampling
+    offsets on both paths (seeded), so the comparison is exact."""
+    settings = Settings(console="off", adaptive_sampling="off", itl_sample_every=itl_every)
 
     def run(export_process: bool):
         receiver.clear()
@@ -376,11 +397,13 @@ def test_genai_metrics_are_the_same_and_their_exemplars_point_at_exported_reques
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.grpc_endpoint
         tp, mp = build_providers(dataclasses.replace(settings, export_process=export_process), env,
                                  shutdown_on_exit=False)
+        tp.id_generator = SeededIds(11)  # before any tracer exists: the same span ids on both paths
         from llm_otel.signals import SignalsConfig
         from llm_otel.signals.kv import KVSpec
 
         telemetry = Telemetry(tp, mp, settings, signals_config=SignalsConfig.from_env(
             {"LLM_OTEL_TIERS": "standard * e2e=120 ttft=60"}))
+        telemetry.instruments._rng.seed(3)  # noqa: SLF001 - the same ITL offsets on both paths
         signals, start = telemetry.signals, telemetry.start_request
         kv = KVSpec(layers=2, kv_heads=2, head_dim=8, dtype_bytes=4, block_size=16)
 
@@ -394,27 +417,32 @@ def test_genai_metrics_are_the_same_and_their_exemplars_point_at_exported_reques
         # recorded by the exporter process (the same points prove it delivers them) or in process
         assert isinstance(signals.kv_size, offload._RemoteInstrument) is export_process
         assert isinstance(signals.slo_checks, offload._RemoteInstrument) is export_process
+        assert (telemetry.instruments.sink is not None) is export_process
         _requests(telemetry, tp.get_tracer("t"), "m")
+        _choices(telemetry)
         assert tp.force_flush(30_000) and mp.force_flush(30_000)
         points = {}
         for name in GENAI_REQUEST_METRICS:
             for p in receiver.wait_for_metric(name, timeout=10):
                 key = (name, tuple(sorted(p["attributes"].items())))
                 points[key] = (p.get("count"), p.get("sum"), tuple(p.get("bucket_counts", ())), p.get("value"),
-                               p["resource"]["process.pid"], p["scope_name"], p["scope_version"])
-        exemplars = [e for name in GENAI_REQUEST_METRICS for p in receiver.metrics(name=name)
-                     for e in p.get("exemplars", ())]
-        spans = {(s["trace_id"], s["span_id"]) for s in receiver.spans() if s["name"] == "text_completion m"}
+                               p["resource"]["process.pid"], p["scope_name"], p["scope_version"],
+                               tuple((e["trace_id"], e["span_id"], e["value"]) for e in p.get("exemplars", ())))
+        spans = {(s["trace_id"], s["span_id"]) for s in receiver.spans() if s["name"].startswith("text_completion m")}
         tp.shutdown()
         mp.shutdown()
-        return points, exemplars, spans
+        return points, spans
 
-    in_process, _, _ = run(False)
-    offloaded, exemplars, request_spans = run(True)
+    in_process, _ = run(False)
+    offloaded, request_spans = run(True)
     assert len({key[0] for key in in_process}) == len(GENAI_REQUEST_METRICS)
     assert offloaded == in_process
     assert {p[4] for p in offloaded.values()} == {os.getpid()}  # the serving process's resource
-    assert exemplars and {(e["trace_id"], e["span_id"]) for e in exemplars} <= request_spans
+    exemplars = {e[:2] for p in offloaded.values() for e in p[7]}
+    assert exemplars and exemplars <= request_spans
+    itl = [p for key, p in offloaded.items() if key[0] == M.LLM_SERVER_INTER_TOKEN_LATENCY]
+    # 11, 11, 8 and 9 gaps after the first token-producing step (the failed request records none)
+    assert sum(p[0] for p in itl) == 39 if itl_every == 1 else 4 <= sum(p[0] for p in itl) <= 14
 
 
 def test_metric_observations_a_full_buffer_cannot_take_are_counted(receiver):
@@ -435,3 +463,53 @@ def test_metric_observations_a_full_buffer_cannot_take_are_counted(receiver):
                if p.attributes.get("error.type") == BACKLOG]
     assert dropped == [3]
     tp.shutdown()
+
+
+def test_a_request_metric_record_a_full_buffer_cannot_take_counts_all_its_points(receiver):
+    """A finished request's GenAI observations are one record, weighing the observations it may
+    record in the metric buffer (bounded in observations, however long the requests): a full
+    buffer loses the record and counts every point it held; what the writer takes frees its weight."""
+    from llm_otel.telemetry.metrics import Instruments
+
+    tp, reader = _offload(receiver)
+    buffer = tp.buffer
+    sets = ({"m": "x"},) * 4
+    ok = (sets, True, 0.5, 0.1, 0.01, [0.01, 0.02, 0.03], 20.0, 0.002, 7, 10, None)
+    buffer.metric_capacity = 3 * (8 + 3)  # three such records
+    with buffer._lock:  # noqa: SLF001 - the writer is busy: nothing leaves the buffer
+        for _ in range(4):
+            buffer.push_request(ok, None)
+        assert len(buffer._mqueue) == 3  # noqa: SLF001
+    data = reader.get_metrics_data()
+    dropped = [p.value for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+               if m.name == M.LLM_OTEL_METRIC_POINTS_DROPPED for p in m.data.data_points
+               if p.attributes.get("error.type") == BACKLOG]
+    # duration, TTFT, TPOT, 3 ITL gaps, token rate, the request count, queue time, input and output tokens
+    assert dropped == [Instruments.points(ok)] == [11]
+    assert buffer._drain() and buffer._mput == buffer._mtaken == 33  # noqa: SLF001
+    with buffer._lock:  # noqa: SLF001
+        for _ in range(3):
+            buffer.push_request(ok, None)
+        assert len(buffer._mqueue) == 3  # noqa: SLF001 - taken records freed their weight
+    tp.shutdown()
+
+
+@pytest.mark.parametrize("case", ["ok", "error", "first_choice", "no_tokens"])
+def test_the_points_of_a_request_record_are_what_apply_records(case):
+    """``Instruments.points`` (the drop count of a lost request record) equals the points the real
+    SDK instruments receive from ``apply``: histogram counts plus counter increments."""
+    from llm_otel.telemetry.metrics import _NO_TRACE, Instruments
+
+    reader = InMemoryMetricReader()
+    instruments = Instruments(MeterProvider(metric_readers=[reader]).get_meter("t"), 1)
+    sets = ({"a": "1"}, {"a": "1", "r": "stop"}, {"a": "1", "t": "input"}, {"a": "1", "t": "output"})
+    obs = {"ok": (sets, True, 0.5, 0.1, 0.01, [0.01, 0.02], 20.0, 0.002, 7, 10, None),
+           "error": (sets, True, 0.5, None, None, (), None, 0.002, 7, 0, "boom"),
+           "first_choice": (sets, False, 0.5, 0.1, None, [0.3], 20.0, None, 7, 10, None),
+           "no_tokens": (sets, True, 0.5, None, None, (), None, None, 7, 0, None)}[case]
+    instruments.apply(obs, _NO_TRACE)
+    data = reader.get_metrics_data()
+    recorded = sum(p.count if hasattr(p, "count") else p.value for rm in data.resource_metrics
+                   for sm in rm.scope_metrics for m in sm.metrics for p in m.data.data_points)
+    assert recorded == Instruments.points(obs)
+

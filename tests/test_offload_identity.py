@@ -310,3 +310,18 @@ def test_metric_observations_with_unencodable_attribute_values_keep_the_rest(rec
     assert type(records[1][2]["n"]) is int and tp.buffer.attributes_dropped == 1
     tp.shutdown()
     mp.shutdown()
+
+
+def test_a_request_metric_record_with_an_unencodable_label_keeps_the_rest(receiver):
+    """One finished request's observations travel as one record: a label value pickle cannot
+    take is dropped from each of its four attribute sets, its values are kept."""
+    tp, mp = build_providers(Settings(console="off", adaptive_sampling="off"), _clean_env(receiver),
+                             shutdown_on_exit=False)
+    attrs = {"gen_ai.request.model": "m", "x": threading.Lock(), "n": np.int64(3)}
+    obs = ((attrs, attrs, attrs, attrs), True, 0.5, 0.1, 0.01, [0.01, 0.02], 20.0, None, 7, 10, None)
+    kind, records = tp.buffer._encodable(("metrics", [("request", obs, 10, (1, 2, 1))]))  # noqa: SLF001
+    clean = {"gen_ai.request.model": "m", "n": 3}
+    assert kind == "metrics" and records == [("request", ((clean,) * 4, *obs[1:]), 10, (1, 2, 1))]
+    assert tp.buffer.attributes_dropped == 4
+    tp.shutdown()
+    mp.shutdown()

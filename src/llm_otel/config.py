@@ -128,7 +128,9 @@ class Settings:
             vLLM's engine-core and worker processes always export in process.
         export_process_buffer: ``LLM_OTEL_EXPORT_PROCESS_BUFFER`` (8192). Ended spans that may wait
             for the exporter process; beyond it new spans are dropped and counted in
-            ``llm_otel.spans.dropped`` (``error.type=export_process_backlog``).
+            ``llm_otel.spans.dropped`` (``error.type=export_process_backlog``). Four times as many
+            metric observations may wait (a finished request's record weighs the observations it
+            may record); beyond that they are counted in ``llm_otel.metric_points.dropped``.
         signals: the serving-signal settings (:class:`llm_otel.signals.config.SignalsConfig`:
             request classes, tier table, VRAM pressure, health score; variables and defaults in
             :mod:`llm_otel.signals`), read by :func:`signals_settings`.

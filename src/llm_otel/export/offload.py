@@ -57,7 +57,13 @@ Guarantees:
   frame is encoded record by record and the values the SDK would reject are dropped and counted
   (``attributes_dropped``, one log line), not the frame; lists are copied when set, as the SDK does.
 
-Metrics stay in the serving process (the SDK meter provider; exemplars need the live context).
+**Per-request metrics built there too** (:func:`offload_instruments`, when llm-otel built the meter
+provider for OTLP): a finished request's GenAI observations go as one record
+(:meth:`~llm_otel.telemetry.metrics.Instruments.observations`: values, attribute sets and the
+request span's ids), and the exporter process records them with the same
+:meth:`~llm_otel.telemetry.metrics.Instruments.apply` into the same instruments, the exemplar
+context rebuilt from those ids. Other metrics (gauges, the drop counters, the application's own
+meter provider) stay in the serving process.
 """
 
 from __future__ import annotations
@@ -183,8 +189,10 @@ class OffloadSpan(trace_api.Span):
             self._name, ctx.trace_id, ctx.span_id, int(ctx.trace_flags), tuple(ctx.trace_state.items()),
             None if parent is None else (parent.trace_id, parent.span_id, parent.is_remote, int(parent.trace_flags),
                                          tuple(parent.trace_state.items())),
-            self._kind.value, self._start, self._end, self._attributes, self._events,
-            [_link_record(link) for link in self._links], self._status, self._scope))
+            # no new container for a span without events or links (most): fewer objects for the
+            # garbage collector to traverse while the record waits for the writer
+            self._kind.value, self._start, self._end, self._attributes, self._events or (),
+            tuple([_link_record(link) for link in self._links]) if self._links else (), self._status, self._scope))
 
     def __enter__(self):
         return self
@@ -397,7 +405,13 @@ class OffloadBuffer:
     def _start_state(self) -> None:
         self._pid = os.getpid()
         self._queue: deque = deque()
-        self._mqueue: deque = deque()      # metric observations (offload_instruments)
+        self._mqueue: deque = deque()      # metric records (offload_instruments)
+        # observations put into / taken out of _mqueue (a request record weighs what it may record):
+        # the metric buffer is bounded in observations, whatever their records' sizes. One writer
+        # each - the serving thread puts, the writer thread takes (under _lock) - and an int
+        # attribute's += runs without a thread switch in CPython, so neither count loses an update
+        self._mput = 0
+        self._mtaken = 0
         self._wake = threading.Event()
         self._lock = threading.Lock()      # the pipe: one writer at a time (thread, flush)
         self._start_lock = threading.Lock()
@@ -430,21 +444,37 @@ class OffloadBuffer:
                 M.LLM_OTEL_METRIC_POINTS_DROPPED, unit=M.LLM_OTEL_METRIC_POINTS_DROPPED_UNIT,
                 description="GenAI metric observations this process could not hand to its exporter process.")
 
-    def push_metric(self, record: tuple) -> None:
+    def push_metric(self, record: tuple, weight: int = 1) -> None:
         """One metric observation ``(instrument attribute, value, attributes, (trace_id, span_id,
-        flags) or None)`` for the exporter process's instruments; O(1), never blocks."""
+        flags) or None)`` for the exporter process's instruments, or one finished request's GenAI
+        observations ``("request", Instruments.observations(...), weight, ids)`` (:meth:`push_request`;
+        ``weight``: the observations it may record at most); O(1), never blocks. While
+        ``metric_capacity`` observations wait, a new record is lost and every point it held counted."""
         if self._pid != _PID[0]:
             if self.disowned:
                 return
             self._start_state()
         if self._closed:
             return
-        if len(self._mqueue) >= self.metric_capacity:
-            self._lose_metrics(1, BACKLOG)
+        if self._mput - self._mtaken + weight > self.metric_capacity:
+            self._lose_metrics(_metric_points((record,)), BACKLOG)
             return
         self._mqueue.append(record)
+        self._mput += weight
         if self._thread is None:
             self._start_thread()
+
+    def push_request(self, observations: tuple, span_context) -> None:
+        """:attr:`Instruments.sink <llm_otel.telemetry.metrics.Instruments.sink>`: one finished
+        request's GenAI observations (:meth:`~llm_otel.telemetry.metrics.Instruments.observations`)
+        as one record; ``span_context`` is the request span's (None when it is not recording): its
+        ids go along when it is sampled, as the SDK's ``trace_based`` exemplar filter keeps only
+        sampled spans, and the exporter process's exemplars point at it. O(1), never blocks."""
+        ids = None
+        if span_context is not None and span_context.trace_flags.sampled and span_context.is_valid:
+            ids = (span_context.trace_id, span_context.span_id, int(span_context.trace_flags))
+        weight = _REQUEST_POINTS + len(observations[5])  # at most: the fixed ones and one per ITL gap
+        self.push_metric(("request", observations, weight, ids), weight)
 
     def _lose_metrics(self, n: int, error_type: str) -> None:
         if n <= 0:
@@ -545,8 +575,9 @@ class OffloadBuffer:
                 self._instruments_to = self._proc
         while mqueue:
             batch = [mqueue.popleft() for _ in range(min(4 * _BATCH, len(mqueue)))]
+            self._mtaken += _metric_weight(batch)
             if not self._send(("metrics", batch), 0):
-                self._lose_metrics(len(batch), DOWN)
+                self._lose_metrics(_metric_points(batch), DOWN)
                 break
         queue = self._queue
         while queue:
@@ -614,7 +645,7 @@ class OffloadBuffer:
                 pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
                 out.append(record)
             except Exception:  # noqa: BLE001 - silent: e.g. an unpicklable span name or status description
-                lost += 1
+                lost += 1 if kind == "spans" else _metric_points((record,))
         first = not (self.attributes_dropped or self.spans_unencodable)
         self.attributes_dropped += dropped
         if kind == "spans" and lost:
@@ -770,6 +801,33 @@ class OffloadBuffer:
             pass
 
 
+# the observations of one finished request besides its ITL gaps, at most: duration, TTFT, TPOT,
+# output token rate, the request count, queue time, input and output tokens (Instruments.apply)
+_REQUEST_POINTS = 8
+
+
+def _metric_weight(records) -> int:
+    """The buffer weight of a batch of metric records (:meth:`OffloadBuffer.push_metric`)."""
+    n = 0
+    for record in records:
+        n += record[2] if record[0] == "request" else 1
+    return n
+
+
+def _metric_points(records) -> int:
+    """Metric points in a batch of metric records: one per observation, :meth:`Instruments.points
+    <llm_otel.telemetry.metrics.Instruments.points>` per request record (only asked when some are lost)."""
+    n = 0
+    for record in records:
+        if record[0] == "request":
+            from llm_otel.telemetry.metrics import Instruments
+
+            n += Instruments.points(record[1])
+        else:
+            n += 1
+    return n
+
+
 def _span_count(records) -> int:
     """Spans in a batch of span records and tree records (``(None, spans, ...)``)."""
     n = len(records)
@@ -865,6 +923,13 @@ def _clean_record(kind: str, record: tuple) -> tuple[tuple, int]:
     """A span record (see :meth:`OffloadSpan.end`) or metric record (``push_metric``) with its
     attributes, event and link attributes cleaned; (record, values dropped)."""
     if kind == "metrics":
+        if record[0] == "request":  # a request's observations: its four attribute sets
+            sets, n = [], 0
+            for attributes in record[1][0]:
+                attributes, k = clean_attributes(attributes)
+                sets.append(attributes)
+                n += k
+            return (record[0], (tuple(sets), *record[1][1:]), record[2], record[3]), n
         attributes, n = clean_attributes(record[2])
         return (record[0], record[1], attributes, record[3]), n
     fields = list(record)
@@ -954,8 +1019,9 @@ def offload_instruments(instruments, tracer_provider, meter_provider, scope: tup
 
     _NO_TRACE[0] = no_trace
     buffer._instruments_init = ("instruments", *scope, instruments.itl_every)  # noqa: SLF001
-    for name in OFFLOADED_INSTRUMENTS:
+    for name in OFFLOADED_INSTRUMENTS:  # rejected requests (Instruments.record_rejected)
         setattr(instruments, name, _RemoteInstrument(buffer, name))
+    instruments.sink = buffer.push_request  # finished requests: one record each
     if signals is not None:
         for name in OFFLOADED_SIGNAL_INSTRUMENTS:
             setattr(signals, name, _RemoteInstrument(buffer, name))
@@ -1239,6 +1305,12 @@ class _ChildMetrics:
         contexts = self._contexts
         for name, value, attributes, ids in batch:
             ctx = _NO_TRACE
+            if name == "request":  # one finished request's observations: the request span's ids, once
+                if ids is not None:
+                    ctx = trace_api.set_span_in_context(trace_api.NonRecordingSpan(
+                        SpanContext(ids[0], ids[1], is_remote=False, trace_flags=TraceFlags(ids[2]))))
+                instruments.apply(value, ctx)
+                continue
             if ids is not None:
                 ctx = contexts.get(ids)
                 if ctx is None:

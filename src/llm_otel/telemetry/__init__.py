@@ -244,7 +244,9 @@ class Telemetry:
         st = self.settings
         rec = RequestRecord(request_id, operation=operation, provider=provider, model=model,
                             arrival_s=arrival_s, input_tokens=input_tokens, span=span,
-                            request_attributes=attrs, head_cap=st.token_events,
+                            request_attributes=attrs,
+                            # the head's token ids go on token events only with content capture
+                            head_cap=st.token_events if st.capture_content else 0,
                             logprob_cap=(1 << 20) if st.logprobs_top_k else 0)
         if rec.recording and st.capture_content and prompt_text is not None:
             # GenAI message format; an offline prompt (or a rendered chat template) is one user part

@@ -110,37 +110,90 @@ class Instruments:
     def record(self, rec: RequestRecord, duration_s: float) -> None:
         """Record one finished request; ``duration_s`` is arrival -> finish in seconds.
 
-        Observations carry the request span's context when it is sampled (exemplars)."""
-        attrs, count_attrs, input_attrs, output_attrs = self._attribute_sets(rec)
-        ctx = trace.set_span_in_context(rec.span) if rec.recording else _NO_TRACE
-        ok = rec.error_type is None
+        Observations carry the request span's context when it is sampled (exemplars). With
+        :attr:`sink` set (the exporter process records them: :func:`llm_otel.export.offload.offload_instruments`)
+        the request's observations go there as one record (:meth:`observations`) with the
+        request span's context, and the exporter process's :meth:`apply` records them."""
+        obs = self.observations(rec, duration_s)
+        sink = self.sink
+        if sink is not None:
+            sink(obs, rec.span.get_span_context() if rec.recording else None)
+        else:
+            self.apply(obs, trace.set_span_in_context(rec.span) if rec.recording else _NO_TRACE)
+
+    # set by llm_otel.export.offload.offload_instruments: ``sink(observations, span context or
+    # None)`` hands one finished request's observations to the exporter process
+    sink = None
+
+    def observations(self, rec: RequestRecord, duration_s: float) -> tuple:
+        """One finished request's GenAI observations as one compact tuple of plain values (what
+        :meth:`apply` records; pickles cheaply for the exporter process)::
+
+            (attribute sets, whole, duration s, TTFT s or None, TPOT s or None, ITL gaps (s, a list),
+             output token rate or None, queue s or None, input tokens, output tokens, error.type or None)
+
+        ``attribute sets`` are :meth:`_attribute_sets`' four dicts (shared, never mutated);
+        ``whole``: the request-level observations (duration, count, input tokens) are recorded
+        (False for a choice of an ``n > 1`` request that is not the last to finish); the ITL gaps
+        are the sampled ones (:meth:`_itl_gaps`); ``error.type`` is already capped
+        (:meth:`error_type`). Advances the request's :class:`ChoiceGroup` and the ITL sampler:
+        call once per finished request."""
+        sets = self._attribute_sets(rec)
         # n > 1: the request is one request with one prompt - counted once, by its last choice
         whole = rec.choice_group is None or rec.choice_group.finish_one()
-        if ok:
+        if rec.error_type is None:
+            ttft = rec.time_to_first_token_s()
+            tpot = rec.time_per_output_token_s()
+            out = rec.num_output_tokens
+            return (sets, whole, duration_s, None if ttft is None else max(0.0, ttft),
+                    None if tpot is None else max(0.0, tpot), self._itl_gaps(rec),
+                    out / duration_s if out and duration_s > 0 else None, rec.queue_time_s(),
+                    rec.input_tokens, out, None)
+        return (sets, whole, duration_s, None, None, (), None, rec.queue_time_s(), rec.input_tokens,
+                rec.num_output_tokens, self.error_type(rec.error_type))
+
+    def apply(self, obs: tuple, ctx) -> None:
+        """Record one request's :meth:`observations` with ``ctx`` (the request span's context for
+        exemplars, or :data:`_NO_TRACE`): the same instruments, values, attributes and order in the
+        serving process and in the exporter process. Token counts never carry the exemplar; of
+        the ITL gaps only the largest does (the bucket's exemplar then leads to a request that
+        stalled there)."""
+        ((attrs, count_attrs, input_attrs, output_attrs), whole, duration_s, ttft, tpot, gaps, token_rate, queue,
+         input_tokens, output_tokens, error_type) = obs
+        if error_type is None:
             if whole:
                 self.duration.record(duration_s, attrs, ctx)
-            ttft = rec.time_to_first_token_s()
             if ttft is not None:
-                self.ttft.record(max(0.0, ttft), attrs, ctx)
-            tpot = rec.time_per_output_token_s()
+                self.ttft.record(ttft, attrs, ctx)
             if tpot is not None:
-                self.tpot.record(max(0.0, tpot), attrs, ctx)
-            self._record_itl(rec, attrs, ctx)
-            if rec.num_output_tokens and duration_s > 0:
-                self.token_rate.record(rec.num_output_tokens / duration_s, attrs, ctx)
+                self.tpot.record(tpot, attrs, ctx)
+            if gaps:
+                worst = max(range(len(gaps)), key=gaps.__getitem__)
+                record = self.itl.record
+                for i, gap in enumerate(gaps):
+                    record(gap, attrs, ctx if i == worst else _NO_TRACE)
+            if token_rate is not None:
+                self.token_rate.record(token_rate, attrs, ctx)
         else:
-            error_type = self.error_type(rec.error_type)
             if whole:
                 self.duration.record(duration_s, {**attrs, A.ERROR_TYPE: error_type}, ctx)
             count_attrs = {**count_attrs, A.ERROR_TYPE: error_type}
         if whole:
             self.requests.add(1, count_attrs, ctx)
-        queue = rec.queue_time_s()
         if queue is not None:
             self.queue.record(queue, attrs, ctx)
         if whole:
-            self.tokens.record(rec.input_tokens, input_attrs, _NO_TRACE)
-        self.tokens.record(rec.num_output_tokens, output_attrs, _NO_TRACE)
+            self.tokens.record(input_tokens, input_attrs, _NO_TRACE)
+        self.tokens.record(output_tokens, output_attrs, _NO_TRACE)
+
+    @staticmethod
+    def points(obs: tuple) -> int:
+        """How many metric points :meth:`apply` records for ``obs`` (for drop counts)."""
+        whole = obs[1]
+        if obs[10] is not None:
+            return 3 * whole + (obs[7] is not None) + 1
+        return (3 * whole + (obs[3] is not None) + (obs[4] is not None) + len(obs[5]) + (obs[6] is not None)
+                + (obs[7] is not None) + 1)
 
     def _attribute_sets(self, rec: RequestRecord) -> tuple[dict, dict, dict, dict]:
         """(request attributes, ``llm.server.requests`` attributes without ``error.type``, input
@@ -176,23 +229,18 @@ class Instruments:
             self._attr_sets[key] = sets
         return sets
 
-    def _record_itl(self, rec: RequestRecord, attrs: dict, ctx) -> None:
-        """ITL observations for the token-producing steps after the first: every ``itl_every``-th
-        gap from a random offset in ``[0, itl_every)``. Only the largest recorded gap carries the
-        request's trace context: the bucket's exemplar then leads to a request that stalled
-        there, and the other observations skip the exemplar path (one SDK ``record`` per kept gap
-        is the cost of this metric; docs/operations.md)."""
-        times, counts = rec.step_times, rec.step_token_counts
+    def _itl_gaps(self, rec: RequestRecord) -> list | tuple:
+        """The sampled ITL observations (s per token) of the token-producing steps after the
+        first: every ``itl_every``-th gap from a random offset in ``[0, itl_every)``; one SDK
+        ``record`` per kept gap is the cost of this metric (docs/operations.md)."""
+        times = rec.step_times
         n = len(times)
         every = self.itl_every
         start = 1 + (self._rng.randrange(every) if every > 1 else 0)
         if n <= start:
-            return
-        gaps = [max(0.0, times[i] - times[i - 1]) / max(1, counts[i]) for i in range(start, n, every)]
-        worst = max(range(len(gaps)), key=gaps.__getitem__)
-        record = self.itl.record
-        for i, gap in enumerate(gaps):
-            record(gap, attrs, ctx if i == worst else _NO_TRACE)
+            return ()
+        counts = rec.step_token_counts
+        return [max(0.0, times[i] - times[i - 1]) / max(1, counts[i]) for i in range(start, n, every)]
 
     def record_rejected(self, attrs: dict, duration_s: float, ctx=None) -> None:
         """A request the engine refused: ``attrs`` are operation, provider, model and ``error.type``;

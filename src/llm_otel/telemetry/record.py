@@ -117,17 +117,18 @@ class RequestRecord:
         self.choice_group: ChoiceGroup | None = None  # the request's choices when n > 1
 
     # --- hot path ---------------------------------------------------------------------------
-    def on_tokens(self, token_ids: list[int], engine_mono: float) -> None:
-        """Append the ``len(token_ids)`` tokens the engine emitted in one step at ``engine_mono`` (s)."""
+    def on_tokens(self, token_ids: list[int], engine_mono: float) -> int:
+        """Append the ``len(token_ids)`` tokens the engine emitted in one step at ``engine_mono`` (s);
+        returns that count (adapters add it to the step's total)."""
         n = len(token_ids)
-        if not n:
-            return
-        self.step_times.append(engine_mono)
-        self.step_token_counts.append(n)
-        done = self.num_output_tokens  # tokens before this step: the head's length while it fills
-        self.num_output_tokens = done + n
-        if done < self.head_cap:
-            self.head_token_ids.extend(token_ids[: self.head_cap - done])
+        if n:
+            self.step_times.append(engine_mono)
+            self.step_token_counts.append(n)
+            done = self.num_output_tokens  # tokens before this step: the head's length while it fills
+            self.num_output_tokens = done + n
+            if done < self.head_cap:
+                self.head_token_ids.extend(token_ids[: self.head_cap - done])
+        return n
 
     def on_event(self, kind: str, engine_mono: float) -> None:
         """Record a scheduler event: ``"queued"``, ``"scheduled"`` or ``"preempted"`` at ``engine_mono`` (s)."""

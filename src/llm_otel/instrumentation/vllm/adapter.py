@@ -84,16 +84,25 @@ def engine_version() -> str:
 class _EngineState:
     """What we keep per vLLM OutputProcessor: engine facts and the live request records."""
 
-    __slots__ = ("model", "max_logprobs", "vocab_size", "records", "kv", "load_attached", "clock", "__weakref__")
+    __slots__ = ("model", "max_logprobs", "vocab_size", "records", "logprob_records", "kv", "load_attached", "clock",
+                 "__weakref__")
 
     def __init__(self, model: str = "unknown", max_logprobs: int = 20) -> None:
         self.model = model
         self.max_logprobs = max_logprobs
         self.vocab_size: int | None = None
         self.records: dict[str, RequestRecord] = {}
+        # the live records that keep the engine's log-probs (rec.logprob_cap > 0: llm.logit_dist
+        # built in the frontend): only while one is live does a step need a pass before vLLM's
+        self.logprob_records: dict[str, RequestRecord] = {}
         self.kv: KVSpec | None = None  # KV geometry from vllm_config (llm_otel.signals)
         self.load_attached = False  # occupancy source handed to the adaptive sampler
         self.clock = EngineClock()  # the engine core's clock domain vs ours (telemetry/clock.py)
+
+    def pop(self, request_id: str) -> RequestRecord | None:
+        """Stop tracking ``request_id``; its record, or None when it was not tracked."""
+        self.logprob_records.pop(request_id, None)
+        return self.records.pop(request_id, None)
 
 
 class VLLMAdapter:
@@ -413,6 +422,8 @@ class VLLMAdapter:
         rec.engine_clock = state.clock
         rec.choice_group = group
         state.records[rid] = rec
+        if rec.logprob_cap:
+            state.logprob_records[rid] = rec
         rec.on_handed()  # vLLM sends the request to the engine core right after add_request
 
     def _lora_metric_name(self, name: str) -> str:
@@ -440,30 +451,30 @@ class VLLMAdapter:
         return (trace_id & ((1 << 56) - 1)) < ratio * (1 << 56)
 
     def process_outputs(self, hook: str):
+        """OutputProcessor.process_outputs: one pass over the step's outputs after vLLM's own (the
+        tokens it kept after stop strings, the requests it finished); a pass before vLLM's only
+        for the log-probs of requests whose ``llm.logit_dist`` the frontend builds (vLLM consumes
+        or drops them)."""
+
         def wrapper(wrapped, instance, args, kwargs):
             state = self._states.get(instance)
             if state is None or not state.records:
                 return wrapped(*args, **kwargs)
-            pending = None
+            outputs = ts = None
             try:
                 outputs = args[0] if args else kwargs["engine_core_outputs"]
-                ts = args[1] if len(args) > 1 else kwargs.get("engine_core_timestamp")
-                if ts is None:
-                    ts = time.monotonic()
-                else:
-                    state.clock.observe_output(ts, time.monotonic())
-                pending = self._before_step(state, outputs, ts)
+                ts = self._before_step(state, outputs, args[1] if len(args) > 1 else kwargs.get("engine_core_timestamp"))
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
             result = wrapped(*args, **kwargs)
             try:
-                if pending:
-                    self._after_step(state, instance, pending, ts)
-                elif pending is None:  # our pre-pass failed: still end what vLLM has finished
+                if ts is not None:
+                    self._after_step(state, instance, outputs, ts)
+                else:  # our pre-pass failed: still end what vLLM has finished
                     self._reap(state, instance)
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
-                try:  # a failure part-way through the step: the requests vLLM finished still end
+                try:  # a failure part-way through the after-step pass: the requests vLLM finished still end
                     self._reap(state, instance)
                 except Exception as exc2:  # noqa: BLE001
                     self.telemetry.errors.report(hook, exc2)
@@ -471,11 +482,34 @@ class VLLMAdapter:
 
         return wrapper
 
-    def _before_step(self, state: _EngineState, outputs: list, ts: float) -> list:
+    def _before_step(self, state: _EngineState, outputs: list, ts: float | None) -> float:
+        """Before vLLM processes the step: its timestamp (engine monotonic s; now when vLLM gives
+        none), the engine clock's observation, and the log-probs of the requests that keep them.
+        Returns the step's timestamp."""
+        if ts is None:
+            ts = time.monotonic()
+        else:
+            state.clock.observe_output(ts, time.monotonic())
+        keep = state.logprob_records
+        if keep:
+            for out in outputs:
+                rec = keep.get(out.request_id)
+                if rec is not None:
+                    lp = out.new_logprobs
+                    if lp is not None:
+                        rec.on_logprobs(lp.logprob_token_ids, lp.logprobs)
+        return ts
+
+    def _after_step(self, state: _EngineState, output_processor: Any, outputs: list, ts: float) -> None:
+        """After vLLM processed the step: per output of a tracked request, its scheduler events,
+        cached prompt tokens and new tokens; the requests vLLM finished end. One pass, one lookup
+        per output."""
         records = state.records
-        pending = []
+        live = output_processor.request_states
+        produced = 0
         for out in outputs:
-            rec = records.get(out.request_id)
+            rid = out.request_id
+            rec = records.get(rid)
             if rec is None:
                 continue
             events = out.events
@@ -486,29 +520,18 @@ class VLLMAdapter:
                         if kind == "queued" and rec.queued_mono is None and rec.handed_mono is not None:
                             state.clock.observe_queued(rec.handed_mono, ev.timestamp)
                         rec.on_event(kind, ev.timestamp)
-            if rec.cached_tokens is None and out.prefill_stats is not None:
-                rec.cached_tokens = out.prefill_stats.num_cached_tokens
-            lp = out.new_logprobs
-            if lp is not None and rec.logprob_cap:
-                rec.on_logprobs(lp.logprob_token_ids, lp.logprobs)
-            pending += rec, out  # flat (record, output) pairs: no tuple per request and step
-        return pending
-
-    def _after_step(self, state: _EngineState, output_processor: Any, pending: list, ts: float) -> None:
-        live = output_processor.request_states
-        produced = 0
-        pairs = iter(pending)
-        for rec, out in zip(pairs, pairs):
+            stats = out.prefill_stats  # the prefill's step only
+            if stats is not None and rec.cached_tokens is None:
+                rec.cached_tokens = stats.num_cached_tokens
             ids = out.new_token_ids
             if ids:
-                rec.on_tokens(ids, ts)  # after vLLM trimmed tokens past a stop string
-                produced += len(ids)
-            if out.request_id in live:
+                produced += rec.on_tokens(ids, ts)  # after vLLM trimmed tokens past a stop string
+            if rid in live:
                 continue
             reason = out.finish_reason
             rec.finish_reason = _FINISH[int(reason)] if reason is not None and 0 <= int(reason) < len(_FINISH) else "stop"
             rec.error_type = _ERROR_TYPES.get(rec.finish_reason)
-            state.records.pop(out.request_id, None)
+            state.pop(rid)
             if rec.output_state is not None:  # content capture is on: the detokenized completion
                 text = getattr(getattr(rec.output_state, "detokenizer", None), "output_text", None)
                 rec.output_state = None
@@ -524,7 +547,7 @@ class VLLMAdapter:
         """End the records of requests vLLM no longer tracks (after a failure of our own code)."""
         live = output_processor.request_states
         for rid in [rid for rid in state.records if rid not in live]:
-            self.telemetry.finish(state.records.pop(rid))  # timing may be incomplete; counted as a hook error
+            self.telemetry.finish(state.pop(rid))  # timing may be incomplete; counted as a hook error
 
     # --- process lifecycle ------------------------------------------------------------------
     def engine_failed(self, hook: str):
@@ -553,7 +576,7 @@ class VLLMAdapter:
             return 0
         n = 0
         for rid in list(state.records):
-            rec = state.records.pop(rid)
+            rec = state.pop(rid)
             rec.error_type = error_type
             if message is not None:
                 rec.error_message = message
@@ -611,7 +634,7 @@ class VLLMAdapter:
                 state = self._states.get(instance)
                 if state is not None and aborted:
                     for rid in aborted:
-                        rec = state.records.pop(rid, None)
+                        rec = state.pop(rid)
                         if rec is not None:
                             rec.finish_reason = "abort"
                             rec.error_type = "aborted"
