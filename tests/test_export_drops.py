@@ -50,7 +50,7 @@ def test_spans_lost_to_a_collector_that_is_down_are_counted_and_logged_once(capl
     reader = InMemoryMetricReader()
     provider = TracerProvider()
     provider.add_span_processor(BatchSpanProcessor(drops, max_export_batch_size=2))
-    caplog.set_level(logging.INFO)
+    caplog.set_level(logging.INFO, logger="llm_otel")
     _emit(provider, 3)             # before a meter provider exists: remembered
     drops.bind(MeterProvider(metric_readers=[reader]))
     _emit(provider, 2)
@@ -133,7 +133,7 @@ def test_a_collector_slower_than_the_timeout_costs_the_batch_counted_and_logged_
         provider = TracerProvider()
         processor = BatchSpanProcessor(drops, schedule_delay_millis=50)
         provider.add_span_processor(processor)
-        caplog.set_level(logging.INFO)
+        caplog.set_level(logging.INFO, logger="llm_otel")
         tracer = provider.get_tracer("test")
         for i in range(3):
             tracer.start_span(f"s{i}").end()
@@ -144,3 +144,37 @@ def test_a_collector_slower_than_the_timeout_costs_the_batch_counted_and_logged_
         release.set()
         server.stop(0)
     provider.shutdown()
+
+
+VLLM_SERVER_LOGGING = r"""
+import os, sys
+from model_hosting_container_standards.logging_config import configure_root_logger
+if sys.argv[1] == "plugin":
+    from llm_otel.instrumentation.vllm import plugin
+    plugin.register()  # what vLLM's plugin loader runs in its API server before the app is built
+configure_root_logger()  # what the OpenAI server's app build then does (LOG_LEVEL unset: ERROR)
+from llm_otel.export.drops import DropCounter
+DropCounter("http://collector:4317").failed(3, "export_failed", "collector down")
+"""
+
+
+def test_the_drop_warning_survives_vllms_openai_server_logging_setup(tmp_path):
+    """vLLM 0.32's OpenAI server imports model_hosting_container_standards while building its app,
+    which sets the root logger to ERROR; in a vLLM process llm-otel's plugin keeps the ``llm_otel``
+    logger at WARNING, so the one line of an export outage still reaches stderr (without the plugin
+    it is discarded: the control run)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "server_logging.py"
+    script.write_text(VLLM_SERVER_LOGGING)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_", "LOG_LEVEL"))}
+    env.update({"LLM_OTEL_ENABLED": "1", "OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none",
+                "OTEL_LOGS_EXPORTER": "none"})
+    runs = {mode: subprocess.run([sys.executable, str(script), mode], env=env, capture_output=True, text=True,
+                                 timeout=120) for mode in ("plugin", "control")}
+    for mode, run in runs.items():
+        assert run.returncode == 0, f"{mode}: {run.stderr[-3000:]}"
+    assert "3 span(s) dropped" in runs["plugin"].stderr, runs["plugin"].stderr[-3000:]
+    assert "span(s) dropped" not in runs["control"].stderr, runs["control"].stderr[-3000:]

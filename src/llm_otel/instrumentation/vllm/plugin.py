@@ -52,10 +52,23 @@ def enabled() -> bool:
     return os.environ.get(ENABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def keep_warnings() -> None:
+    """Give the ``llm_otel`` logger level WARNING when nobody set one. vLLM 0.32's OpenAI server
+    builds its app through ``sagemaker_standards_bootstrap``, whose import of
+    ``model_hosting_container_standards`` sets the *root* logger to ``LOG_LEVEL`` (default ERROR),
+    after this plugin ran; a logger without a level of its own inherits that, and llm-otel's
+    one-line warnings (an export outage, a dead exporter process, bad input) would be discarded in
+    every API server. A level the application set on ``llm_otel`` is kept. (Root handlers that
+    package raised to ERROR still filter; without root handlers the warnings reach stderr.)"""
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.WARNING)
+
+
 def register() -> None:
     """Instrument this vLLM process if llm-otel is enabled; never raises into vLLM."""
     if not enabled():
         return
+    keep_warnings()
     try:
         from llm_otel.instrumentation.vllm import VLLMInstrumentor
 
