@@ -422,6 +422,7 @@ class OffloadBuffer:
         self._last_start = -float("inf")
         self._sent = 0                     # records written to the current process
         self._acked = 0                    # of which it reported exported or failed
+        self._death_logged = False         # one "ended" line per outage, until a process exports again
         self._replies: dict[int, tuple] = {}
         self._reply_cv = threading.Condition()
         self._token = 0
@@ -696,10 +697,11 @@ class OffloadBuffer:
         self._proc, self._sent, self._acked = None, 0, 0
         self.last_error = why
         if lost:
-            self._lose(lost, DOWN, why)
-        else:
-            logger.warning("llm-otel: the span exporter process ended (%s); a new one starts for the next spans",
-                           why)
+            self._lose(lost, DOWN, why)  # logged once per outage by the drop counter
+        elif not self._death_logged:  # a process that keeps dying is one outage in the log, not a line a restart
+            self._death_logged = True
+            logger.warning("llm-otel: the span exporter process ended (%s); a new one starts for the next spans "
+                           "(further restarts are not logged until one exports)", why)
 
     def _read(self, proc: subprocess.Popen) -> None:
         """Status frames from the exporter process: spans exported / failed, flush answers."""
@@ -721,6 +723,7 @@ class OffloadBuffer:
                         self.failed += failed
                         self.drops.failed(failed, "export_failed", error)
                     elif exported:
+                        self._death_logged = False
                         self.drops.succeeded()
                 elif kind == "flushed":
                     with self._reply_cv:
