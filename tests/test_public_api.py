@@ -300,3 +300,23 @@ def test_a_bad_variable_under_opentelemetry_instrument_is_one_error_line_and_oth
     ours = [line for line in out.stderr.splitlines() if "llm-otel" in line]
     assert len(ours) == 1 and "LLM_OTEL_TOKEN_EVENTS" in ours[0], out.stderr[-3000:]
     assert "Traceback" not in out.stderr and "Failed to auto initialize" not in out.stderr, out.stderr[-3000:]
+
+
+@needs_vllm
+def test_application_providers_get_no_second_global_pipeline_from_the_vllm_plugin():
+    """An application that instrumented vLLM with its own providers: vLLM's plugin (run in the
+    frontend when ``LLM()`` is built) calls ``llm_otel.instrument(engines=["vllm"])``, which must
+    stay a no-op - no global providers from ``OTEL_*`` and no exporter process beside the
+    application's pipeline (fresh-install review of issue 19, F5; fails on the old code)."""
+    out = run_py("""
+        from opentelemetry import trace
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.trace import TracerProvider
+        import llm_otel
+        from llm_otel.instrumentation.vllm import plugin
+        llm_otel.instrument(tracer_provider=TracerProvider(), meter_provider=MeterProvider(), engines=["vllm"])
+        plugin.register()
+        print("RESULT", type(trace.get_tracer_provider()).__name__)
+    """, env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{_closed_port()}", "LLM_OTEL_ENABLED": "1"})
+    line = [x for x in out.splitlines() if x.startswith("RESULT")]
+    assert line == ["RESULT ProxyTracerProvider"], out[-3000:]

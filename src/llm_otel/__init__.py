@@ -45,7 +45,8 @@ def instrument(tracer_provider: Any = None, meter_provider: Any = None, *, engin
             after the whole configuration validated: on ConfigError the environment is untouched.
             Applies when llm-otel creates the providers (both provider arguments None).
 
-    Idempotent: a second call while instrumented is a no-op for engines already instrumented.
+    Idempotent: a second call while instrumented is a no-op for engines already instrumented (and
+    builds no providers when every engine it names is: the application's own stay the only ones).
 
     Raises:
         llm_otel.config.ConfigError: an ``OTEL_*``/``LLM_OTEL_*`` variable (or ``prometheus_port``)
@@ -73,19 +74,24 @@ def instrument(tracer_provider: Any = None, meter_provider: Any = None, *, engin
         settings = Settings.from_env(env)
         validate_exporter_env(env)
         os.environ.update(changes)
-    # the adaptive sampler's parts of the providers built here, handed to each engine's Telemetry
-    # explicitly (None with the application's providers: Telemetry then uses the sampler of the
-    # provider passed, when it is llm-otel's)
-    sampling = None
-    if tracer_provider is None and meter_provider is None and not _in_vllm_engine_process():
-        sampling = ensure_providers(settings)
-    done = []
+    chosen = []
     for name, (module, path) in _ENGINES.items():
         if engines is not None and name not in engines:
             continue
         if importlib.util.find_spec(module) is None:
             continue
-        inst = _instrumentor(path)
+        chosen.append((name, _instrumentor(path)))
+    # the adaptive sampler's parts of the providers built here, handed to each engine's Telemetry
+    # explicitly (None with the application's providers: Telemetry then uses the sampler of the
+    # provider passed, when it is llm-otel's). Not when every engine asked for is instrumented
+    # already: a second call (vLLM's plugin in a frontend the application instrumented with its own
+    # providers) must not install global ones and an exporter process beside the application's
+    sampling = None
+    if tracer_provider is None and meter_provider is None and not _in_vllm_engine_process() \
+            and (not chosen or any(not inst.is_instrumented_by_opentelemetry for _, inst in chosen)):
+        sampling = ensure_providers(settings)
+    done = []
+    for name, inst in chosen:
         if not inst.is_instrumented_by_opentelemetry:
             inst.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider, settings=settings,
                             sampling=sampling)
