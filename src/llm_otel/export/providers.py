@@ -12,7 +12,9 @@ Used by :func:`llm_otel.instrument` when the application has not set providers i
   (``OTEL_EXPORTER_PROMETHEUS_HOST``/``_PORT``, see :mod:`llm_otel.export.prometheus`);
 * with an OTLP span exporter and ``LLM_OTEL_EXPORT_PROCESS`` on (default): spans are exported by
   a separate exporter process (:mod:`llm_otel.export.offload`; the tracer provider is an
-  :class:`~llm_otel.export.offload.OffloadTracerProvider`); metrics stay in this process;
+  :class:`~llm_otel.export.offload.OffloadTracerProvider`), and the per-request GenAI metrics
+  are recorded there too (one record per finished request); gauges and drop counters stay in this
+  process;
 * otherwise: readable console output - each finished trace as an indented tree on stderr
   (``LLM_OTEL_CONSOLE=tree``, default; ``json`` for one JSON span per line; ``off``), and a
   metrics summary at exit.
