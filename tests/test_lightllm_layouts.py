@@ -79,6 +79,10 @@ def run_layout(layout: str, receiver, tmp_path_factory, requests: list, start_ar
         OTEL_EXPERIMENTAL_RESOURCE_DETECTORS="otel,process",
         OTEL_PYTHON_DISABLED_INSTRUMENTATIONS="vllm",  # not needed here, and slow to import
         LLM_OTEL_ADAPTIVE_SAMPLING="off",
+        # these runs check what each process reports, not the exit deadline (tests/test_lifecycle.py
+        # does): a model-infer process exports its few spans at its final flush, over a gRPC channel
+        # it opens then, and on a loaded machine 2 s did not always cover that (4 spans lost, seen under load)
+        LLM_OTEL_FLUSH_DEADLINE_S="10",
         LIGHTLLM_START_ARGS=json.dumps({"model_name": MODEL, "model_dir": "/models/x"}),
         **extra_env,
     )
