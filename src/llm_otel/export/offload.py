@@ -1291,7 +1291,9 @@ def main() -> int:
             _write_frame(stdout, frame)
 
     exports = _SpanExports(exporter, SpanLimits(), write)
-    metrics = _ChildMetrics(resource)
+    # a Resource of its own: a re-label changes the meter provider's in place, and span frames
+    # still queued for export keep the resource they were read with
+    metrics = _ChildMetrics(Resource(frame[1], frame[2] or None))
     try:
         while True:
             frame = _read_frame(stdin)
@@ -1302,7 +1304,7 @@ def main() -> int:
                 metrics.record(frame[1])
             elif frame[0] == "resource":  # the serving process was re-labelled
                 resource = Resource(frame[1], frame[2] or None)
-                metrics.set_resource(resource)
+                metrics.set_resource(Resource(frame[1], frame[2] or None))
             elif frame[0] == "instruments":
                 metrics.start(*frame[1:])
             elif frame[0] == "spans":
