@@ -27,7 +27,9 @@ Guarantees:
   ``LLM_OTEL_EXPORT_PROCESS_BUFFER`` records (default 8192 spans) are waiting, new spans are
   dropped and counted in ``llm_otel.spans.dropped`` (``error.type=export_process_backlog``).
 * **Exporter process death**: the spans of a batch that could not be written and those the dead
-  process had not reported exported are counted (``error.type=export_process_down``), one log line
+  process had not reported exported are counted (``error.type=export_process_down``), and so are
+  the metric points it had recorded after the last export the collector accepted
+  (``llm_otel.metric_points.dropped``; :class:`_ChildMetrics` reports each export's mark), one log line
   per outage (:class:`~llm_otel.export.drops.DropCounter`), and a new exporter process is started
   for the next batch (at most one start per ``_RESPAWN_S`` seconds; in between, spans are dropped
   and counted). Nothing is raised into the caller.
@@ -425,6 +427,10 @@ class OffloadBuffer:
         self._last_start = -float("inf")
         self._sent = 0                     # records written to the current process
         self._acked = 0                    # of which it reported exported or failed
+        # metric points written to the current process / of which it reported exported to the
+        # collector (its "metrics_exported" mark): the rest die with it, counted
+        self._msent = 0
+        self._mexported = 0
         self._death_logged = False         # one "ended" line per outage, until a process exports again
         self._replies: dict[int, tuple] = {}
         self._reply_cv = threading.Condition()
@@ -585,9 +591,11 @@ class OffloadBuffer:
         while mqueue:
             batch = [mqueue.popleft() for _ in range(min(4 * _BATCH, len(mqueue)))]
             self._mtaken += _metric_weight(batch)
+            points = _metric_points(batch)
             if not self._send(("metrics", batch), 0):
-                self._lose_metrics(_metric_points(batch), DOWN)
+                self._lose_metrics(points, DOWN)
                 break
+            self._msent += points
         queue = self._queue
         while queue:
             if self._marks_put != self._marks_taken:  # a re-label is queued: spans before it, it, spans after
@@ -690,7 +698,7 @@ class OffloadBuffer:
             process_errors().report("export.offload.start", exc, "cannot start the exporter process; its spans "
                                     "are dropped and counted (llm_otel.spans.dropped)")
             return None
-        self._proc, self._sent, self._acked = proc, 0, 0
+        self._proc, self._sent, self._acked, self._msent, self._mexported = proc, 0, 0, 0, 0
         self._instruments_to = proc if self._instruments_init is not None else None
         self._reader = threading.Thread(target=self._read, args=(proc,), name="llm-otel-offload-status",
                                         daemon=True)
@@ -702,8 +710,10 @@ class OffloadBuffer:
         if self._proc is None:
             return
         lost = max(0, self._sent - self._acked)
-        self._proc, self._sent, self._acked = None, 0, 0
+        mlost = max(0, self._msent - self._mexported)  # recorded there, not yet exported: gone with it
+        self._proc, self._sent, self._acked, self._msent, self._mexported = None, 0, 0, 0, 0
         self.last_error = why
+        self._lose_metrics(mlost, DOWN)
         if lost:
             self._lose(lost, DOWN, why)  # logged once per outage by the drop counter
         elif not self._death_logged:  # a process that keeps dying is one outage in the log, not a line a restart
@@ -723,6 +733,8 @@ class OffloadBuffer:
                 if kind == "metrics_failed":
                     self.metric_account.failed += frame[1]
                     self.metric_account.last_error = frame[2]
+                elif kind == "metrics_exported" and proc is self._proc:
+                    self._mexported = max(self._mexported, frame[1])
                 elif kind == "status" and proc is self._proc:
                     _, exported, failed, error = frame
                     self._acked += exported + failed
@@ -1296,7 +1308,7 @@ def main() -> int:
     exports = _SpanExports(exporter, SpanLimits(), write)
     # a Resource of its own: a re-label changes the meter provider's in place, and span frames
     # still queued for export keep the resource they were read with
-    metrics = _ChildMetrics(Resource(frame[1], frame[2] or None))
+    metrics = _ChildMetrics(Resource(frame[1], frame[2] or None), write)
     try:
         while True:
             frame = _read_frame(stdin)
@@ -1360,14 +1372,22 @@ def _exit_with_parent(parent: int) -> float:
 class _ChildMetrics:
     """The exporter process's GenAI request instruments: a meter provider with the OTLP metric
     exporter from the environment (``OTEL_EXPORTER_OTLP_*``, ``OTEL_METRIC_EXPORT_INTERVAL``) and
-    the serving process's resource, and the same :class:`~llm_otel.telemetry.metrics.Instruments`."""
+    the serving process's resource, and the same :class:`~llm_otel.telemetry.metrics.Instruments`.
 
-    def __init__(self, resource) -> None:
+    After each export the collector accepted it writes ``("metrics_exported", n)``: ``n`` metric
+    points applied before that export's collection (counted as the serving process counts what it
+    sent, :func:`_metric_points`). If this process dies, the serving process counts the points sent
+    after the last mark as dropped (``export_process_down``): they were aggregated here only."""
+
+    def __init__(self, resource, write=None) -> None:
         self.resource = resource
         self.provider = None
         self.instruments = None
         self.exporter = None
         self._contexts: dict = {}
+        self._write = write
+        self._applied = 0  # metric points recorded so far
+        self._apply_lock = threading.Lock()  # a collection sees whole batches: its mark is exact
 
     def start(self, name: str, version: str, schema_url: str, itl_every: int) -> None:
         from opentelemetry.sdk.metrics import MeterProvider
@@ -1381,8 +1401,33 @@ class _ChildMetrics:
         self.exporter = metric_exporter_from_env(os.environ)
         if self.exporter is None:
             return
-        self.provider = MeterProvider(resource=self.resource, metric_readers=[
-            PeriodicExportingMetricReader(self.exporter)], shutdown_on_exit=False)
+        owner = self
+
+        class _MarkingReader(PeriodicExportingMetricReader):
+            """Reports which points an export the collector accepted covered: the mark is taken
+            by the collection (recording held only while it gathers, never during the export)."""
+
+            mark = 0
+
+            def _receive_metrics(self, metrics_data, timeout_millis: float = 10_000, **kwargs) -> None:
+                mark, failed = self.mark, owner.exporter.failed
+                super()._receive_metrics(metrics_data, timeout_millis=timeout_millis, **kwargs)
+                if owner.exporter.failed == failed and owner._write is not None:
+                    try:
+                        owner._write(("metrics_exported", mark))
+                    except (OSError, ValueError):
+                        pass  # silent: the serving process went away
+
+        reader = _MarkingReader(self.exporter)
+        self.provider = MeterProvider(resource=self.resource, metric_readers=[reader], shutdown_on_exit=False)
+        gather = getattr(reader, "_collect", None)  # the SDK's collection callback, set by MeterProvider
+        if gather is not None:
+            def collect_marked(r, timeout_millis: float = 10_000):
+                with owner._apply_lock:  # whole batches only: the mark is exact
+                    reader.mark = owner._applied
+                    return gather(r, timeout_millis=timeout_millis)
+
+            reader._collect = collect_marked
         meter = self.provider.get_meter(name, version or None, schema_url=schema_url or None)
         self.instruments = Instruments(meter, itl_every)
         from llm_otel.signals import request_instruments
@@ -1404,6 +1449,11 @@ class _ChildMetrics:
         instruments = self.instruments
         if instruments is None:
             return
+        with self._apply_lock:
+            self._record(instruments, batch)
+            self._applied += _metric_points(batch)
+
+    def _record(self, instruments, batch) -> None:
         from llm_otel.telemetry.metrics import _NO_TRACE
 
         contexts = self._contexts
