@@ -839,15 +839,14 @@ def _metric_weight(records) -> int:
 
 def _metric_points(records) -> int:
     """Metric points in a batch of metric records: one per observation, :meth:`Instruments.points
-    <llm_otel.telemetry.metrics.Instruments.points>` per request record (only asked when some are lost)."""
+    <llm_otel.telemetry.metrics.Instruments.points>` per request record (asked per batch written
+    and per batch applied, for the exporter process's export marks, and for what is lost)."""
+    from llm_otel.telemetry.metrics import Instruments  # once per batch, not per record
+
+    points = Instruments.points
     n = 0
     for record in records:
-        if record[0] == "request":
-            from llm_otel.telemetry.metrics import Instruments
-
-            n += Instruments.points(record[1])
-        else:
-            n += 1
+        n += points(record[1]) if record[0] == "request" else 1
     return n
 
 
