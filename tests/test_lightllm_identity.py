@@ -4,7 +4,10 @@ role table against multiprocessing ``Process`` objects shaped as LightLLM builds
 
 The gunicorn case runs a program named ``gunicorn`` with LightLLM's app argument under
 ``opentelemetry-instrument`` (the real ``sitecustomize`` path) that forks two workers with
-``os.fork`` as gunicorn's arbiter does (``Arbiter.spawn_worker``); gunicorn itself is not installed here.
+``os.fork`` as gunicorn's arbiter does (``Arbiter.spawn_worker``), each loading the app's
+``HttpServerManager`` module from the ``main`` stand-in tree - in the worker, as gunicorn does
+without ``--preload`` (LightLLM's normal start), or in the master before the forks with
+``--preload`` (its P/D starts); gunicorn itself is not installed here.
 """
 
 from __future__ import annotations
@@ -15,22 +18,34 @@ import os
 import subprocess
 import sys
 
+import pytest
+from lightllm_layouts.layers import build_tree
+
 
 PROGRAM = r'''
 import json, os, sys
 from opentelemetry import trace
 
+def load_app():  # lightllm.server.api_http imports HttpServerManager
+    import lightllm.server.httpserver.manager
+
 def identity():
-    attrs = dict(trace.get_tracer_provider().resource.attributes)
+    provider = trace.get_tracer_provider()
+    if not hasattr(provider, "resource"):
+        return {"provider": type(provider).__name__}
+    attrs = dict(provider.resource.attributes)
     return {k: attrs.get(k) for k in ("llm.process.role", "process.pid", "process.parent_pid",
                                       "service.instance.id", "llm.process.inherited_instance_id")}
 
-out = {"master": identity(), "workers": []}
+if "--preload" in sys.argv:
+    load_app()
+out = {"master": identity(), "master_pid": os.getpid(), "workers": []}
 for _ in range(2):
     read, write = os.pipe()
     pid = os.fork()
-    if pid == 0:  # a worker: report and leave as gunicorn workers do (os._exit)
+    if pid == 0:  # a worker: load the app, report and leave as gunicorn workers do (os._exit)
         os.close(read)
+        load_app()
         os.write(write, json.dumps(identity()).encode())
         os._exit(0)
     os.close(write)
@@ -41,25 +56,34 @@ print("RESULT " + json.dumps(out))
 '''
 
 
-def test_gunicorn_http_workers_carry_their_own_pid_instance_and_role(tmp_path):
+@pytest.mark.parametrize("preload", [False, True])
+def test_gunicorn_http_workers_carry_their_own_pid_instance_and_role(tmp_path, preload):
+    """Each HTTP worker: role ``frontend``, its own pid and instance id, the master as parent. The
+    master (``http_master``) has providers only when it loads the app itself (``--preload``): the
+    LightLLM instrumentation builds them at the first LightLLM import of a process."""
     program = tmp_path / "gunicorn"  # sys.orig_argv: [python, .../gunicorn, ..., lightllm.server.api_http:app]
     program.write_text(PROGRAM)
-    env = dict(os.environ, OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none", OTEL_LOGS_EXPORTER="none",
+    tree = build_tree("main", tmp_path / "tree")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+               OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none", OTEL_LOGS_EXPORTER="none",
                OTEL_EXPERIMENTAL_RESOURCE_DETECTORS="otel,process", OTEL_PYTHON_DISABLED_INSTRUMENTATIONS="vllm",
                LLM_OTEL_ADAPTIVE_SAMPLING="off", OTEL_RESOURCE_ATTRIBUTES="service.instance.id=pod-1")
     instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
-    done = subprocess.run([instrument, sys.executable, str(program), "--workers", "2", "lightllm.server.api_http:app"],
-                          capture_output=True, text=True, env=env, timeout=120)
+    argv = [instrument, sys.executable, str(program), "--workers", "2"] + (["--preload"] if preload else [])
+    done = subprocess.run(argv + ["lightllm.server.api_http:app"], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads([x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
     master, workers = out["master"], out["workers"]
-    assert master["llm.process.role"] == "http_master"
-    assert master["service.instance.id"] == f"pod-1/http_master.{master['process.pid']}"
+    if preload:
+        assert master["llm.process.role"] == "http_master"
+        assert master["service.instance.id"] == f"pod-1/http_master.{master['process.pid']}"
+    else:
+        assert master == {"provider": "ProxyTracerProvider"}
     pids = {w["process.pid"] for w in workers}
-    assert len(pids) == 2 and master["process.pid"] not in pids
+    assert len(pids) == 2 and out["master_pid"] not in pids
     for worker in workers:
         assert worker["llm.process.role"] == "frontend"
-        assert worker["process.parent_pid"] == master["process.pid"]
+        assert worker["process.parent_pid"] == out["master_pid"]
         assert worker["service.instance.id"] == f"pod-1/frontend.{worker['process.pid']}"
         assert worker["llm.process.inherited_instance_id"] == "pod-1"
 

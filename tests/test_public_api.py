@@ -320,3 +320,61 @@ def test_application_providers_get_no_second_global_pipeline_from_the_vllm_plugi
     """, env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{_closed_port()}", "LLM_OTEL_ENABLED": "1"})
     line = [x for x in out.splitlines() if x.startswith("RESULT")]
     assert line == ["RESULT ProxyTracerProvider"], out[-3000:]
+
+
+ENGINE_PROCESS_APP = """
+    import multiprocessing, sys, time
+    from importlib.metadata import entry_points
+    multiprocessing.current_process().name = sys.argv[1]  # as vLLM names its spawned engine processes
+    import psutil
+    for ep in entry_points(group="opentelemetry_instrumentor"):  # what opentelemetry-instrument runs
+        if ep.value.startswith("llm_otel."):
+            ep.load()().instrument()
+    from opentelemetry import trace
+    # vLLM's own start-up tracing (vllm/tracing) starts its spans on the global tracer provider
+    with trace.get_tracer("vllm.v1.engine.core").start_as_current_span("EngineCoreProc.__init__"):
+        pass
+    time.sleep(1.0)
+    kids = [c for c in psutil.Process().children() if "llm_otel.export.offload" in " ".join(c.cmdline())]
+    print("RESULT", type(trace.get_tracer_provider()).__name__, len(kids), flush=True)
+"""
+
+
+@pytest.mark.parametrize("role", ["EngineCore", "VllmWorker-0"])
+def test_vllm_engine_processes_get_no_global_providers_nor_exporter_process_under_opentelemetry_instrument(role):
+    """docs/architecture.md: engine-core and worker processes export in process, on providers of
+    their own. ``opentelemetry-instrument`` runs every installed instrumentor in every process; the
+    Triton and LightLLM instrumentors installed global providers at ``instrument()`` whatever the
+    process, so every engine core and worker got a global exporter-process provider, and vLLM's own
+    start-up spans started an exporter process in each (~63 MB each, for the server's life).
+    Their providers now come at the first import of a module they hook (fresh-install review of
+    issue 19, F2; fails on the old code)."""
+    out = run_py(ENGINE_PROCESS_APP.replace("sys.argv[1]", repr(role)),
+                 env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{_closed_port()}",
+                      "OTEL_METRICS_EXPORTER": "none"})
+    line = [x for x in out.splitlines() if x.startswith("RESULT")]
+    assert line == ["RESULT ProxyTracerProvider 0"], out[-3000:]
+
+
+def test_triton_instrumentation_builds_providers_and_hooks_at_the_first_tritonclient_import():
+    """The other side of the test above: the Triton client instrumentation waits for tritonclient -
+    no providers and no import of it at ``instrument()``; the import wraps its targets, on global
+    providers built from ``OTEL_*`` then, and ``uninstrument()`` restores them."""
+    pytest.importorskip("tritonclient.grpc")
+    out = run_py("""
+        import sys
+        from opentelemetry import trace
+        from llm_otel.instrumentation.triton import TritonClientInstrumentor
+        inst = TritonClientInstrumentor()
+        inst.instrument()
+        print("BEFORE", type(trace.get_tracer_provider()).__name__, inst.adapter is None,
+              any(m.startswith("tritonclient") for m in sys.modules))
+        import tritonclient.grpc as grpcclient
+        wrapped = type(grpcclient.InferenceServerClient.__dict__["infer"]).__name__
+        print("AFTER", type(trace.get_tracer_provider()).__name__, inst.adapter is not None, wrapped)
+        inst.uninstrument()
+        print("RESTORED", type(grpcclient.InferenceServerClient.__dict__["infer"]).__name__)
+    """, env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{_closed_port()}", "OTEL_METRICS_EXPORTER": "none"})
+    lines = [x for x in out.splitlines() if x.split(" ")[0] in ("BEFORE", "AFTER", "RESTORED")]
+    assert lines == ["BEFORE ProxyTracerProvider True False", "AFTER OffloadTracerProvider True FunctionWrapper",
+                     "RESTORED function"], out[-3000:]

@@ -238,3 +238,23 @@ def test_signals_from_http_headers_and_in_process_healthz(rx, server):
     health = httpx.get(f"http://127.0.0.1:{server['health_port']}/healthz", timeout=10)
     assert health.status_code == 200, health.text
     assert health.json()["status"] == "ok" and health.json()["factors"]["uptime"] == 1.0
+
+
+def test_only_the_frontend_runs_an_exporter_process(server):
+    """docs/architecture.md: the frontend exports through one exporter process; the engine-core and
+    worker processes export in process. Under ``opentelemetry-instrument`` every installed
+    instrumentor runs in every process; the Triton and LightLLM ones used to install global
+    providers in the engine core and the worker too, where vLLM's own start-up spans then started
+    an exporter process each (~63 MB each, for the server's life: fresh-install review of issue 19,
+    F2; fails on the old code)."""
+    import psutil
+
+    frontend = psutil.Process(server["proc"].pid)  # opentelemetry-instrument execs the server
+    found = []
+    for proc in [frontend] + frontend.children(recursive=True):
+        try:
+            if "llm_otel.export.offload" in " ".join(proc.cmdline()):
+                found.append((proc.pid, proc.ppid()))
+        except psutil.Error:
+            continue
+    assert [ppid for _, ppid in found] == [frontend.pid], f"exporter processes (pid, parent): {found}"

@@ -44,12 +44,18 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 from llm_otel.config import ConfigError, Settings
 from llm_otel.errors import process_errors
-from llm_otel.instrumentation._hooks import AppliedHook, configuration_refused, _resolve, apply_hooks, remove_hooks
+from llm_otel.instrumentation._hooks import (
+    AppliedHook,
+    _resolve,
+    apply_hooks,
+    configuration_refused,
+    remove_hooks,
+    telemetry_on_first_use,
+)
 from llm_otel.instrumentation.lightllm import carrier
 from llm_otel.instrumentation.lightllm.adapter import LightLLMAdapter
 from llm_otel.instrumentation.lightllm.hooks import HOOKS, MODULES, SETSTATE, detect_layout, expected
 from llm_otel.instrumentation.lightllm.package import _instruments
-from llm_otel.telemetry import Telemetry
 
 __all__ = ["LightLLMInstrumentor", "HOOKS"]
 logger = logging.getLogger("llm_otel")
@@ -59,10 +65,14 @@ class LightLLMInstrumentor(BaseInstrumentor):
     """Instruments LightLLM. ``instrument(tracer_provider=None, meter_provider=None, settings=None)``.
 
     Without providers it uses the global ones, creating them from the ``OTEL_*`` environment when
-    the process has none (so ``opentelemetry-instrument`` works without a distro, in every process).
+    the process has none (so ``opentelemetry-instrument`` works without a distro, in every LightLLM
+    process) - at the first import of a LightLLM module it hooks, so a process that never imports
+    LightLLM (a vLLM engine process under ``opentelemetry-instrument``) gets no providers from it.
+    ``adapter`` is None until then.
     """
 
-    adapter: LightLLMAdapter | None = None
+    adapter: LightLLMAdapter | None = None  # built at the first LightLLM import (see _first_use)
+    _pending: dict[str, Any] | None = None  # instrument()'s arguments while instrumented
     _applied: list[AppliedHook] = []
     _setstate: tuple | None = None  # (class, previous __dict__ entry or None)
     layouts: dict[str, str | None] = {}
@@ -80,39 +90,51 @@ class LightLLMInstrumentor(BaseInstrumentor):
             configuration_refused("LightLLM", exc)
 
     def _instrument_engine(self, **kwargs: Any) -> None:
-        from llm_otel._setup import ensure_providers
-
         if importlib.util.find_spec("lightllm") is None:
             # the post-import hooks are still registered (a directory added to sys.path later,
             # e.g. the working directory of `python -m lightllm...`, can still provide it)
             logger.debug("llm-otel: lightllm is not importable here; its hooks wait for an import of it")
         settings = kwargs.get("settings") or Settings.from_env()
-        tracer_provider, meter_provider = kwargs.get("tracer_provider"), kwargs.get("meter_provider")
-        sampling = kwargs.get("sampling")  # the adaptive sampler's parts, from instrument()
-        if tracer_provider is None and meter_provider is None:
-            sampling = ensure_providers(settings) or sampling
+        with self._lock:
+            self._pending = {**kwargs, "settings": settings}
+            self.adapter, self._applied, self._setstate, self.layouts = None, [], None, {}
+        if kwargs.get("tracer_provider") is None and kwargs.get("meter_provider") is None:
             from llm_otel.instrumentation.lightllm import process
 
-            # the providers' resource says which LightLLM process this is: now (launcher, gunicorn
-            # master), in multiprocessing's bootstrap (router, model-infer rank, detokenizer, ...)
-            # or after gunicorn forks an HTTP worker
+            # which LightLLM process this is, for the resource of the providers built at the first
+            # LightLLM import: known now (launcher, gunicorn master), in multiprocessing's bootstrap
+            # (router, model-infer rank, detokenizer, ...) or after gunicorn forks an HTTP worker
             process.install()
-        self.adapter = LightLLMAdapter(Telemetry(tracer_provider, meter_provider, settings, scope=__name__,
-                                                 sampling=sampling))
-        self._applied, self._setstate, self.layouts = [], None, {}
         for name in MODULES:
             wrapt.register_post_import_hook(self._on_import, name)
 
     def _on_import(self, module) -> None:
-        """Post-import hook: wrap the targets of ``module`` (in this process); never raises."""
+        """Post-import hook: wrap the targets of ``module`` (in this process), building the
+        telemetry at the first LightLLM module this process imports; never raises."""
         try:
             with self._lock:
-                if self.adapter is None or module.__name__ in self.layouts:
+                if self._pending is None or module.__name__ in self.layouts:
                     return
+                if self.adapter is None:
+                    self.adapter = self._first_use()
                 self._hook_module(module)
+        except ConfigError as exc:
+            self._pending = None
+            configuration_refused("LightLLM", exc)
         except Exception as exc:  # noqa: BLE001
             process_errors().report("instrumentation.lightllm.import_hook", exc,
                                     f"could not instrument {getattr(module, '__name__', module)}; it runs uninstrumented")
+
+    def _first_use(self) -> LightLLMAdapter:
+        """The adapter, on providers that exist from now on (see ``telemetry_on_first_use``): a
+        process that never imports LightLLM - a vLLM engine process under ``opentelemetry-instrument``
+        - gets none. Providers built here get the labels :mod:`.process` already found."""
+        adapter = LightLLMAdapter(telemetry_on_first_use(self._pending, __name__))
+        if self._pending.get("tracer_provider") is None and self._pending.get("meter_provider") is None:
+            from llm_otel.instrumentation.lightllm import process
+
+            process.relabel_as_found()
+        return adapter
 
     def _hook_module(self, module) -> None:
         name = module.__name__
@@ -163,5 +185,6 @@ class LightLLMInstrumentor(BaseInstrumentor):
                 else:
                     cls.__setstate__ = previous
                 self._setstate = None
-            self.adapter = None  # post-import hooks stay registered (wrapt cannot remove them) but do nothing
+            self._pending = None  # post-import hooks stay registered (wrapt cannot remove them) but do nothing
+            self.adapter = None
             self.layouts = {}

@@ -164,6 +164,15 @@ def relabel_this_process(role: str | None = None, **extra: Any) -> None:
                                 "could not tell which LightLLM process this is; its spans keep the old labels")
 
 
+def relabel_as_found() -> None:
+    """Give providers built after this process was found to be a LightLLM process (the launcher,
+    a child once bootstrapped, a forked HTTP worker) the labels found then; nothing when none was
+    found. Never raises."""
+    made = found()
+    if made is not None:
+        relabel_this_process(made[0], **made[1])
+
+
 def _prewarm() -> None:
     from opentelemetry import trace
 

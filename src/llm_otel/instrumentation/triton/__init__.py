@@ -37,30 +37,47 @@ request) - see :class:`llm_otel.config.Settings`.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Collection
 
+import wrapt
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 from llm_otel.config import ConfigError, Settings
-from llm_otel.instrumentation._hooks import AppliedHook, configuration_refused, apply_hooks, library_missing, remove_hooks
+from llm_otel.errors import process_errors
+from llm_otel.instrumentation._hooks import (
+    AppliedHook,
+    apply_hooks,
+    configuration_refused,
+    library_missing,
+    remove_hooks,
+    telemetry_on_first_use,
+)
 from llm_otel.instrumentation.triton.adapter import TritonAdapter
 from llm_otel.instrumentation.triton.hooks import HOOKS
 from llm_otel.instrumentation.triton.package import _instruments
-from llm_otel.telemetry import Telemetry
 
 __all__ = ["TritonClientInstrumentor", "HOOKS"]
+MODULES = sorted({h.module for h in HOOKS})
 
 
 class TritonClientInstrumentor(BaseInstrumentor):
     """Instruments tritonclient. ``instrument(tracer_provider=None, meter_provider=None, settings=None)``.
 
-    Without providers it uses the global ones, creating them from the ``OTEL_*`` environment when
-    the application has set none. Hook targets missing from the installed tritonclient are
-    skipped with one warning each; ``uninstrument()`` restores every patched attribute.
+    The hooks are post-import hooks: each tritonclient module is wrapped when this process imports
+    it (at once if it already has). Without providers the global ones are used, created from the
+    ``OTEL_*`` environment at the first import of a hooked module when the application has set
+    none - so a process that never imports tritonclient (``opentelemetry-instrument`` instruments
+    every process, vLLM's engine processes included) gets no providers from it. ``adapter`` is None
+    until then. Hook targets missing from the installed tritonclient are skipped with one warning
+    each; ``uninstrument()`` restores every patched attribute.
     """
 
     adapter: TritonAdapter | None = None
     _applied: list[AppliedHook] = []
+    _pending: dict[str, Any] | None = None  # instrument()'s arguments while instrumented
+    _hooked: set[str] = set()  # modules whose hooks were applied in this instrumentation
+    _lock = threading.Lock()
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments
@@ -72,21 +89,37 @@ class TritonClientInstrumentor(BaseInstrumentor):
             configuration_refused("Triton client", exc)
 
     def _instrument_engine(self, **kwargs: Any) -> None:
-        from llm_otel._setup import ensure_providers
-
         if library_missing("tritonclient", "Triton client"):
             return
         settings = kwargs.get("settings") or Settings.from_env()
-        tracer_provider = kwargs.get("tracer_provider")
-        meter_provider = kwargs.get("meter_provider")
-        sampling = kwargs.get("sampling")  # the adaptive sampler's parts, from instrument()
-        if tracer_provider is None and meter_provider is None:
-            sampling = ensure_providers(settings) or sampling
-        telemetry = Telemetry(tracer_provider, meter_provider, settings, scope=__name__, sampling=sampling)
-        self.adapter = TritonAdapter(telemetry)
-        self._applied = apply_hooks(HOOKS, self.adapter, "tritonclient")
+        with self._lock:
+            self._pending = {**kwargs, "settings": settings}
+            self.adapter, self._applied, self._hooked = None, [], set()
+        for name in MODULES:
+            wrapt.register_post_import_hook(self._on_import, name)  # runs now if already imported
+
+    def _on_import(self, module) -> None:
+        """Post-import hook: wrap the targets of ``module`` (building the telemetry at the first
+        one); never raises."""
+        try:
+            with self._lock:
+                if self._pending is None or module.__name__ in self._hooked:
+                    return
+                self._hooked.add(module.__name__)
+                if self.adapter is None:
+                    self.adapter = TritonAdapter(telemetry_on_first_use(self._pending, __name__))
+                hooks = [h for h in HOOKS if h.module == module.__name__]
+                self._applied.extend(apply_hooks(hooks, self.adapter, "tritonclient"))
+        except ConfigError as exc:
+            self._pending = None
+            configuration_refused("Triton client", exc)
+        except Exception as exc:  # noqa: BLE001
+            process_errors().report("instrumentation.triton.import_hook", exc,
+                                    f"could not instrument {getattr(module, '__name__', module)}; it runs uninstrumented")
 
     def _uninstrument(self, **kwargs: Any) -> None:
-        remove_hooks(self._applied)
-        self._applied = []
-        self.adapter = None
+        with self._lock:
+            remove_hooks(self._applied)
+            self._applied, self._hooked = [], set()
+            self._pending = None  # post-import hooks stay registered (wrapt cannot remove them) but do nothing
+            self.adapter = None
