@@ -264,3 +264,89 @@ def test_every_hook_factory_in_every_hook_table_exists_on_its_adapter_without_th
     from llm_otel.instrumentation.vllm.hooks import HOOKS as VLLM
 
     assert result["checked"] == len(VLLM) + len(LIGHTLLM) + len(TRITON)
+
+
+def _import_hooked(tmp_path, monkeypatch, package: str, first_use):
+    """An ImportHooked instrumentor over a two-module package in ``tmp_path`` (not yet imported)."""
+    import threading
+
+    from llm_otel.instrumentation._hooks import ImportHooked
+
+    pkg = tmp_path / package
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for name in ("one", "two"):
+        (pkg / f"{name}.py").write_text("import time\ntime.sleep(0.05)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    class Instrumentor(ImportHooked):
+        ENGINE, SITE = "Fake engine", "instrumentation.fake.import_hook"
+        _lock = threading.Lock()
+        built = 0
+        hooked: list = []
+
+        def _first_use(self):
+            type(self).built += 1
+            return first_use()
+
+        def _hook_module(self, module):
+            self.hooked.append(module.__name__)
+
+    inst = Instrumentor()
+    inst.hooked = []
+    inst._wait_for([f"{package}.one", f"{package}.two"], {"settings": None})
+    return inst
+
+
+def test_import_hooked_builds_its_adapter_once_at_the_first_hooked_import_even_from_two_threads(tmp_path, monkeypatch):
+    """The Triton and LightLLM instrumentors build their telemetry (and the global providers) at
+    the first import of a module they hook, not at instrument(): nothing before it, once however
+    many threads import at the same time, and each module hooked once."""
+    import importlib
+    import threading
+
+    inst = _import_hooked(tmp_path, monkeypatch, "fake_lazy_pkg", object)
+    try:
+        assert inst.adapter is None and inst.built == 0
+        threads = [threading.Thread(target=importlib.import_module, args=(f"fake_lazy_pkg.{n}",))
+                   for n in ("one", "two", "one", "two")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert inst.adapter is not None and inst.built == 1
+        assert sorted(inst.hooked) == ["fake_lazy_pkg.one", "fake_lazy_pkg.two"]
+        inst._on_import(sys.modules["fake_lazy_pkg.one"])  # a later registration firing again
+        assert sorted(inst.hooked) == ["fake_lazy_pkg.one", "fake_lazy_pkg.two"]
+        inst._stop()
+        inst._on_import(sys.modules["fake_lazy_pkg.two"])  # uninstrumented: the hooks stay and do nothing
+        assert inst.adapter is None and len(inst.hooked) == 2
+    finally:
+        for name in [m for m in sys.modules if m.startswith("fake_lazy_pkg")]:
+            del sys.modules[name]
+
+
+def test_import_hooked_an_invalid_exporter_setting_met_at_the_first_import_is_one_error_line(tmp_path, monkeypatch, caplog):
+    """Providers are built at the first hooked import now, inside the application's ``import``: a
+    ConfigError from them must not escape into it. One ERROR line; that engine stays uninstrumented
+    in this process (later imports hook nothing)."""
+    import importlib
+
+    from llm_otel.config import ConfigError
+    from llm_otel.instrumentation import _hooks
+
+    def refuse():
+        raise ConfigError("OTEL_EXPORTER_OTLP_PROTOCOL='carrier-pigeon' is not grpc, http/protobuf or http/json")
+
+    monkeypatch.setattr(_hooks, "_CONFIG_ERROR_LOGGED", [False])
+    inst = _import_hooked(tmp_path, monkeypatch, "fake_refused_pkg", refuse)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="llm_otel"):
+            importlib.import_module("fake_refused_pkg.one")
+            importlib.import_module("fake_refused_pkg.two")
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 1 and "OTEL_EXPORTER_OTLP_PROTOCOL" in errors[0], errors
+        assert inst.adapter is None and inst.built == 1 and inst.hooked == []
+    finally:
+        for name in [m for m in sys.modules if m.startswith("fake_refused_pkg")]:
+            del sys.modules[name]

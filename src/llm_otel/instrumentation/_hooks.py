@@ -6,10 +6,12 @@ import dataclasses
 import importlib
 import importlib.util
 import logging
-from typing import Any
+import threading
+from typing import Any, Iterable
 
 import wrapt
 
+from llm_otel.config import ConfigError
 from llm_otel.errors import process_errors
 
 logger = logging.getLogger("llm_otel")
@@ -183,3 +185,60 @@ def telemetry_on_first_use(kwargs: dict[str, Any], scope: str):
     if tracer_provider is None and meter_provider is None:
         sampling = ensure_providers(kwargs["settings"]) or sampling
     return Telemetry(tracer_provider, meter_provider, kwargs["settings"], scope=scope, sampling=sampling)
+
+
+class ImportHooked:
+    """Mixin for an instrumentor whose hooks wait for the engine's modules (wrapt post-import
+    hooks): ``instrument()`` only records its arguments (:meth:`_wait_for`); each hooked module is
+    wrapped when this process imports it - at once if it already has - and the telemetry (with the
+    providers, see :func:`telemetry_on_first_use`) is built at the first one.
+
+    The subclass sets ``ENGINE`` (for log lines), ``SITE`` (its ``llm_otel.instrumentation.errors``
+    site) and ``_lock``, and defines ``_first_use() -> adapter`` and ``_hook_module(module)``
+    (called under ``_lock``, once per module per instrumentation). ``adapter`` is None until the
+    first hooked import; :meth:`_stop` ends the instrumentation (wrapt cannot remove post-import
+    hooks: they stay registered and do nothing)."""
+
+    ENGINE = ""
+    SITE = ""
+    adapter: Any = None
+    _pending: dict[str, Any] | None = None  # instrument()'s arguments while instrumented
+    _hooked: set[str] = set()  # modules hooked in this instrumentation
+    _lock: threading.Lock
+
+    def _wait_for(self, modules: Iterable[str], kwargs: dict[str, Any]) -> None:
+        """Start an instrumentation with ``instrument()``'s ``kwargs`` (``settings`` validated)."""
+        with self._lock:
+            self._pending, self.adapter, self._hooked = kwargs, None, set()
+        for name in modules:
+            wrapt.register_post_import_hook(self._on_import, name)  # runs now if already imported
+
+    def _stop(self) -> None:
+        """End the instrumentation (under ``_lock``, after the subclass restored what it patched)."""
+        self._pending, self.adapter, self._hooked = None, None, set()
+
+    def _on_import(self, module) -> None:
+        """Post-import hook: wrap the targets of ``module``; never raises. An invalid exporter
+        setting met when the providers are built leaves the engine uninstrumented in this process
+        (one ERROR line, :func:`configuration_refused`); any other failure is counted and logged
+        once, and the module runs uninstrumented."""
+        name = getattr(module, "__name__", str(module))
+        try:
+            with self._lock:
+                if self._pending is None or name in self._hooked:
+                    return
+                self._hooked.add(name)
+                if self.adapter is None:
+                    self.adapter = self._first_use()
+                self._hook_module(module)
+        except ConfigError as exc:
+            self._pending = None
+            configuration_refused(self.ENGINE, exc)
+        except Exception as exc:  # noqa: BLE001
+            process_errors().report(self.SITE, exc, f"could not instrument {name}; it runs uninstrumented")
+
+    def _first_use(self) -> Any:
+        raise NotImplementedError
+
+    def _hook_module(self, module) -> None:
+        raise NotImplementedError

@@ -39,13 +39,12 @@ import logging
 import threading
 from typing import Any, Collection
 
-import wrapt
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 from llm_otel.config import ConfigError, Settings
-from llm_otel.errors import process_errors
 from llm_otel.instrumentation._hooks import (
     AppliedHook,
+    ImportHooked,
     _resolve,
     apply_hooks,
     configuration_refused,
@@ -61,7 +60,7 @@ __all__ = ["LightLLMInstrumentor", "HOOKS"]
 logger = logging.getLogger("llm_otel")
 
 
-class LightLLMInstrumentor(BaseInstrumentor):
+class LightLLMInstrumentor(ImportHooked, BaseInstrumentor):
     """Instruments LightLLM. ``instrument(tracer_provider=None, meter_provider=None, settings=None)``.
 
     Without providers it uses the global ones, creating them from the ``OTEL_*`` environment when
@@ -71,8 +70,9 @@ class LightLLMInstrumentor(BaseInstrumentor):
     ``adapter`` is None until then.
     """
 
+    ENGINE = "LightLLM"
+    SITE = "instrumentation.lightllm.import_hook"
     adapter: LightLLMAdapter | None = None  # built at the first LightLLM import (see _first_use)
-    _pending: dict[str, Any] | None = None  # instrument()'s arguments while instrumented
     _applied: list[AppliedHook] = []
     _setstate: tuple | None = None  # (class, previous __dict__ entry or None)
     layouts: dict[str, str | None] = {}
@@ -87,7 +87,7 @@ class LightLLMInstrumentor(BaseInstrumentor):
         try:
             self._instrument_engine(**kwargs)
         except ConfigError as exc:
-            configuration_refused("LightLLM", exc)
+            configuration_refused(self.ENGINE, exc)
 
     def _instrument_engine(self, **kwargs: Any) -> None:
         if importlib.util.find_spec("lightllm") is None:
@@ -95,9 +95,7 @@ class LightLLMInstrumentor(BaseInstrumentor):
             # e.g. the working directory of `python -m lightllm...`, can still provide it)
             logger.debug("llm-otel: lightllm is not importable here; its hooks wait for an import of it")
         settings = kwargs.get("settings") or Settings.from_env()
-        with self._lock:
-            self._pending = {**kwargs, "settings": settings}
-            self.adapter, self._applied, self._setstate, self.layouts = None, [], None, {}
+        self._applied, self._setstate, self.layouts = [], None, {}
         if kwargs.get("tracer_provider") is None and kwargs.get("meter_provider") is None:
             from llm_otel.instrumentation.lightllm import process
 
@@ -105,25 +103,7 @@ class LightLLMInstrumentor(BaseInstrumentor):
             # LightLLM import: known now (launcher, gunicorn master), in multiprocessing's bootstrap
             # (router, model-infer rank, detokenizer, ...) or after gunicorn forks an HTTP worker
             process.install()
-        for name in MODULES:
-            wrapt.register_post_import_hook(self._on_import, name)
-
-    def _on_import(self, module) -> None:
-        """Post-import hook: wrap the targets of ``module`` (in this process), building the
-        telemetry at the first LightLLM module this process imports; never raises."""
-        try:
-            with self._lock:
-                if self._pending is None or module.__name__ in self.layouts:
-                    return
-                if self.adapter is None:
-                    self.adapter = self._first_use()
-                self._hook_module(module)
-        except ConfigError as exc:
-            self._pending = None
-            configuration_refused("LightLLM", exc)
-        except Exception as exc:  # noqa: BLE001
-            process_errors().report("instrumentation.lightllm.import_hook", exc,
-                                    f"could not instrument {getattr(module, '__name__', module)}; it runs uninstrumented")
+        self._wait_for(MODULES, {**kwargs, "settings": settings})
 
     def _first_use(self) -> LightLLMAdapter:
         """The adapter, on providers that exist from now on (see ``telemetry_on_first_use``): a
@@ -185,6 +165,5 @@ class LightLLMInstrumentor(BaseInstrumentor):
                 else:
                     cls.__setstate__ = previous
                 self._setstate = None
-            self._pending = None  # post-import hooks stay registered (wrapt cannot remove them) but do nothing
-            self.adapter = None
             self.layouts = {}
+            self._stop()

@@ -40,13 +40,12 @@ from __future__ import annotations
 import threading
 from typing import Any, Collection
 
-import wrapt
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 from llm_otel.config import ConfigError, Settings
-from llm_otel.errors import process_errors
 from llm_otel.instrumentation._hooks import (
     AppliedHook,
+    ImportHooked,
     apply_hooks,
     configuration_refused,
     library_missing,
@@ -61,7 +60,7 @@ __all__ = ["TritonClientInstrumentor", "HOOKS"]
 MODULES = sorted({h.module for h in HOOKS})
 
 
-class TritonClientInstrumentor(BaseInstrumentor):
+class TritonClientInstrumentor(ImportHooked, BaseInstrumentor):
     """Instruments tritonclient. ``instrument(tracer_provider=None, meter_provider=None, settings=None)``.
 
     The hooks are post-import hooks: each tritonclient module is wrapped when this process imports
@@ -73,10 +72,10 @@ class TritonClientInstrumentor(BaseInstrumentor):
     each; ``uninstrument()`` restores every patched attribute.
     """
 
+    ENGINE = "Triton client"
+    SITE = "instrumentation.triton.import_hook"
     adapter: TritonAdapter | None = None
     _applied: list[AppliedHook] = []
-    _pending: dict[str, Any] | None = None  # instrument()'s arguments while instrumented
-    _hooked: set[str] = set()  # modules whose hooks were applied in this instrumentation
     _lock = threading.Lock()
 
     def instrumentation_dependencies(self) -> Collection[str]:
@@ -86,40 +85,23 @@ class TritonClientInstrumentor(BaseInstrumentor):
         try:
             self._instrument_engine(**kwargs)
         except ConfigError as exc:
-            configuration_refused("Triton client", exc)
+            configuration_refused(self.ENGINE, exc)
 
     def _instrument_engine(self, **kwargs: Any) -> None:
-        if library_missing("tritonclient", "Triton client"):
+        if library_missing("tritonclient", self.ENGINE):
             return
-        settings = kwargs.get("settings") or Settings.from_env()
-        with self._lock:
-            self._pending = {**kwargs, "settings": settings}
-            self.adapter, self._applied, self._hooked = None, [], set()
-        for name in MODULES:
-            wrapt.register_post_import_hook(self._on_import, name)  # runs now if already imported
+        self._applied = []
+        self._wait_for(MODULES, {**kwargs, "settings": kwargs.get("settings") or Settings.from_env()})
 
-    def _on_import(self, module) -> None:
-        """Post-import hook: wrap the targets of ``module`` (building the telemetry at the first
-        one); never raises."""
-        try:
-            with self._lock:
-                if self._pending is None or module.__name__ in self._hooked:
-                    return
-                self._hooked.add(module.__name__)
-                if self.adapter is None:
-                    self.adapter = TritonAdapter(telemetry_on_first_use(self._pending, __name__))
-                hooks = [h for h in HOOKS if h.module == module.__name__]
-                self._applied.extend(apply_hooks(hooks, self.adapter, "tritonclient"))
-        except ConfigError as exc:
-            self._pending = None
-            configuration_refused("Triton client", exc)
-        except Exception as exc:  # noqa: BLE001
-            process_errors().report("instrumentation.triton.import_hook", exc,
-                                    f"could not instrument {getattr(module, '__name__', module)}; it runs uninstrumented")
+    def _first_use(self) -> TritonAdapter:
+        return TritonAdapter(telemetry_on_first_use(self._pending, __name__))
+
+    def _hook_module(self, module) -> None:
+        hooks = [h for h in HOOKS if h.module == module.__name__]
+        self._applied.extend(apply_hooks(hooks, self.adapter, "tritonclient"))
 
     def _uninstrument(self, **kwargs: Any) -> None:
         with self._lock:
             remove_hooks(self._applied)
-            self._applied, self._hooked = [], set()
-            self._pending = None  # post-import hooks stay registered (wrapt cannot remove them) but do nothing
-            self.adapter = None
+            self._applied = []
+            self._stop()
