@@ -107,17 +107,21 @@ def test_a_test_subset_passes_at_the_floors(floor_venv):
 
 CHILD = ("import subprocess, sys; "
          "print('CHILD', subprocess.run([sys.executable, '-c', "
-         "'from opentelemetry import trace; print(type(trace.get_tracer_provider()).__name__)'], "
+         "'from opentelemetry import trace; "
+         "from llm_otel.instrumentation.lightllm import LightLLMInstrumentor as I; "
+         "print(I().is_instrumented_by_opentelemetry, type(trace.get_tracer_provider()).__name__)'], "
          "capture_output=True, text=True).stdout.strip())")
 
 
 def test_opentelemetry_instrument_reaches_spawned_children_and_is_quiet_at_the_floors(floor_venv):
-    """A child the instrumented process starts is instrumented too (the SDK provider is set up in
-    it), and no vLLM/Triton/LightLLM is installed there: llm-otel says nothing."""
+    """A child the instrumented process starts is instrumented too (its sitecustomize ran
+    llm-otel's instrumentors: the LightLLM one, which has no distribution requirement, is active),
+    and no vLLM/Triton/LightLLM is installed there: llm-otel says nothing, and builds no providers
+    (they come at the first import of a hooked module)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "PYTHONPATH"))}
     env.update(OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none", OTEL_LOGS_EXPORTER="none")
     done = subprocess.run([str(floor_venv / "bin" / "opentelemetry-instrument"), str(floor_venv / "bin" / "python"),
                            "-c", CHILD], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "CHILD TracerProvider" in done.stdout, (done.stdout, done.stderr[-2000:])
+    assert "CHILD True ProxyTracerProvider" in done.stdout, (done.stdout, done.stderr[-2000:])
     assert "llm-otel" not in done.stderr and "llm_otel" not in done.stderr, done.stderr[-3000:]

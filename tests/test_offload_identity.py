@@ -144,6 +144,7 @@ def test_the_exporter_process_starts_with_the_first_span_or_prewarm(receiver):
 INSTRUMENTED_APP = """
     import multiprocessing, os, sys, time
     from opentelemetry import trace
+    import tritonclient.http  # a library llm-otel hooks (in every process: spawn re-imports this module)
 
     def silent():  # a helper process (LightLLM's detokenizer, cache, metrics ...): never makes a span
         time.sleep(1.0)
@@ -172,8 +173,8 @@ INSTRUMENTED_APP = """
 
 def test_processes_that_never_emit_start_no_exporter_process_and_it_does_not_instrument_itself(receiver,
                                                                                                tmp_path):
-    """Under opentelemetry-instrument every Python process builds providers; helper processes that
-    never make a span start no exporter process; the one started runs without the
+    """Under opentelemetry-instrument every Python process that imports a library llm-otel hooks
+    builds providers; helper processes that never make a span start no exporter process; the one started runs without the
     auto-instrumentation sitecustomize (and its providers), with llm-otel importable."""
     app = tmp_path / "app.py"
     app.write_text(textwrap.dedent(INSTRUMENTED_APP))
