@@ -189,6 +189,24 @@ def server_command(config: str, python: str, model: str, sink: str, port: int) -
     return cmd
 
 
+def wait_ready(proc: subprocess.Popen, port: int, log_name: str, timeout_s: float = 600) -> None:
+    """Until vLLM's OpenAI server on ``port`` answers ``/health`` with 200; RuntimeError (naming
+    ``log_name``) when ``proc`` exits first or ``timeout_s`` passes."""
+    import httpx
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see {log_name}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"server not ready in {timeout_s:.0f} s; see {log_name}")
+
+
 class ServerRunner:
     """One OpenAI server per configuration, loaded by concurrent streaming clients."""
 
@@ -202,19 +220,7 @@ class ServerRunner:
         self.prompts = _workload.prompts(args.prompts)
 
     def wait_ready(self) -> None:
-        import httpx
-
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"server not ready in 600 s; see {self.log.name}")
+        wait_ready(self.proc, self.port, self.log.name)
 
     def run(self) -> float:
         cpu0 = process_cpu(self.proc.pid)

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from importlib.metadata import entry_points
 
 import pytest
@@ -331,29 +332,46 @@ ENGINE_PROCESS_APP = """
         if ep.value.startswith("llm_otel."):
             ep.load()().instrument()
     from opentelemetry import trace
-    # vLLM's own start-up tracing (vllm/tracing) starts its spans on the global tracer provider
-    with trace.get_tracer("vllm.v1.engine.core").start_as_current_span("EngineCoreProc.__init__"):
+    from vllm.tracing import instrument
+
+    @instrument(span_name="EngineCoreProc init")  # vLLM's own start-up tracing: the global provider
+    def start_up():
         pass
+
+    start_up()
     time.sleep(1.0)
     kids = [c for c in psutil.Process().children() if "llm_otel.export.offload" in " ".join(c.cmdline())]
     print("RESULT", type(trace.get_tracer_provider()).__name__, len(kids), flush=True)
+    from llm_otel.export.lifecycle import lifecycle
+    lifecycle().flush()  # what the engine process's orderly exit does
 """
 
 
-@pytest.mark.parametrize("role", ["EngineCore", "VllmWorker-0"])
-def test_vllm_engine_processes_get_no_global_providers_nor_exporter_process_under_opentelemetry_instrument(role):
+@needs_vllm
+@pytest.mark.parametrize("name, role", [("EngineCore", "engine_core"), ("VllmWorker-0", "worker")])
+def test_vllm_engine_processes_export_in_process_and_start_no_exporter_process_under_opentelemetry_instrument(
+        name, role, receiver):
     """docs/architecture.md: engine-core and worker processes export in process, on providers of
     their own. ``opentelemetry-instrument`` runs every installed instrumentor in every process; the
     Triton and LightLLM instrumentors installed global providers at ``instrument()`` whatever the
     process, so every engine core and worker got a global exporter-process provider, and vLLM's own
-    start-up spans started an exporter process in each (~63 MB each, for the server's life).
-    Their providers now come at the first import of a module they hook (fresh-install review of
-    issue 19, F2; fails on the old code)."""
-    out = run_py(ENGINE_PROCESS_APP.replace("sys.argv[1]", repr(role)),
-                 env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{_closed_port()}",
-                      "OTEL_METRICS_EXPORTER": "none"})
+    start-up spans started an exporter process in each (~63 MB each, for the server's life; the
+    spans labelled ``frontend``). Their providers now come at the first import of a module they
+    hook (fresh-install review of issue 19, F2; fails on the old code), and the engine process's own
+    provider is the global one: vLLM's start-up spans are exported from it, with its role (review of
+    the F2 fix: they were lost)."""
+    service = f"start-up-{name}"
+    out = run_py(ENGINE_PROCESS_APP.replace("sys.argv[1]", repr(name)),
+                 env={"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+                      "OTEL_METRICS_EXPORTER": "none", "OTEL_SERVICE_NAME": service})
     line = [x for x in out.splitlines() if x.startswith("RESULT")]
-    assert line == ["RESULT ProxyTracerProvider 0"], out[-3000:]
+    assert line == ["RESULT TracerProvider 0"], out[-3000:]
+    mine: list = []
+    deadline = time.monotonic() + 15
+    while not mine and time.monotonic() < deadline:
+        time.sleep(0.2)
+        mine = [sp for sp in receiver.spans(name="EngineCoreProc init") if sp["resource"].get("service.name") == service]
+    assert [sp["resource"].get("llm.process.role") for sp in mine] == [role]
 
 
 def test_triton_instrumentation_builds_providers_and_hooks_at_the_first_tritonclient_import():
@@ -378,3 +396,33 @@ def test_triton_instrumentation_builds_providers_and_hooks_at_the_first_tritoncl
     lines = [x for x in out.splitlines() if x.split(" ")[0] in ("BEFORE", "AFTER", "RESTORED")]
     assert lines == ["BEFORE ProxyTracerProvider True False", "AFTER OffloadTracerProvider True FunctionWrapper",
                      "RESTORED function"], out[-3000:]
+
+
+@needs_vllm
+def test_vllm_instrumentation_waits_for_the_process_to_import_vllm_under_opentelemetry_instrument():
+    """opentelemetry-instrument runs the vLLM instrumentor in every process of a served tree;
+    applying its hooks imports vLLM (and torch): multiprocessing's resource tracker, which never
+    uses vLLM, grew from 63 to 455 MB RSS (300 MB USS). Now nothing of vLLM is imported until the
+    process imports ``vllm`` itself; then every hook is applied at once."""
+    instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
+    out = run_py("""
+        import sys
+        from llm_otel.instrumentation.vllm import VLLMInstrumentor
+        from llm_otel.instrumentation.vllm.hooks import HOOKS
+        inst = VLLMInstrumentor()
+        print("BEFORE", inst.is_instrumented_by_opentelemetry, inst.adapter is None,
+              "vllm" in sys.modules, "torch" in sys.modules)
+        import vllm
+        from llm_otel.instrumentation._hooks import _resolve
+        resolvable = []
+        for h in HOOKS:
+            try:
+                resolvable.append(_resolve(h))
+            except (ImportError, AttributeError):
+                pass  # another layout's target
+        wrapped = sum(type(vars(owner)[name]).__name__ == "FunctionWrapper" for owner, name in resolvable)
+        print("AFTER", inst.adapter is not None, len(inst._applied) == wrapped == len(resolvable) > 0)
+    """, env={"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none", "OTEL_LOGS_EXPORTER": "none"},
+        argv_prefix=[instrument])
+    lines = [x for x in out.splitlines() if x.split(" ")[0] in ("BEFORE", "AFTER")]
+    assert lines == ["BEFORE True True False False", "AFTER True True"], out[-3000:]

@@ -53,6 +53,17 @@ def ensure_providers(settings: Settings) -> Sampling | None:
         return _installed_sampling
 
 
+def global_where_none(tracer_provider) -> bool:
+    """Make ``tracer_provider`` the global tracer provider when this process has none yet (an
+    application's or a distro's is kept); True when it did. Used in vLLM's engine processes, whose
+    own providers are built for llm-otel's spans, so that vLLM's own start-up spans there use them."""
+    with _lock:
+        if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+            return False
+        trace.set_tracer_provider(tracer_provider)
+        return True
+
+
 def exporters_of(provider) -> list:
     """The llm-otel exporter wrappers behind ``provider``'s span processors or metric readers
     (for the final flush's accounting)."""

@@ -187,6 +187,16 @@ def telemetry_on_first_use(kwargs: dict[str, Any], scope: str):
     return Telemetry(tracer_provider, meter_provider, kwargs["settings"], scope=scope, sampling=sampling)
 
 
+def flush_after_later_exit_handlers() -> None:
+    """Create this process's lifecycle now (:mod:`llm_otel.export.lifecycle`), at ``instrument()``,
+    though the providers it flushes come at the first import of the engine: ``atexit`` runs its
+    handlers last-registered first, so the final flush registered now runs after the exit handlers
+    the application registers later - spans those make (a Triton call at exit) are still flushed."""
+    from llm_otel.export.lifecycle import lifecycle
+
+    lifecycle()
+
+
 class ImportHooked:
     """Mixin for an instrumentor whose hooks wait for the engine's modules (wrapt post-import
     hooks): ``instrument()`` only records its arguments (:meth:`_wait_for`); each hooked module is
@@ -210,6 +220,8 @@ class ImportHooked:
         """Start an instrumentation with ``instrument()``'s ``kwargs`` (``settings`` validated)."""
         with self._lock:
             self._pending, self.adapter, self._hooked = kwargs, None, set()
+        if kwargs.get("tracer_provider") is None and kwargs.get("meter_provider") is None:
+            flush_after_later_exit_handlers()
         for name in modules:
             wrapt.register_post_import_hook(self._on_import, name)  # runs now if already imported
 

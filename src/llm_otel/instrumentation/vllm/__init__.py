@@ -38,15 +38,18 @@ serves per-request metrics on that port, the engine core engine-state and GPU me
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Collection
+
+import wrapt
 
 from opentelemetry.instrumentation.dependencies import get_dependency_conflicts
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 from llm_otel.config import ConfigError, Settings
-from llm_otel.errors import guard
-from llm_otel.instrumentation._hooks import (AppliedHook, apply_hooks, configuration_refused, library_missing,
-                                             remove_hooks)
+from llm_otel.errors import guard, process_errors
+from llm_otel.instrumentation._hooks import (AppliedHook, apply_hooks, configuration_refused,
+                                             flush_after_later_exit_handlers, library_missing, remove_hooks)
 from llm_otel.instrumentation.vllm.adapter import VLLMAdapter
 from llm_otel.instrumentation.vllm.hooks import HOOKS
 from llm_otel.instrumentation.vllm.package import _instruments, _instruments_any
@@ -61,13 +64,17 @@ class VLLMInstrumentor(BaseInstrumentor):
 
     Without providers it uses the global ones, creating them from the ``OTEL_*`` environment when
     the application has set none (so ``opentelemetry-instrument`` works without a distro).
-    Hook targets missing from the installed vLLM are skipped with one warning each.
+    Hook targets missing from the installed vLLM are skipped with one warning each. In a process
+    that has not imported vLLM yet, the hooks, providers and signals come at its ``import vllm``
+    (``adapter`` is None until then): a process that never imports it pays nothing.
     """
 
     adapter: VLLMAdapter | None = None
     role: str | None = None
     _applied: list[AppliedHook] = []
-    _pending: dict | None = None
+    _pending: dict | None = None  # a spawned child's arguments until the plugin knows its role
+    _awaiting: dict | None = None  # the arguments until this process imports vllm
+    _set_enable_env = False  # LLM_OTEL_ENABLED was set by this instrumentor
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments
@@ -86,10 +93,49 @@ class VLLMInstrumentor(BaseInstrumentor):
             # which one they are; the vllm.general_plugins entry point activates this later.
             self._pending = kwargs
             return
+        if "vllm" not in sys.modules:
+            # a process that has not imported vLLM may never do (under opentelemetry-instrument:
+            # multiprocessing's resource tracker, a script the server starts, any helper): the hooks,
+            # providers and signals come when it imports vllm - the hooks' own imports of vLLM's
+            # modules (torch with them) cost such a process about 300 MB and seconds of CPU
+            try:
+                self._awaiting = {**kwargs, "settings": kwargs.get("settings") or Settings.from_env()}
+            except ConfigError as exc:  # said now, at start-up, not at the import
+                configuration_refused("vLLM", exc)
+                return
+            self._enable_children()
+            if kwargs.get("tracer_provider") is None and kwargs.get("meter_provider") is None:
+                flush_after_later_exit_handlers()
+            wrapt.register_post_import_hook(self._on_vllm_import, "vllm")
+            return
         try:
             self._activate(**kwargs)
         except ConfigError as exc:
             configuration_refused("vLLM", exc)
+
+    def _enable_children(self) -> None:
+        """Set ``LLM_OTEL_ENABLED=1`` here when nobody did: the vLLM processes started from this one
+        (engine core and workers, API servers of ``vllm serve``, a vLLM child of an application
+        that does not import vLLM itself) inherit it and instrument themselves through the
+        ``vllm.general_plugins`` entry point. ``uninstrument()`` removes it again."""
+        from llm_otel.instrumentation.vllm import plugin
+
+        if plugin.ENABLE_ENV not in os.environ:
+            os.environ[plugin.ENABLE_ENV] = "1"
+            self._set_enable_env = True
+
+    def _on_vllm_import(self, _module) -> None:
+        """Post-import hook on ``vllm``: activate what ``instrument()`` deferred; never raises."""
+        kwargs, self._awaiting = self._awaiting, None
+        if kwargs is None:  # uninstrumented (or abandoned after a fork) since, or already done
+            return
+        try:
+            self._activate(**kwargs)
+        except ConfigError as exc:
+            configuration_refused("vLLM", exc)
+        except Exception as exc:  # noqa: BLE001 - inside the application's `import vllm`
+            process_errors().report("instrumentation.vllm.import_hook", exc,
+                                    "could not instrument vLLM in this process; it runs uninstrumented")
 
     def _activate(self, **kwargs: Any) -> None:
         from llm_otel._setup import ensure_providers
@@ -139,11 +185,7 @@ class VLLMInstrumentor(BaseInstrumentor):
             with guard("core.engine_metrics", telemetry.errors):
                 self.adapter.core.engine_metrics()
         self._applied = apply_hooks(HOOKS, self.adapter, "vLLM")
-        self._set_enable_env = plugin.ENABLE_ENV not in os.environ
-        if self._set_enable_env:
-            # the engine-core and worker processes vLLM spawns from here inherit it and instrument
-            # themselves through the vllm.general_plugins entry point
-            os.environ[plugin.ENABLE_ENV] = "1"
+        self._enable_children()
         # engine cores and workers started as Ray actors get the configuration through vLLM's copy
         self._ray_env_previous = hand_off_environment()
 
@@ -161,7 +203,7 @@ class VLLMInstrumentor(BaseInstrumentor):
         if self.adapter is not None:
             self.adapter.telemetry.abandon_inherited()
         self.adapter = None
-        self._pending = None
+        self._pending = self._awaiting = None
         self._is_instrumented_by_opentelemetry = False
 
     def _uninstrument(self, **kwargs: Any) -> None:
@@ -172,9 +214,9 @@ class VLLMInstrumentor(BaseInstrumentor):
         if self.adapter is not None:
             self.adapter.telemetry.signals.stop()  # its thread and /healthz end with the hooks
         self.adapter = None
-        self._pending = None
+        self._pending = self._awaiting = None
         restore_environment(getattr(self, "_ray_env_previous", None))
         self._ray_env_previous = None
-        if getattr(self, "_set_enable_env", False):
+        if self._set_enable_env:
             os.environ.pop(plugin.ENABLE_ENV, None)
             self._set_enable_env = False

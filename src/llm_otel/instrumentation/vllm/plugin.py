@@ -101,7 +101,8 @@ def register() -> None:
 
 def engine_process_providers(role: str):
     """Tracer and meter providers for an engine-core or worker process, from the ``OTEL_*``
-    environment, with resource attribute ``llm.process.role``. They are flushed by this process's
+    environment, with resource attribute ``llm.process.role``; the tracer provider becomes the
+    global one when the process has none (vLLM's own start-up spans use it). They are flushed by this process's
     lifecycle (:mod:`llm_otel.export.lifecycle`) on every orderly exit - the end of the
     multiprocessing child, under ``spawn`` or ``fork`` - within ``LLM_OTEL_FLUSH_DEADLINE_S``,
     after the worker's pending logit statistics and step device timings are completed."""
@@ -141,6 +142,11 @@ def engine_process_providers(role: str):
         exporter.bind(meter_provider)  # its lost spans count in llm_otel.spans.dropped
     life = lifecycle(role)
     life.add(tracer_provider, meter_provider, exporters=(exporter, metric_exporter))
+    from llm_otel._setup import global_where_none
+
+    # vLLM's own start-up spans here (vllm/tracing: "EngineCoreProc init", "Load model", ...) use
+    # the global provider: they are exported with this process's role, in process
+    global_where_none(tracer_provider)
     life.before_flush(_complete_pending, early=True)  # the model steps are over once shutdown began
     logger.debug("llm-otel: instrumenting vLLM %s process (pid %d)", role, os.getpid())
     return tracer_provider, meter_provider
