@@ -102,9 +102,9 @@ def register() -> None:
 def engine_process_providers(role: str):
     """Tracer and meter providers for an engine-core or worker process, from the ``OTEL_*``
     environment, with resource attribute ``llm.process.role``; the tracer provider becomes the
-    global one when the process has none (vLLM's own start-up spans use it). They are flushed by this process's
-    lifecycle (:mod:`llm_otel.export.lifecycle`) on every orderly exit - the end of the
-    multiprocessing child, under ``spawn`` or ``fork`` - within ``LLM_OTEL_FLUSH_DEADLINE_S``,
+    global one when the process has none (vLLM's own start-up spans use it). They are flushed by
+    this process's lifecycle (:mod:`llm_otel.export.lifecycle`) on every orderly exit - the end of
+    the multiprocessing child, under ``spawn`` or ``fork`` - within ``LLM_OTEL_FLUSH_DEADLINE_S``,
     after the worker's pending logit statistics and step device timings are completed."""
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
