@@ -281,7 +281,7 @@ def _import_hooked(tmp_path, monkeypatch, package: str, first_use):
 
     class Instrumentor(ImportHooked):
         ENGINE, SITE = "Fake engine", "instrumentation.fake.import_hook"
-        _lock = threading.Lock()
+        _lock = threading.RLock()
         built = 0
         hooked: list = []
 
@@ -349,4 +349,36 @@ def test_import_hooked_an_invalid_exporter_setting_met_at_the_first_import_is_on
         assert inst.adapter is None and inst.built == 1 and inst.hooked == []
     finally:
         for name in [m for m in sys.modules if m.startswith("fake_refused_pkg")]:
+            del sys.modules[name]
+
+
+def test_import_hooked_a_hooked_import_inside_a_hook_does_not_deadlock(tmp_path, monkeypatch):
+    """Hooking one module may import another hooked module of the same engine (a layout probe, a
+    submodule the first one pulls in late): its post-import hook runs in the same thread, inside
+    the first one's lock. It must hook it, not wait for itself forever."""
+    import importlib
+    import threading
+
+    inst = _import_hooked(tmp_path, monkeypatch, "fake_reentry_pkg", object)
+    plain = inst._hook_module
+
+    def hook_module(module):
+        plain(module)
+        if module.__name__.endswith(".one"):
+            importlib.import_module("fake_reentry_pkg.two")
+
+    inst._hook_module = hook_module
+    try:
+        worker = threading.Thread(target=importlib.import_module, args=("fake_reentry_pkg.one",), daemon=True)
+        worker.start()
+        worker.join(30)
+        assert not worker.is_alive(), "the nested hooked import deadlocked"
+        assert inst.hooked == ["fake_reentry_pkg.one", "fake_reentry_pkg.two"] and inst.built == 1
+        from llm_otel.instrumentation.lightllm import LightLLMInstrumentor
+        from llm_otel.instrumentation.triton import TritonClientInstrumentor
+
+        for real in (TritonClientInstrumentor, LightLLMInstrumentor):  # the same re-entrant lock
+            assert type(real._lock) is type(threading.RLock()), real
+    finally:
+        for name in [m for m in sys.modules if m.startswith("fake_reentry_pkg")]:
             del sys.modules[name]

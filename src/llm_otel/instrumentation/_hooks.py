@@ -214,7 +214,7 @@ class ImportHooked:
     adapter: Any = None
     _pending: dict[str, Any] | None = None  # instrument()'s arguments while instrumented
     _hooked: set[str] = set()  # modules hooked in this instrumentation
-    _lock: threading.Lock
+    _lock: threading.RLock
 
     def _wait_for(self, modules: Iterable[str], kwargs: dict[str, Any]) -> None:
         """Start an instrumentation with ``instrument()``'s ``kwargs`` (``settings`` validated)."""

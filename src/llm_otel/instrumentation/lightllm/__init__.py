@@ -76,7 +76,7 @@ class LightLLMInstrumentor(ImportHooked, BaseInstrumentor):
     _applied: list[AppliedHook] = []
     _setstate: tuple | None = None  # (class, previous __dict__ entry or None)
     layouts: dict[str, str | None] = {}
-    _lock = threading.Lock()
+    _lock = threading.RLock()  # a hooked import inside a hook (re-entry) must not deadlock
 
     def instrumentation_dependencies(self) -> Collection[str]:
         """Empty (see package.py): LightLLM runs from source checkouts, so a distribution requirement

@@ -76,7 +76,7 @@ class TritonClientInstrumentor(ImportHooked, BaseInstrumentor):
     SITE = "instrumentation.triton.import_hook"
     adapter: TritonAdapter | None = None
     _applied: list[AppliedHook] = []
-    _lock = threading.Lock()
+    _lock = threading.RLock()  # a hooked import inside a hook (re-entry) must not deadlock
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments
