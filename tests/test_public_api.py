@@ -358,8 +358,9 @@ def test_vllm_engine_processes_export_in_process_and_start_no_exporter_process_u
     start-up spans started an exporter process in each (~63 MB each, for the server's life; the
     spans labelled ``frontend``). Their providers now come at the first import of a module they
     hook (fresh-install review of issue 19, F2; fails on the old code), and the engine process's own
-    provider is the global one: vLLM's start-up spans are exported from it, with its role (review of
-    the F2 fix: they were lost)."""
+    provider is the global one: vLLM's start-up spans that start after the instrumentation (in a
+    real engine process: after vLLM loads its plugins) are exported from it, with its role (review
+    of the F2 fix: they were lost)."""
     service = f"start-up-{name}"
     out = run_py(ENGINE_PROCESS_APP.replace("sys.argv[1]", repr(name)),
                  env={"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",

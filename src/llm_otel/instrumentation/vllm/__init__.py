@@ -37,6 +37,7 @@ serves per-request metrics on that port, the engine core engine-state and GPU me
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from typing import Any, Collection
@@ -48,7 +49,7 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 from llm_otel.config import ConfigError, Settings
 from llm_otel.errors import guard, process_errors
-from llm_otel.instrumentation._hooks import (AppliedHook, apply_hooks, configuration_refused,
+from llm_otel.instrumentation._hooks import (AppliedHook, _resolve, apply_hooks, configuration_refused,
                                              flush_after_later_exit_handlers, library_missing, remove_hooks)
 from llm_otel.instrumentation.vllm.adapter import VLLMAdapter
 from llm_otel.instrumentation.vllm.hooks import HOOKS
@@ -57,6 +58,7 @@ from llm_otel.instrumentation.vllm.ray_handoff import hand_off_environment, rest
 from llm_otel.telemetry import Telemetry
 
 __all__ = ["VLLMInstrumentor", "HOOKS"]
+logger = logging.getLogger("llm_otel")
 
 
 class VLLMInstrumentor(BaseInstrumentor):
@@ -90,8 +92,10 @@ class VLLMInstrumentor(BaseInstrumentor):
         if kwargs.get("tracer_provider") is None and kwargs.get("meter_provider") is None \
                 and plugin.unnamed_spawned_child():
             # `opentelemetry-instrument` runs in vLLM's spawned engine processes before they know
-            # which one they are; the vllm.general_plugins entry point activates this later.
+            # which one they are; the vllm.general_plugins entry point activates this later, the
+            # engine processes' providers come when multiprocessing bootstraps the child
             self._pending = kwargs
+            plugin.providers_at_bootstrap()
             return
         if "vllm" not in sys.modules:
             # a process that has not imported vLLM may never do (under opentelemetry-instrument:
@@ -132,6 +136,11 @@ class VLLMInstrumentor(BaseInstrumentor):
         try:
             self._activate(**kwargs)
         except ConfigError as exc:
+            if self._set_enable_env:  # nothing runs here: the vLLM processes started from here stay silent
+                from llm_otel.instrumentation.vllm import plugin
+
+                os.environ.pop(plugin.ENABLE_ENV, None)
+                self._set_enable_env = False
             configuration_refused("vLLM", exc)
         except Exception as exc:  # noqa: BLE001 - inside the application's `import vllm`
             process_errors().report("instrumentation.vllm.import_hook", exc,
@@ -188,6 +197,34 @@ class VLLMInstrumentor(BaseInstrumentor):
         self._enable_children()
         # engine cores and workers started as Ray actors get the configuration through vLLM's copy
         self._ray_env_previous = hand_off_environment()
+
+    def apply_missing_hooks(self) -> int:
+        """Apply the hooks that did not resolve when this process was instrumented but resolve now;
+        returns how many. When ``import vllm`` activated the instrumentation while another thread
+        was still importing vLLM's modules, Python hands the hooks' nested imports a partially
+        initialised module and those targets are reported missing: vLLM's plugin loader calls this
+        (:func:`plugin.register`) before vLLM builds the objects we hook. Targets still missing
+        stay skipped (their warning was given); never raises."""
+        if self.adapter is None:
+            return 0
+        with guard("instrumentation.vllm.late_hooks", self.adapter.telemetry.errors):
+            done = {a.hook for a in self._applied}
+            ready = []
+            for hook in HOOKS:
+                if hook in done:
+                    continue
+                try:
+                    _resolve(hook)
+                except (ImportError, AttributeError):
+                    continue  # another layout's target, or one the engine moved
+                ready.append(hook)
+            late = apply_hooks(ready, self.adapter, "vLLM") if ready else []
+            self._applied.extend(late)
+            if late:
+                logger.info("llm-otel: %d vLLM hook(s) applied late (vLLM was still being imported by another "
+                            "thread when the instrumentation started); every target is wrapped now", len(late))
+            return len(late)
+        return 0
 
     def _fail_in_flight_at_exit(self) -> None:
         if self.adapter is not None:

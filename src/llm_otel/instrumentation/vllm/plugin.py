@@ -23,7 +23,7 @@ import multiprocessing.util
 import os
 import sys
 
-from llm_otel.errors import process_errors
+from llm_otel.errors import guard, process_errors
 
 logger = logging.getLogger("llm_otel")
 ENABLE_ENV = "LLM_OTEL_ENABLED"
@@ -92,6 +92,7 @@ def register() -> None:
             import llm_otel
 
             llm_otel.instrument(engines=["vllm"])  # no-op if the application already did
+            inst.apply_missing_hooks()  # vLLM imported by two threads at once as `import vllm` activated us
         elif not inst.is_instrumented_by_opentelemetry:
             inst.instrument()
     except Exception as exc:  # noqa: BLE001
@@ -121,6 +122,9 @@ def engine_process_providers(role: str):
     )
     from llm_otel.export.identity import vllm_process_identity
 
+    made = _engine_providers.get((os.getpid(), role))
+    if made is not None:  # built at this spawned child's bootstrap (providers_at_bootstrap)
+        return made
     resource = Resource.create(vllm_process_identity(role))  # role, pid, host, ranks, instance id
     tracer_provider = TracerProvider(resource=resource, id_generator=SystemRandomIdGenerator(), shutdown_on_exit=False)
     exporter = span_exporter_from_env()
@@ -144,12 +148,57 @@ def engine_process_providers(role: str):
     life.add(tracer_provider, meter_provider, exporters=(exporter, metric_exporter))
     from llm_otel._setup import global_where_none
 
-    # vLLM's own start-up spans here (vllm/tracing: "EngineCoreProc init", "Load model", ...) use
-    # the global provider: they are exported with this process's role, in process
+    # vLLM's own start-up spans (vllm/tracing: "EngineCoreProc init", "Executor init", "Load model",
+    # ...) use the global provider: exported in process, with this role. In a spawned child this
+    # runs at its bootstrap (providers_at_bootstrap), before the outermost of them start
     global_where_none(tracer_provider)
     life.before_flush(_complete_pending, early=True)  # the model steps are over once shutdown began
     logger.debug("llm-otel: instrumenting vLLM %s process (pid %d)", role, os.getpid())
+    _engine_providers[(os.getpid(), role)] = (tracer_provider, meter_provider)
     return tracer_provider, meter_provider
+
+
+_engine_providers: dict[tuple[int, str], tuple] = {}  # (pid, role) -> this process's engine providers
+
+
+def providers_at_bootstrap() -> None:
+    """In a child multiprocessing spawned (``opentelemetry-instrument`` runs before it is named):
+    build the engine-core or worker providers when multiprocessing bootstraps the ``Process``
+    object its parent pickled (``spawn._main`` -> ``Process._bootstrap`` -> ``run()``: name, parent
+    and target arguments known, before the target runs), so that vLLM's outermost start-up spans
+    ("EngineCoreProc init", "Worker init"), which start before vLLM loads its plugins, are recorded
+    and exported in process with the engine's role. The plugin's activation later uses the same
+    providers. Only with llm-otel enabled and for vLLM's engine processes' names; the patch is on
+    this interpreter's class only and removes itself at the first call; never raises."""
+    from multiprocessing.process import BaseProcess
+
+    original = BaseProcess.__dict__["_bootstrap"]
+
+    def _bootstrap(self, *args, **kwargs):
+        BaseProcess._bootstrap = original
+        with guard("instrumentation.vllm.plugin.bootstrap",
+                   message="could not set up this vLLM process's providers at its start; the plugin sets them up later"):
+            from llm_otel.export.identity import _ENGINE_CORE_RE, _WORKER_RE
+
+            role = "engine_core" if _ENGINE_CORE_RE.match(self.name) else "worker" if _WORKER_RE.match(self.name) else None
+            if role is not None and enabled():
+                run = self.run
+
+                def _run():
+                    # after _bootstrap made this the current process with its parent known and ran
+                    # the after-fork hooks (the lifecycle marks this child started, which the
+                    # frontend's wait for its flush relies on), before the target runs
+                    del self.run
+                    with guard("instrumentation.vllm.plugin.bootstrap",
+                               message="could not set up this vLLM process's providers at its start; "
+                                       "the plugin sets them up later"):
+                        engine_process_providers(role)
+                    return run()
+
+                self.run = _run
+        return original(self, *args, **kwargs)
+
+    BaseProcess._bootstrap = _bootstrap
 
 
 def _complete_pending() -> None:
