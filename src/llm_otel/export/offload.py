@@ -84,7 +84,6 @@ import time
 from collections import deque
 from typing import Mapping, Sequence
 
-from opentelemetry import context as context_api
 from opentelemetry import trace as trace_api
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 

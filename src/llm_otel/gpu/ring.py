@@ -396,7 +396,6 @@ class CupyRing:
     def calibrate(self, tries: int = 5) -> None:
         """Offset = midpoint of the host-clock window around a device ``%globaltimer`` read, minus
         that read; the narrowest of ``tries`` windows wins. Runs on a private stream."""
-        cp = self._cp
         best = None
         with self._device:
             for _ in range(tries):

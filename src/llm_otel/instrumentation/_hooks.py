@@ -216,6 +216,14 @@ class ImportHooked:
     _hooked: set[str] = set()  # modules hooked in this instrumentation
     _lock: threading.RLock
 
+    def _instrument(self, **kwargs: Any) -> None:
+        """``BaseInstrumentor``'s entry: the subclass's ``_instrument_engine(**kwargs)``; an invalid
+        setting it meets is one ERROR line and no instrumentation (:func:`configuration_refused`)."""
+        try:
+            self._instrument_engine(**kwargs)
+        except ConfigError as exc:
+            configuration_refused(self.ENGINE, exc)
+
     def _wait_for(self, modules: Iterable[str], kwargs: dict[str, Any]) -> None:
         """Start an instrumentation with ``instrument()``'s ``kwargs`` (``settings`` validated)."""
         with self._lock:

@@ -41,13 +41,12 @@ from typing import Any, Collection
 
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
-from llm_otel.config import ConfigError, Settings
+from llm_otel.config import Settings
 from llm_otel.instrumentation._hooks import (
     AppliedHook,
     ImportHooked,
     _resolve,
     apply_hooks,
-    configuration_refused,
     remove_hooks,
     telemetry_on_first_use,
 )
@@ -82,12 +81,6 @@ class LightLLMInstrumentor(ImportHooked, BaseInstrumentor):
         """Empty (see package.py): LightLLM runs from source checkouts, so a distribution requirement
         would make ``instrument()`` skip it silently; the hooks detect the layout from the code."""
         return _instruments
-
-    def _instrument(self, **kwargs: Any) -> None:
-        try:
-            self._instrument_engine(**kwargs)
-        except ConfigError as exc:
-            configuration_refused(self.ENGINE, exc)
 
     def _instrument_engine(self, **kwargs: Any) -> None:
         if importlib.util.find_spec("lightllm") is None:

@@ -56,7 +56,6 @@ from llm_otel.instrumentation.lightllm import carrier as C
 from llm_otel.listeners import RequestFacts
 from llm_otel.propagation import TRACEPARENT, TRACESTATE, carrier_from_span, context_from_carrier, extract_carrier
 from llm_otel.semconv import attributes as A
-from llm_otel.semconv import spans as S
 from llm_otel.telemetry import RequestRecord, Telemetry
 from llm_otel.telemetry.stages import INFER, ROUTER, StageRecord
 from llm_otel.telemetry.steps import EngineSteps

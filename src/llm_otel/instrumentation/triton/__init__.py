@@ -42,12 +42,11 @@ from typing import Any, Collection
 
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
-from llm_otel.config import ConfigError, Settings
+from llm_otel.config import Settings
 from llm_otel.instrumentation._hooks import (
     AppliedHook,
     ImportHooked,
     apply_hooks,
-    configuration_refused,
     library_missing,
     remove_hooks,
     telemetry_on_first_use,
@@ -80,12 +79,6 @@ class TritonClientInstrumentor(ImportHooked, BaseInstrumentor):
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments
-
-    def _instrument(self, **kwargs: Any) -> None:
-        try:
-            self._instrument_engine(**kwargs)
-        except ConfigError as exc:
-            configuration_refused(self.ENGINE, exc)
 
     def _instrument_engine(self, **kwargs: Any) -> None:
         if library_missing("tritonclient", self.ENGINE):

@@ -176,8 +176,6 @@ class VLLMInstrumentor(BaseInstrumentor):
             when_serving(observe_sampling)
         self.adapter = VLLMAdapter(telemetry)
         if role == "frontend":
-            from opentelemetry import trace
-
             from llm_otel.export.offload import prewarm
 
             # where requests arrive: the exporter process starts when this process starts building

@@ -95,7 +95,7 @@ class EngineCoreAdapter:
         def wrapper(wrapped, instance, args, kwargs):
             self._last_output = None
             self._span = None
-            start_ns = self._step_start_ns = time.time_ns()
+            self._step_start_ns = time.time_ns()
             start_mono = time.monotonic()
             cpu0 = time.thread_time_ns()
             try:
