@@ -123,6 +123,57 @@ def test_an_invalid_exporter_setting_is_one_line_for_the_frontend_and_the_engine
     assert len(lines) == 1, "\n".join(lines)
 
 
+def test_with_llm_otel_enabled_set_by_the_user_an_invalid_exporter_setting_is_one_line_per_process(tmp_path):
+    """The same with ``LLM_OTEL_ENABLED=1`` set by the user (the documented zero-code form), which
+    the frontend does not take back: the engine process it starts says so once too - its
+    bootstrap-time providers leave the error to the plugin's activation, which reports it (the
+    third review of the F2 fix found a second line per engine process from the bootstrap)."""
+    pytest.importorskip("vllm")
+    app = tmp_path / "app.py"
+    app.write_text(textwrap.dedent(ENGINE_CHILD_APP))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
+    env.update(OTEL_TRACES_EXPORTER="bogus", OTEL_METRICS_EXPORTER="none", LLM_OTEL_ENABLED="1")
+    done = subprocess.run([INSTRUMENT, sys.executable, str(app)], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "RESULT enabled 1" in done.stdout and "RESULT child 0" in done.stdout, done.stdout + done.stderr
+    lines = [x for x in done.stderr.splitlines() if "bogus" in x]
+    assert len(lines) == 2, "\n".join(lines)  # the frontend's ERROR line and the engine core's
+    assert "at its start" not in done.stderr, done.stderr[-3000:]
+
+
+BOOTSTRAP_TWICE = """
+    import multiprocessing
+    from multiprocessing.process import BaseProcess
+    from llm_otel.instrumentation.vllm import plugin
+
+    original = BaseProcess.__dict__["_bootstrap"]
+    plugin.providers_at_bootstrap()
+    plugin.providers_at_bootstrap()  # a second instrument() in a child not yet bootstrapped
+    child = multiprocessing.Process(target=print, args=("RESULT target ran",), name="EngineCore")
+    code = child._bootstrap()  # what spawn's child does with the Process its parent pickled
+    print("RESULT", code, BaseProcess.__dict__["_bootstrap"] is original, "run" in child.__dict__)
+    plugin.providers_at_bootstrap()
+    plugin.remove_bootstrap_patch()  # uninstrument() before the bootstrap
+    print("RESULT removed", BaseProcess.__dict__["_bootstrap"] is original)
+"""
+
+
+def test_the_bootstrap_patch_is_applied_once_and_removed_by_uninstrument():
+    """``providers_at_bootstrap`` twice (instrument, uninstrument, instrument in a spawned child
+    before it is bootstrapped) wraps the process's ``run`` once: the target runs, the child exits 0
+    and nothing of the patch stays; ``remove_bootstrap_patch`` (``uninstrument()``) restores
+    multiprocessing's own ``_bootstrap`` (third review of the F2 fix: a second call made the child
+    die with ``AttributeError: run``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
+    env.update(LLM_OTEL_ENABLED="1", OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none")
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(BOOTSTRAP_TWICE)], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT")]
+    assert lines == ["RESULT target ran", "RESULT 0 True False", "RESULT removed True"], done.stdout + done.stderr
+
+
 def test_vllm_imported_by_two_threads_at_once_is_fully_instrumented_before_it_builds_an_engine():
     """An application imports vLLM from two threads at once (a warm-up thread imports
     ``vllm.sampling_params`` while another imports ``vllm.config``). The instrumentation starts

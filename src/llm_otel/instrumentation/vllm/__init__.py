@@ -246,6 +246,7 @@ class VLLMInstrumentor(BaseInstrumentor):
 
         remove_hooks(self._applied)
         self._applied = []
+        plugin.remove_bootstrap_patch()  # a spawned child not yet bootstrapped builds no providers
         if self.adapter is not None:
             self.adapter.telemetry.signals.stop()  # its thread and /healthz end with the hooks
         self.adapter = None

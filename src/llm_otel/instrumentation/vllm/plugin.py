@@ -23,6 +23,7 @@ import multiprocessing.util
 import os
 import sys
 
+from llm_otel.config import ConfigError
 from llm_otel.errors import guard, process_errors
 
 logger = logging.getLogger("llm_otel")
@@ -168,14 +169,19 @@ def providers_at_bootstrap() -> None:
     and target arguments known, before the target runs), so that vLLM's outermost start-up spans
     ("EngineCoreProc init", "Worker init"), which start before vLLM loads its plugins, are recorded
     and exported in process with the engine's role. The plugin's activation later uses the same
-    providers. Only with llm-otel enabled and for vLLM's engine processes' names; the patch is on
-    this interpreter's class only and removes itself at the first call; never raises."""
+    providers. Only with llm-otel enabled and for vLLM's engine processes' names. The patch is on
+    this interpreter's class only, applied once however often this is called, and removed at its
+    first call or by :func:`remove_bootstrap_patch`; never raises. An invalid exporter setting is
+    left to the plugin's activation to report (one line per process, not two)."""
+    global _bootstrap_original
     from multiprocessing.process import BaseProcess
 
-    original = BaseProcess.__dict__["_bootstrap"]
+    if _bootstrap_original is not None:
+        return
+    original = _bootstrap_original = BaseProcess.__dict__["_bootstrap"]
 
     def _bootstrap(self, *args, **kwargs):
-        BaseProcess._bootstrap = original
+        remove_bootstrap_patch()
         with guard("instrumentation.vllm.plugin.bootstrap",
                    message="could not set up this vLLM process's providers at its start; the plugin sets them up later"):
             from llm_otel.export.identity import _ENGINE_CORE_RE, _WORKER_RE
@@ -188,17 +194,33 @@ def providers_at_bootstrap() -> None:
                     # after _bootstrap made this the current process with its parent known and ran
                     # the after-fork hooks (the lifecycle marks this child started, which the
                     # frontend's wait for its flush relies on), before the target runs
-                    del self.run
                     with guard("instrumentation.vllm.plugin.bootstrap",
                                message="could not set up this vLLM process's providers at its start; "
                                        "the plugin sets them up later"):
-                        engine_process_providers(role)
+                        self.__dict__.pop("run", None)
+                        try:
+                            engine_process_providers(role)
+                        except ConfigError:
+                            pass  # the plugin's activation meets it again and says so, once
                     return run()
 
                 self.run = _run
         return original(self, *args, **kwargs)
 
     BaseProcess._bootstrap = _bootstrap
+
+
+_bootstrap_original = None  # multiprocessing's own BaseProcess._bootstrap while ours is installed
+
+
+def remove_bootstrap_patch() -> None:
+    """Undo :func:`providers_at_bootstrap` if it has not run yet (``uninstrument()``)."""
+    global _bootstrap_original
+    from multiprocessing.process import BaseProcess
+
+    if _bootstrap_original is not None:
+        BaseProcess._bootstrap = _bootstrap_original
+        _bootstrap_original = None
 
 
 def _complete_pending() -> None:
