@@ -234,6 +234,15 @@ def engine(tiny_model, receiver):
 
 
 @pytest.fixture(autouse=True)
+def _no_inherited_configuration_refusal(monkeypatch):
+    """A test that makes llm-otel refuse an invalid setting in this process sets
+    ``LLM_OTEL_CONFIG_REFUSED`` for the children it would start; it must not silence the next
+    test's ERROR line (monkeypatch puts the variable back as it was after each test)."""
+    monkeypatch.delenv("LLM_OTEL_CONFIG_REFUSED", raising=False)
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _errors_log_once_per_test():
     """llm-otel logs each failure site once per process (llm_otel.errors); tests that look for a
     site's one line must see it whichever test failed that site first."""

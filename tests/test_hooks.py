@@ -382,3 +382,33 @@ def test_import_hooked_a_hooked_import_inside_a_hook_does_not_deadlock(tmp_path,
     finally:
         for name in [m for m in sys.modules if m.startswith("fake_reentry_pkg")]:
             del sys.modules[name]
+
+
+def test_a_configuration_refusal_is_reported_once_per_process_tree(monkeypatch, caplog):
+    """The first process to refuse an invalid setting logs one ERROR line and leaves the message in
+    ``LLM_OTEL_CONFIG_REFUSED`` for the processes it starts; one that inherited the same message
+    logs it at DEBUG; a different message is still an ERROR line."""
+    import os
+
+    from llm_otel.config import ConfigError
+    from llm_otel.instrumentation import _hooks
+
+    exc = ConfigError("LLM_OTEL_TOKEN_EVENTS='bad': expected an integer")
+    monkeypatch.setattr(_hooks, "_CONFIG_ERROR_LOGGED", [False])
+    with caplog.at_level(logging.DEBUG, logger="llm_otel"):
+        _hooks.configuration_refused("vLLM", exc)
+    assert [r.levelno for r in caplog.records] == [logging.ERROR]
+    assert os.environ[_hooks.REFUSED_ENV] == str(exc)
+
+    caplog.clear()  # a child of that process: same environment, same error
+    monkeypatch.setattr(_hooks, "_CONFIG_ERROR_LOGGED", [False])
+    with caplog.at_level(logging.DEBUG, logger="llm_otel"):
+        _hooks.configuration_refused("vLLM", exc)
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG]
+    assert "reported by a parent process" in caplog.records[0].getMessage()
+
+    caplog.clear()  # a child whose own setting is wrong in another way says so
+    monkeypatch.setattr(_hooks, "_CONFIG_ERROR_LOGGED", [False])
+    with caplog.at_level(logging.DEBUG, logger="llm_otel"):
+        _hooks.configuration_refused("vLLM", ConfigError("OTEL_TRACES_EXPORTER='x': unknown exporter x"))
+    assert [r.levelno for r in caplog.records] == [logging.ERROR]

@@ -142,6 +142,25 @@ def test_with_llm_otel_enabled_set_by_the_user_an_invalid_exporter_setting_is_on
     assert "at its start" not in done.stderr, done.stderr[-3000:]
 
 
+def test_an_invalid_llm_otel_setting_is_one_error_line_for_the_whole_process_tree(tmp_path):
+    """``LLM_OTEL_TOKEN_EVENTS=bad`` under ``opentelemetry-instrument`` is validated at every
+    Python process's start - the application, multiprocessing's resource tracker, the engine core
+    it spawns. The first says so in one ERROR line; the processes it starts inherit what it
+    reported (``LLM_OTEL_CONFIG_REFUSED``) and log it at DEBUG (before: one ERROR line each, 3
+    here)."""
+    pytest.importorskip("vllm")
+    app = tmp_path / "app.py"
+    app.write_text(textwrap.dedent(ENGINE_CHILD_APP))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
+    env.update(LLM_OTEL_TOKEN_EVENTS="bad", OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none")
+    done = subprocess.run([INSTRUMENT, sys.executable, str(app)], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "RESULT child 0" in done.stdout, done.stdout + done.stderr
+    lines = [x for x in done.stderr.splitlines() if "LLM_OTEL_TOKEN_EVENTS" in x]
+    assert len(lines) == 1 and "invalid configuration" in lines[0], "\n".join(lines)
+
+
 BOOTSTRAP_TWICE = """
     import multiprocessing
     from multiprocessing.process import BaseProcess

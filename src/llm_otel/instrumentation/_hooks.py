@@ -6,6 +6,7 @@ import dataclasses
 import importlib
 import importlib.util
 import logging
+import os
 import threading
 from typing import Any, Iterable
 
@@ -147,17 +148,29 @@ def remove_hooks(applied: list[AppliedHook]) -> None:
 
 
 _CONFIG_ERROR_LOGGED = [False]
+# the invalid setting this process reported, inherited by the processes it starts (vLLM's engine
+# processes, multiprocessing's resource tracker: under opentelemetry-instrument each validates
+# the same environment at its start); they log it at DEBUG instead of an ERROR line each
+REFUSED_ENV = "LLM_OTEL_CONFIG_REFUSED"
 
 
 def configuration_refused(engine: str, exc: BaseException) -> None:
     """An instrumentor's ``_instrument`` met an invalid ``OTEL_*``/``LLM_OTEL_*`` value
-    (:class:`llm_otel.config.ConfigError`): that engine stays uninstrumented, with one ERROR line per
-    process naming the variable. It must not raise: under ``opentelemetry-instrument`` an exception
-    from one instrumentor aborts the whole auto-instrumentation (every other library's too) with
-    tracebacks. ``llm_otel.instrument()`` validates the same settings first and raises ConfigError
-    itself, so the explicit API still fails loudly."""
+    (:class:`llm_otel.config.ConfigError`): that engine stays uninstrumented, with one ERROR line
+    naming the variable per process tree - a process whose parent already reported the same error
+    (``LLM_OTEL_CONFIG_REFUSED``, set here for the children) logs it at DEBUG. It must not raise:
+    under ``opentelemetry-instrument`` an exception from one instrumentor aborts the whole
+    auto-instrumentation (every other library's too) with tracebacks. ``llm_otel.instrument()``
+    validates the same settings first and raises ConfigError itself, so the explicit API still
+    fails loudly."""
+    message = str(exc)
     if not _CONFIG_ERROR_LOGGED[0]:
         _CONFIG_ERROR_LOGGED[0] = True
+        if os.environ.get(REFUSED_ENV) == message:
+            logger.debug("llm-otel: invalid configuration, %s (reported by a parent process); llm-otel "
+                         "instruments nothing in this process", exc)
+            return
+        os.environ[REFUSED_ENV] = message
         logger.error("llm-otel: invalid configuration, %s; llm-otel instruments nothing in this process "
                      "(other OpenTelemetry instrumentations are unaffected)", exc)
     else:
