@@ -96,6 +96,10 @@ def register() -> None:
             inst.apply_missing_hooks()  # vLLM imported by two threads at once as `import vllm` activated us
         elif not inst.is_instrumented_by_opentelemetry:
             inst.instrument()
+    except ConfigError as exc:  # one ERROR line per process tree (the frontend usually said it first)
+        from llm_otel.instrumentation._hooks import configuration_refused
+
+        configuration_refused("vLLM", exc)
     except Exception as exc:  # noqa: BLE001
         process_errors().report("instrumentation.vllm.plugin", exc,
                                 "could not instrument this vLLM process; it runs uninstrumented")
