@@ -412,3 +412,53 @@ def test_a_configuration_refusal_is_reported_once_per_process_tree(monkeypatch, 
     with caplog.at_level(logging.DEBUG, logger="llm_otel"):
         _hooks.configuration_refused("vLLM", ConfigError("OTEL_TRACES_EXPORTER='x': unknown exporter x"))
     assert [r.levelno for r in caplog.records] == [logging.ERROR]
+
+
+SPAWNED_BOOTSTRAP = """
+    import multiprocessing
+    from multiprocessing.process import BaseProcess
+    from llm_otel.instrumentation import _hooks
+
+    original = BaseProcess.__dict__["_bootstrap"]
+    seen = []
+
+    def first(process):
+        seen.append(("first", process.name, multiprocessing.current_process() is process,
+                     multiprocessing.parent_process() is not None))
+
+    def failing(process):
+        raise RuntimeError("boom")
+
+    def last(process):
+        seen.append(("last", process.name))
+
+    for callback in (first, failing, first, last):  # first twice: added once
+        _hooks.at_spawned_bootstrap(callback)
+    _hooks.at_spawned_bootstrap(print)
+    _hooks.cancel_at_spawned_bootstrap(print)
+    child = multiprocessing.Process(target=seen.append, args=(("target",),), name="Stage-1")
+    child._parent_pid = 1  # as a spawned child's pickled Process says (its parent's pid)
+    code = child._bootstrap()
+    print("RESULT", code, seen, BaseProcess.__dict__["_bootstrap"] is original, "run" in child.__dict__)
+    _hooks.at_spawned_bootstrap(first)
+    _hooks.cancel_at_spawned_bootstrap(first)
+    print("RESULT cancelled", BaseProcess.__dict__["_bootstrap"] is original)
+"""
+
+
+def test_at_spawned_bootstrap_runs_each_callback_once_before_the_target():
+    """The LightLLM re-labelling and the vLLM engine providers share one patch of
+    ``BaseProcess._bootstrap``: each callback runs once, in order, with the process object once it
+    is the current process with its parent known and before the target; a failing callback is
+    reported and the others and the target still run; the patch removes itself, and cancelling the
+    last callback removes it before any bootstrap."""
+    import subprocess
+    import textwrap
+
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(SPAWNED_BOOTSTRAP)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT")]
+    assert lines == ["RESULT 0 [('first', 'Stage-1', True, True), ('last', 'Stage-1'), ('target',)] True False",
+                     "RESULT cancelled True"], done.stdout + done.stderr
+    assert "boom" in done.stderr and "instrumentation.process_bootstrap" in done.stderr, done.stderr

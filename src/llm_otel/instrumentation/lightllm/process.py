@@ -215,7 +215,9 @@ def install() -> None:
     try:
         relabel_this_process()
         if "--multiprocessing-fork" in sys.argv:  # a spawned child, before it knows its target
-            _relabel_at_bootstrap()
+            from llm_otel.instrumentation._hooks import at_spawned_bootstrap
+
+            at_spawned_bootstrap(_relabel_as)
         # a child started with fork: multiprocessing's after-fork hooks run in its bootstrap
         # (spawn's SpawnProcess._after_fork runs none of them)
         multiprocessing.util.register_after_fork(_ANCHOR, lambda _anchor: relabel_this_process())
@@ -226,22 +228,12 @@ def install() -> None:
                                 "LightLLM process labels not installed")
 
 
-def _relabel_at_bootstrap() -> None:
-    """In a spawned child: re-label when multiprocessing bootstraps the ``Process`` object its
-    parent pickled (``spawn._main`` -> ``Process._bootstrap``), before the target runs. The patch
-    is on this fresh interpreter's class only and removes itself at the first call."""
-    from multiprocessing.process import BaseProcess
-
-    original = BaseProcess.__dict__["_bootstrap"]
-
-    def _bootstrap(self, *args, **kwargs):
-        BaseProcess._bootstrap = original
-        found = classify(self)
-        if found is not None:
-            relabel_this_process(*found[:1], **found[1])
-        return original(self, *args, **kwargs)
-
-    BaseProcess._bootstrap = _bootstrap
+def _relabel_as(process: Any) -> None:
+    """At a spawned child's bootstrap (:func:`~llm_otel.instrumentation._hooks.at_spawned_bootstrap`):
+    re-label as what the ``Process`` object its parent pickled says, before the target runs."""
+    found = classify(process)
+    if found is not None:
+        relabel_this_process(*found[:1], **found[1])
 
 
 def _after_os_fork() -> None:

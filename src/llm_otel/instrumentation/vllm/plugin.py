@@ -24,7 +24,7 @@ import os
 import sys
 
 from llm_otel.config import ConfigError
-from llm_otel.errors import guard, process_errors
+from llm_otel.errors import process_errors
 
 logger = logging.getLogger("llm_otel")
 ENABLE_ENV = "LLM_OTEL_ENABLED"
@@ -168,63 +168,35 @@ _engine_providers: dict[tuple[int, str], tuple] = {}  # (pid, role) -> this proc
 
 def providers_at_bootstrap() -> None:
     """In a child multiprocessing spawned (``opentelemetry-instrument`` runs before it is named):
-    build the engine-core or worker providers when multiprocessing bootstraps the ``Process``
-    object its parent pickled (``spawn._main`` -> ``Process._bootstrap`` -> ``run()``: name, parent
-    and target arguments known, before the target runs), so that vLLM's outermost start-up spans
-    ("EngineCoreProc init", "Worker init"), which start before vLLM loads its plugins, are recorded
-    and exported in process with the engine's role. The plugin's activation later uses the same
-    providers. Only with llm-otel enabled and for vLLM's engine processes' names. The patch is on
-    this interpreter's class only, applied once however often this is called, and removed at its
-    first call or by :func:`remove_bootstrap_patch`; never raises. An invalid exporter setting is
-    left to the plugin's activation to report (one line per process, not two)."""
-    global _bootstrap_original
-    from multiprocessing.process import BaseProcess
+    build the engine-core or worker providers when multiprocessing runs the child
+    (:func:`~llm_otel.instrumentation._hooks.at_spawned_bootstrap`), so that vLLM's outermost
+    start-up spans ("EngineCoreProc init", "Worker init"), which start before vLLM loads its
+    plugins, are recorded and exported in process with the engine's role. The plugin's activation
+    later uses the same providers. Only with llm-otel enabled and for vLLM's engine processes'
+    names; once however often this is called; never raises. An invalid exporter setting is left
+    to the plugin's activation to report (one line per process tree)."""
+    from llm_otel.instrumentation._hooks import at_spawned_bootstrap
 
-    if _bootstrap_original is not None:
-        return
-    original = _bootstrap_original = BaseProcess.__dict__["_bootstrap"]
-
-    def _bootstrap(self, *args, **kwargs):
-        remove_bootstrap_patch()
-        with guard("instrumentation.vllm.plugin.bootstrap",
-                   message="could not set up this vLLM process's providers at its start; the plugin sets them up later"):
-            from llm_otel.export.identity import _ENGINE_CORE_RE, _WORKER_RE
-
-            role = "engine_core" if _ENGINE_CORE_RE.match(self.name) else "worker" if _WORKER_RE.match(self.name) else None
-            if role is not None and enabled():
-                run = self.run
-
-                def _run():
-                    # after _bootstrap made this the current process with its parent known and ran
-                    # the after-fork hooks (the lifecycle marks this child started, which the
-                    # frontend's wait for its flush relies on), before the target runs
-                    with guard("instrumentation.vllm.plugin.bootstrap",
-                               message="could not set up this vLLM process's providers at its start; "
-                                       "the plugin sets them up later"):
-                        self.__dict__.pop("run", None)
-                        try:
-                            engine_process_providers(role)
-                        except ConfigError:
-                            pass  # the plugin's activation meets it again and says so, once
-                    return run()
-
-                self.run = _run
-        return original(self, *args, **kwargs)
-
-    BaseProcess._bootstrap = _bootstrap
-
-
-_bootstrap_original = None  # multiprocessing's own BaseProcess._bootstrap while ours is installed
+    at_spawned_bootstrap(_providers_for)
 
 
 def remove_bootstrap_patch() -> None:
-    """Undo :func:`providers_at_bootstrap` if it has not run yet (``uninstrument()``)."""
-    global _bootstrap_original
-    from multiprocessing.process import BaseProcess
+    """Undo :func:`providers_at_bootstrap` if the child has not bootstrapped yet (``uninstrument()``)."""
+    from llm_otel.instrumentation._hooks import cancel_at_spawned_bootstrap
 
-    if _bootstrap_original is not None:
-        BaseProcess._bootstrap = _bootstrap_original
-        _bootstrap_original = None
+    cancel_at_spawned_bootstrap(_providers_for)
+
+
+def _providers_for(process) -> None:
+    from llm_otel.export.identity import _ENGINE_CORE_RE, _WORKER_RE
+
+    name = process.name
+    role = "engine_core" if _ENGINE_CORE_RE.match(name) else "worker" if _WORKER_RE.match(name) else None
+    if role is not None and enabled():
+        try:
+            engine_process_providers(role)
+        except ConfigError:
+            pass  # the plugin's activation meets it again and says so, once per process tree
 
 
 def _complete_pending() -> None:
