@@ -26,23 +26,22 @@ def start_up_spans(tiny_model, receiver, tmp_path_factory):
                           {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
                            "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_METRICS_EXPORTER": "none",
                            "OTEL_SERVICE_NAME": SERVICE})
-    try:
-        deadline = time.monotonic() + 20
-        names: dict = {}
-        while time.monotonic() < deadline:  # the worker's "Load model" comes last
-            time.sleep(0.5)
-            names = {}
-            for sp in receiver.spans():
-                if sp["resource"].get("service.name") == SERVICE:
-                    names.setdefault(sp["name"], []).append(sp["resource"].get("llm.process.role"))
-            if "Load model" in names and "Executor init" in names:
-                time.sleep(2)
-                break
-        names = {}
+    def roles_by_name() -> dict[str, list]:
+        names: dict[str, list] = {}
         for sp in receiver.spans():
             if sp["resource"].get("service.name") == SERVICE:
                 names.setdefault(sp["name"], []).append(sp["resource"].get("llm.process.role"))
-        yield names
+        return names
+
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # the worker's "Load model" comes last
+            time.sleep(0.5)
+            names = roles_by_name()
+            if "Load model" in names and "Executor init" in names:
+                time.sleep(2)  # anything sent twice would arrive by now
+                break
+        yield roles_by_name()
     finally:
         server.sigterm()
         server.kill()
