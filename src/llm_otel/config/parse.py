@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping
 
-__all__ = ["ConfigError", "setting", "read_fields", "read_field", "env_fields", "field_default", "read_bool", "read_int",
-           "read_optional_int", "read_float", "read_optional_float", "read_choice", "read_str"]
+__all__ = ["ConfigError", "setting", "read_fields", "read_field", "env_fields", "field_default", "read_bool",
+           "read_int", "read_optional_int", "read_float", "read_optional_float", "read_choice", "read_str"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -125,7 +125,8 @@ def read_optional_float(env: Mapping[str, str], name: str, default: float | None
     return read_float(env, name, lo, lo=lo)
 
 
-def read_choice(env: Mapping[str, str], name: str, default: str | None, choices: frozenset[str] | set[str]) -> str | None:
+def read_choice(env: Mapping[str, str], name: str, default: str | None,
+                choices: frozenset[str] | set[str]) -> str | None:
     """One of ``choices`` (lower-cased); unset or empty -> ``default``."""
     raw = env.get(name)
     if raw is None or raw.strip() == "":
