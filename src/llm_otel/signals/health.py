@@ -38,8 +38,7 @@ from llm_otel.errors import process_errors
 logger = logging.getLogger("llm_otel")
 
 FACTORS = HEALTH_FACTORS
-_DEFAULTS = SignalsConfig()
-DEFAULT_WEIGHTS = _DEFAULTS.health_weights
+_DEFAULTS = SignalsConfig()  # every parameter's default is the setting's
 
 
 def score(factors: Mapping[str, float | None], weights: Mapping[str, float]) -> tuple[float, str]:
@@ -74,7 +73,7 @@ class HealthScore:
                  warmup_s: float = _DEFAULTS.health_warmup_s, window_s: float = _DEFAULTS.health_window_s,
                  max_samples: int = 4096,
                  utilization: Callable[[], float | None] | None = None, clock=time.monotonic) -> None:
-        self.weights = {f: float((weights or DEFAULT_WEIGHTS).get(f, 0.0)) for f in FACTORS}
+        self.weights = {f: float((weights or _DEFAULTS.health_weights).get(f, 0.0)) for f in FACTORS}
         self.latency_target_s = latency_target_s
         self.max_error_rate = max_error_rate
         self.gpu_knee = gpu_knee
