@@ -113,3 +113,24 @@ def test_invalid_otlp_protocol_raises_with_or_without_an_endpoint(name, endpoint
     assert otlp_protocol({name: "http/protobuf"}, "TRACES") in ("http/protobuf", "grpc")
     assert otlp_protocol({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
                           "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"}, "TRACES") == "grpc"
+
+
+def test_the_config_package_imports_nothing_else_of_llm_otel():
+    """``llm_otel.config`` is the leaf every part may import (function-level imports included): an
+    import of another llm-otel module from it would bring back the config <-> signals circle."""
+    import ast
+    import pathlib
+
+    import llm_otel.config as config
+
+    outside = []
+    for path in sorted(pathlib.Path(config.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            modules = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                       else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0
+                       else ["llm_otel.config"] if isinstance(node, ast.ImportFrom) and node.level == 1
+                       else ["llm_otel"] if isinstance(node, ast.ImportFrom) else [])
+            outside += [f"{path.name}:{node.lineno} {m}" for m in modules
+                        if m.split(".")[0] == "llm_otel" and not (m + ".").startswith("llm_otel.config.")]
+    assert outside == []
+    assert config.__all__ and all(hasattr(config, name) for name in config.__all__)

@@ -31,7 +31,7 @@ import yaml
 from test_ops_live import _require  # promtool: skip here, fail in CI when missing
 
 from llm_otel._semconv_registry import load_registry
-from llm_otel.signals.tiers import TierTable
+from llm_otel.config.tiers import TierTable
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

@@ -20,15 +20,16 @@ from opentelemetry.trace import SpanKind
 from starlette.datastructures import Headers
 
 from llm_otel.config import ConfigError
+from llm_otel.config.classes import parse_class_sources
+from llm_otel.config.tiers import TierTable
 from llm_otel.gpu.nvml import UtilizationPoller
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import metrics as M
 from llm_otel.signals import Signals, SignalsConfig
-from llm_otel.signals.classes import ClassExtractor, parse_class_sources
+from llm_otel.signals.classes import ClassExtractor
 from llm_otel.signals.health import HealthScore, HealthServer, score
 from llm_otel.signals.kv import KVSpec
 from llm_otel.signals.pressure import PressureMonitor
-from llm_otel.signals.tiers import TierTable
 from llm_otel.telemetry import Telemetry
 
 GIB = 1 << 30

@@ -6,6 +6,10 @@ import argparse
 import os
 import sys
 
+from llm_otel.config.signals import SignalsConfig
+
+_HEALTH_HOST = SignalsConfig().health_host  # LLM_OTEL_HEALTH_HOST's default
+
 
 def _port(text: str) -> int:
     """argparse type: a TCP port 0..65535 (argparse turns the ValueError into a one-line usage error)."""
@@ -36,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     health = sub.add_parser("serve-health", help="node sidecar: /healthz from GPU utilisation, VRAM pressure "
                                                  "(NVML), uptime and exporter reachability (docs/signals.md)")
     health.add_argument("--port", type=_port, required=True, help="TCP port (0 picks a free one)")
-    health.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    health.add_argument("--host", default=_HEALTH_HOST, help=f"address to bind (default {_HEALTH_HOST})")
     args = parser.parse_args(argv)
     if args.command == "serve-health":
         return serve_health(args.port, args.host)
@@ -272,7 +276,7 @@ def _doctor_cuda_stack(say) -> None:
                   + (f" (CUDA {stack.cupy_cuda_major})" if stack.cupy_cuda_major else ""))
 
 
-def serve_health(port: int, host: str = "127.0.0.1") -> int:
+def serve_health(port: int, host: str = _HEALTH_HOST) -> int:
     """Serve ``/healthz`` until interrupted. Outside an engine process only the GPU (NVML
     utilisation and memory), uptime and exporter factors are known; latency and error factors stay
     1 (no requests seen). In-process, ``LLM_OTEL_HEALTH_PORT`` serves the full score instead.

@@ -38,13 +38,14 @@ from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from llm_otel.config import Settings
 from llm_otel.errors import process_errors
 from llm_otel.export.drops import DropCounter
 from llm_otel.semconv import attributes as A
 
 logger = logging.getLogger("llm_otel")
 
-DEFAULT_MAX_REQUEST_BYTES = 3 * 1024 * 1024
+DEFAULT_MAX_REQUEST_BYTES: int = Settings().otlp_max_request_bytes  # LLM_OTEL_OTLP_MAX_REQUEST_BYTES's default
 # captured GenAI messages: JSON lists of {"role", "parts": [{"type", "content"}]}
 _MESSAGE_ATTRIBUTES = (A.GEN_AI_INPUT_MESSAGES, A.GEN_AI_OUTPUT_MESSAGES)
 # Fixed part of one encoded span (ids, times, kind, status, flags, name framing) and the framing

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from llm_otel.config import Settings
 from llm_otel.errors import process_errors
 
 logger = logging.getLogger("llm_otel")
@@ -45,7 +46,7 @@ logger = logging.getLogger("llm_otel")
 RECORD_WORDS = 5
 KIND_BEGIN = 1
 KIND_END = 2
-DEFAULT_CAPACITY = 4096
+DEFAULT_CAPACITY: int = Settings().gpu_ring_capacity  # LLM_OTEL_GPU_RING_CAPACITY's default
 RECORD_DTYPE = np.dtype([("span_id", "<u8"), ("kind", "<u8"), ("timestamp", "<u8"), ("aux", "<u8"),
                          ("seq", "<u8")])
 

@@ -32,7 +32,8 @@ from typing import Any
 
 from llm_otel.errors import process_errors
 from llm_otel.gpu.capture import capture_gate
-from llm_otel.gpu.ring import KIND_BEGIN, KIND_END, CupyRing, RingBackend, RingError, fallback_warning, make_ring
+from llm_otel.gpu.ring import (DEFAULT_CAPACITY, KIND_BEGIN, KIND_END, CupyRing, RingBackend, RingError,
+                               fallback_warning, make_ring)
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import metrics as M
 
@@ -56,7 +57,7 @@ class DeviceTimeline:
         start_thread: False for tests that drive :meth:`drain` themselves.
     """
 
-    def __init__(self, errors: Any, meter: Any, *, backend: Any = "auto", capacity: int = 4096,
+    def __init__(self, errors: Any, meter: Any, *, backend: Any = "auto", capacity: int = DEFAULT_CAPACITY,
                  drain_period_s: float = 0.005, step_timeout_s: float = 10.0, calibrate_every_s: float = 10.0,
                  max_pending: int = 65536, start_thread: bool = True) -> None:
         self._errors = errors

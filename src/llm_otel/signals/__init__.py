@@ -9,33 +9,19 @@ adapters call only ``Telemetry``. Its background thread (started when an engine 
 pool, ``Telemetry.attach_kv_source``) feeds the VRAM pressure monitor once a second. Formulas,
 units and sources: docs/signals.md.
 
-Configuration (:class:`SignalsConfig` in :mod:`.config`, ``Settings.signals``; read and validated
-by :func:`llm_otel.config.signals_settings` once; invalid values raise ConfigError at
-``instrument()``):
-
-``LLM_OTEL_CLASS_HEADERS`` (unset) dimension:source pairs, see :mod:`.classes`;
-``LLM_OTEL_CLASS_MAX_VALUES`` (20) metric labels per dimension before ``other``;
-``LLM_OTEL_CLASS_MAX_LEN`` (64) longest accepted value;
-``LLM_OTEL_TIERS`` / ``LLM_OTEL_TIERS_FILE`` (unset) tier table, see :mod:`.tiers`;
-``LLM_OTEL_MODEL_REVISION`` (unset) revision label (canary/stable) when no header gives one;
-``LLM_OTEL_VRAM_WARN`` (0.80), ``LLM_OTEL_VRAM_WARN_HOLD_S`` (30), ``LLM_OTEL_VRAM_CRITICAL`` (0.90),
-``LLM_OTEL_VRAM_CRITICAL_HOLD_S`` (10), ``LLM_OTEL_VRAM_CLEAR_MARGIN`` (0.05),
-``LLM_OTEL_VRAM_CLEAR_HOLD_S`` (30), ``LLM_OTEL_VRAM_SOURCE`` (auto | nvml | kv_cache);
-``LLM_OTEL_EFFICIENCY_WINDOW_S`` (10);
-``LLM_OTEL_HEALTH_WEIGHTS`` (latency=0.4,errors=0.3,gpu=0.2,uptime=0.1),
-``LLM_OTEL_HEALTH_TTFT_TARGET_S`` (1.0), ``LLM_OTEL_HEALTH_MAX_ERROR_RATE`` (0.05),
-``LLM_OTEL_HEALTH_GPU_KNEE`` (0.85), ``LLM_OTEL_HEALTH_WARMUP_S`` (60), ``LLM_OTEL_HEALTH_WINDOW_S`` (300),
-``LLM_OTEL_HEALTH_PORT`` (unset: no endpoint), ``LLM_OTEL_HEALTH_HOST`` (127.0.0.1),
-``LLM_OTEL_HEALTH_MIN_SCORE`` (0.5).
+Configuration: :class:`llm_otel.config.SignalsConfig` (``Settings.signals``), read and validated
+once by :func:`llm_otel.config.signals_settings` (invalid values raise ConfigError at
+``instrument()``); its docstring and docs/signals.md list the variables and defaults. This package
+interprets those settings; it parses no variable itself.
 """
 
+from llm_otel.config.signals import SignalsConfig
+from llm_otel.config.tiers import TierTable
 from llm_otel.signals.classes import ClassExtractor
-from llm_otel.signals.config import SignalsConfig
 from llm_otel.signals.health import HealthScore, HealthServer
 from llm_otel.signals.kv import KVSpec
 from llm_otel.signals.pressure import PressureMonitor
 from llm_otel.signals.service import GIB, Signals, kv_source_for, request_instruments
-from llm_otel.signals.tiers import TierTable
 
 __all__ = ["Signals", "SignalsConfig", "KVSpec", "PressureMonitor", "HealthScore", "HealthServer", "TierTable",
            "ClassExtractor"]

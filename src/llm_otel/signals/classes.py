@@ -11,66 +11,44 @@ Rules for each value (docs/signals.md):
 
 * missing or empty -> the dimension is absent (no attribute, no label);
 * the header present more than once with different values -> ``other`` (``duplicate``);
-* longer than ``LLM_OTEL_CLASS_MAX_LEN`` (64) characters -> ``other`` (``oversized``);
+* longer than ``LLM_OTEL_CLASS_MAX_LEN`` characters -> ``other`` (``oversized``);
 * any character outside ASCII letters, digits and ``. _ - : / @ +`` -> ``other`` (``invalid``):
   non-ASCII, quotes, braces, ``=``, ``,``, whitespace and control characters never reach a label;
-* metric labels: the first ``LLM_OTEL_CLASS_MAX_VALUES`` (20) distinct values per dimension, plus
+* metric labels: the first ``LLM_OTEL_CLASS_MAX_VALUES`` distinct values per dimension, plus
   every value the tier table names, keep their own label; later ones become ``other``
   (``overflow``). Span attributes keep a valid value even when its metric label overflowed.
 
-Every collapse is counted in ``llm_otel.request_class.collapsed`` (dimension, reason).
+Every collapse is counted in ``llm_otel.request_class.collapsed`` (dimension, reason). The
+settings (sources, bounds, defaults) are :class:`llm_otel.config.SignalsConfig`'s; the sources
+are parsed by :func:`llm_otel.config.classes.parse_class_sources`.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from typing import Any, Iterable, Mapping
 
-from llm_otel.config import ConfigError
+from llm_otel.config.classes import CLASS_DIMENSIONS, CLASS_VALUE, ENGINE_FIELDS, ENGINE_LORA, ENGINE_PRIORITY
+from llm_otel.config.signals import SignalsConfig
 from llm_otel.errors import guard
 from llm_otel.semconv import attributes as A
 
 logger = logging.getLogger("llm_otel")
 
+__all__ = ["ClassExtractor", "DIMENSIONS", "OTHER", "ENGINE_PRIORITY", "ENGINE_LORA", "ENGINE_FIELDS",
+           "header_values"]
+
 OTHER = "other"
-DIMENSIONS = {
+_ATTRIBUTES = {
     "tenant": A.LLM_REQUEST_TENANT,
     "priority": A.LLM_REQUEST_PRIORITY,
     "operation": A.LLM_REQUEST_OPERATION,
     "revision": A.LLM_REQUEST_MODEL_REVISION,
 }
-ENGINE_PRIORITY, ENGINE_LORA = "engine:priority", "engine:lora"
-ENGINE_FIELDS = {ENGINE_PRIORITY, ENGINE_LORA}
-_VALID = re.compile(r"[A-Za-z0-9._:/@+\-]+")
-_HEADER = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~\-]+")  # RFC 9110 token
-
-
-def parse_class_sources(raw: str | None, name: str = "LLM_OTEL_CLASS_HEADERS") -> dict[str, str]:
-    """``"tenant:x-tenant-id,priority:engine:priority"`` -> ``{"tenant": "x-tenant-id", ...}``
-    (header names lower-cased). Raises ConfigError naming the bad entry."""
-    out: dict[str, str] = {}
-    if not raw or not raw.strip():
-        return out
-    for entry in raw.split(","):
-        entry = entry.strip()
-        if not entry:
-            continue
-        dim, sep, source = entry.partition(":")
-        dim, source = dim.strip().lower(), source.strip().lower()
-        if not sep or dim not in DIMENSIONS:
-            raise ConfigError(f"{name}: entry {entry!r}: expected dimension:source with dimension one of "
-                              f"{sorted(DIMENSIONS)}")
-        if source.startswith("engine:"):
-            if source not in ENGINE_FIELDS:
-                raise ConfigError(f"{name}: entry {entry!r}: engine field must be one of {sorted(ENGINE_FIELDS)}")
-        elif not _HEADER.fullmatch(source):
-            raise ConfigError(f"{name}: entry {entry!r}: {source!r} is not an HTTP header name")
-        if dim in out:
-            raise ConfigError(f"{name}: entry {entry!r}: dimension {dim!r} given twice")
-        out[dim] = source
-    return out
+#: dimension -> span attribute, for every request-class dimension the configuration knows
+DIMENSIONS = {dim: _ATTRIBUTES[dim] for dim in CLASS_DIMENSIONS}
+_DEFAULTS = SignalsConfig()
 
 
 def header_values(headers: Any, name: str) -> list[str]:
@@ -95,14 +73,15 @@ class ClassExtractor:
     """Turns one request's headers and engine fields into bounded class attributes.
 
     Args:
-        sources: from :func:`parse_class_sources`.
+        sources: ``SignalsConfig.class_sources`` (:func:`llm_otel.config.classes.parse_class_sources`).
         max_values: distinct metric labels per dimension before ``other``.
         max_len: longest accepted value (characters).
         reserved: values always given their own label (those the tier table names), per dimension.
         on_collapse: ``(dimension, reason)`` callback, e.g. a counter's ``add``.
     """
 
-    def __init__(self, sources: Mapping[str, str], max_values: int = 20, max_len: int = 64,
+    def __init__(self, sources: Mapping[str, str], max_values: int = _DEFAULTS.class_max_values,
+                 max_len: int = _DEFAULTS.class_max_len,
                  reserved: Mapping[str, Iterable[str]] | None = None, on_collapse=None) -> None:
         self.sources = dict(sources)
         self.max_values = max_values
@@ -157,7 +136,7 @@ class ClassExtractor:
         value = distinct.pop()
         if len(value) > self.max_len:
             return OTHER, "oversized"
-        if not _VALID.fullmatch(value):
+        if not CLASS_VALUE.fullmatch(value):
             return OTHER, "invalid"
         return value, None
 

@@ -5,13 +5,16 @@ are available (weights renormalised), so a CPU-only process without GPU utilisat
 the rest. Factors (docs/signals.md):
 
 * ``latency`` = 1 if p95 <= target, else max(0, 2 - p95 / target): 0 at twice the target. p95 of
-  the TTFT of requests finished in the last ``window_s`` (300 s); no requests -> 1.
+  the TTFT of requests finished in the last ``window_s`` (``LLM_OTEL_HEALTH_WINDOW_S``); no
+  requests -> 1.
 * ``errors``  = max(0, 1 - error_rate / max_error_rate) over the same window; none -> 1.
-* ``gpu``     = 1 up to ``gpu_knee`` (0.85) utilisation, then linear to 0 at 1.0 (no headroom);
+* ``gpu``     = 1 up to ``gpu_knee`` (``LLM_OTEL_HEALTH_GPU_KNEE``) utilisation, then linear to 0
+  at 1.0 (no headroom);
   absent without NVML.
 * ``uptime``  = min(1, uptime_s / warmup_s): a replica that just started ramps up.
 
-Default weights latency 0.4, errors 0.3, gpu 0.2, uptime 0.1 (``LLM_OTEL_HEALTH_WEIGHTS``).
+Weights: ``LLM_OTEL_HEALTH_WEIGHTS``. Every parameter's default is
+:class:`llm_otel.config.SignalsConfig`'s.
 The dominant factor is the one with the largest weighted deficit ``w * (1 - factor)``; ``none``
 when every factor is 1.
 """
@@ -29,12 +32,13 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from llm_otel.config.signals import HEALTH_FACTORS, SignalsConfig
 from llm_otel.errors import process_errors
 
 logger = logging.getLogger("llm_otel")
 
-FACTORS = ("latency", "errors", "gpu", "uptime")
-DEFAULT_WEIGHTS = {"latency": 0.4, "errors": 0.3, "gpu": 0.2, "uptime": 0.1}
+FACTORS = HEALTH_FACTORS
+_DEFAULTS = SignalsConfig()  # every parameter's default is the setting's
 
 
 def score(factors: Mapping[str, float | None], weights: Mapping[str, float]) -> tuple[float, str]:
@@ -63,11 +67,13 @@ class HealthScore:
         utilization: callable returning GPU utilisation in [0, 1] or None (the NVML poller).
     """
 
-    def __init__(self, weights: Mapping[str, float] | None = None, latency_target_s: float = 1.0,
-                 max_error_rate: float = 0.05, gpu_knee: float = 0.85, warmup_s: float = 60.0,
-                 window_s: float = 300.0, max_samples: int = 4096,
+    def __init__(self, weights: Mapping[str, float] | None = None,
+                 latency_target_s: float = _DEFAULTS.health_ttft_target_s,
+                 max_error_rate: float = _DEFAULTS.health_max_error_rate, gpu_knee: float = _DEFAULTS.health_gpu_knee,
+                 warmup_s: float = _DEFAULTS.health_warmup_s, window_s: float = _DEFAULTS.health_window_s,
+                 max_samples: int = 4096,
                  utilization: Callable[[], float | None] | None = None, clock=time.monotonic) -> None:
-        self.weights = {f: float((weights or DEFAULT_WEIGHTS).get(f, 0.0)) for f in FACTORS}
+        self.weights = {f: float((weights or _DEFAULTS.health_weights).get(f, 0.0)) for f in FACTORS}
         self.latency_target_s = latency_target_s
         self.max_error_rate = max_error_rate
         self.gpu_knee = gpu_knee
@@ -150,13 +156,13 @@ class HealthServer:
 
     Healthy = score >= ``min_score`` and VRAM pressure is not ``critical`` and the exporter is not
     known to be unreachable. ``report`` returns ``(score, dominant, factors, pressure level or None,
-    exporter_ok or None)``. Runs in daemon threads; binds ``host`` (127.0.0.1) and ``port`` (0 picks
+    exporter_ok or None)``. Runs in daemon threads; binds ``host`` and ``port`` (0 picks
     a free one, see :attr:`port`). Raises ValueError when ``port`` is not an int in 0..65535 and
     OSError when the port cannot be bound.
     """
 
-    def __init__(self, report: Callable[[], tuple], port: int, host: str = "127.0.0.1",
-                 min_score: float = 0.5) -> None:
+    def __init__(self, report: Callable[[], tuple], port: int, host: str = _DEFAULTS.health_host,
+                 min_score: float = _DEFAULTS.health_min_score) -> None:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"health port must be an integer in 0..65535, got {port!r}")
         self.report = report

@@ -1,8 +1,9 @@
 """VRAM pressure levels ``ok`` / ``warn`` / ``critical`` with thresholds, hold times and hysteresis.
 
 A level is entered when usage has stayed at or above its threshold for its hold time
-(``warn`` >= 0.80 for 30 s, ``critical`` >= 0.90 for 10 s by default). It is left when usage has
-stayed below ``threshold - clear_margin`` (0.05) for ``clear_hold_s`` (30 s); the level then
+(``LLM_OTEL_VRAM_WARN`` for ``LLM_OTEL_VRAM_WARN_HOLD_S``, ``LLM_OTEL_VRAM_CRITICAL`` for
+``LLM_OTEL_VRAM_CRITICAL_HOLD_S``; defaults: :class:`llm_otel.config.SignalsConfig`). It is left
+when usage has stayed below ``threshold - clear_margin`` for ``clear_hold_s``; the level then
 becomes whatever the entry rules give for the current history (critical -> warn while usage stays
 above the warn threshold). Each transition is logged once. :meth:`PressureMonitor.update` is fed
 by the signals thread once a second; readers only read :attr:`level`.
@@ -12,9 +13,12 @@ from __future__ import annotations
 
 import logging
 
+from llm_otel.config.signals import SignalsConfig
+
 logger = logging.getLogger("llm_otel")
 
 LEVELS = ("ok", "warn", "critical")
+_DEFAULTS = SignalsConfig()
 
 
 class PressureMonitor:
@@ -23,8 +27,10 @@ class PressureMonitor:
     Raises ValueError for thresholds outside (0, 1], ``warn > critical`` or negative times.
     """
 
-    def __init__(self, warn: float = 0.80, warn_hold_s: float = 30.0, critical: float = 0.90,
-                 critical_hold_s: float = 10.0, clear_margin: float = 0.05, clear_hold_s: float = 30.0) -> None:
+    def __init__(self, warn: float = _DEFAULTS.vram_warn, warn_hold_s: float = _DEFAULTS.vram_warn_hold_s,
+                 critical: float = _DEFAULTS.vram_critical, critical_hold_s: float = _DEFAULTS.vram_critical_hold_s,
+                 clear_margin: float = _DEFAULTS.vram_clear_margin,
+                 clear_hold_s: float = _DEFAULTS.vram_clear_hold_s) -> None:
         if not (0 < warn <= critical <= 1) or min(warn_hold_s, critical_hold_s, clear_hold_s, clear_margin) < 0:
             raise ValueError("need 0 < warn <= critical <= 1 and non-negative hold times and margin")
         self.thresholds = {"warn": warn, "critical": critical}

@@ -16,17 +16,17 @@ from typing import Any, Callable, Mapping
 
 from opentelemetry.metrics import Meter, Observation
 
+from llm_otel.config.signals import SignalsConfig
+from llm_otel.config.tiers import Tier
 from llm_otel.errors import guard, process_errors
 from llm_otel.listeners import RequestFacts, SpanNotes
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import metrics as M
 from llm_otel.semconv import spans as S
 from llm_otel.signals.classes import DIMENSIONS, ClassExtractor
-from llm_otel.signals.config import SignalsConfig
 from llm_otel.signals.health import HealthScore, HealthServer, otlp_endpoint_reachable
 from llm_otel.signals.kv import KVSpec
 from llm_otel.signals.pressure import LEVELS, PressureMonitor
-from llm_otel.signals.tiers import Tier
 
 logger = logging.getLogger("llm_otel")
 

@@ -45,6 +45,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, SpanKind, TraceFlags
 
 from llm_otel.gpu.nvtx import NvtxRanges
+from llm_otel.gpu.ring import DEFAULT_CAPACITY
 from llm_otel.gpu.timeline import DeviceTimeline
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import spans as S
@@ -202,7 +203,7 @@ class StepTracker(DeviceTimeline):
         start_thread: False for tests that drive :meth:`drain` themselves.
     """
 
-    def __init__(self, telemetry: Any, *, backend: Any = "auto", capacity: int = 4096, nvtx: Any = True,
+    def __init__(self, telemetry: Any, *, backend: Any = "auto", capacity: int = DEFAULT_CAPACITY, nvtx: Any = True,
                  drain_period_s: float = 0.005, step_timeout_s: float = 10.0, calibrate_every_s: float = 10.0,
                  max_pending: int = 65536, max_requests: int = 1 << 16, start_thread: bool = True) -> None:
         self.telemetry = telemetry

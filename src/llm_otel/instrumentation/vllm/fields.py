@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llm_otel.signals.classes import ENGINE_LORA, ENGINE_PRIORITY
+from llm_otel.config.classes import ENGINE_LORA, ENGINE_PRIORITY
 from llm_otel.signals.kv import KVSpec, dtype_bytes
 
 

@@ -10,21 +10,26 @@ Format (``LLM_OTEL_TIERS_FILE`` = a file, or ``LLM_OTEL_TIERS`` = the same lines
     standard   *                          ttft=0.8
 
 ``match`` is ``*`` or ``dimension=value`` terms joined by ``&`` (all must hold); dimensions are
-those of :mod:`llm_otel.signals.classes` (tenant, priority, operation, revision). Targets:
+the request classes' (:data:`llm_otel.config.classes.CLASS_DIMENSIONS`: tenant, priority,
+operation, revision). Targets:
 ``ttft``, ``tpot``, ``e2e`` (seconds, > 0); at least one per rule; a tier named on several lines
 must give the same targets. A request no rule matches is tier ``default`` without targets.
 
-Any mistake raises :class:`llm_otel.config.ConfigError` naming the source and the line.
+Any mistake raises :class:`llm_otel.config.ConfigError` naming the source and the line. The table
+is a setting (``SignalsConfig.tiers``); :class:`llm_otel.signals.Signals` looks requests up in it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from typing import Mapping
 
-from llm_otel.config import ConfigError
-from llm_otel.signals.classes import DIMENSIONS
+from llm_otel.config.classes import CLASS_DIMENSIONS
+from llm_otel.config.parse import ConfigError
+
+__all__ = ["Tier", "Rule", "TierTable", "DEFAULT_TIER", "TARGETS", "TIERS_VARIABLES", "tier_table"]
 
 DEFAULT_TIER = "default"
 TARGETS = ("ttft", "tpot", "e2e")
@@ -74,9 +79,9 @@ class TierTable:
             if match_text != "*":
                 for term in match_text.split("&"):
                     dim, sep, value = term.partition("=")
-                    if not sep or dim not in DIMENSIONS:
+                    if not sep or dim not in CLASS_DIMENSIONS:
                         raise ConfigError(f"{where}: match term {term!r}: expected dimension=value with "
-                                          f"dimension one of {sorted(DIMENSIONS)}, or '*'")
+                                          f"dimension one of {sorted(CLASS_DIMENSIONS)}, or '*'")
                     if not _VALUE.fullmatch(value):
                         raise ConfigError(f"{where}: match value {value!r} can never occur (allowed: 1-64 "
                                           "of A-Z a-z 0-9 . _ : / @ + -)")
@@ -105,10 +110,7 @@ class TierTable:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "TierTable | None":
         """The table ``LLM_OTEL_TIERS_FILE`` or ``LLM_OTEL_TIERS`` defines, None when neither is set
-        (read by :func:`llm_otel.config.tier_table`). Raises ConfigError for both set, an
-        unreadable file or a bad line."""
-        from llm_otel.config import tier_table
-
+        (:func:`tier_table`). Raises ConfigError for both set, an unreadable file or a bad line."""
         return tier_table(env)
 
     def tier_for(self, classes: Mapping[str, str]) -> Tier:
@@ -132,3 +134,28 @@ class TierTable:
         for rule in self.rules:
             seen.setdefault(rule.tier.name, rule.tier)
         return list(seen.values())
+
+
+TIERS_VARIABLES = ("LLM_OTEL_TIERS", "LLM_OTEL_TIERS_FILE")
+
+
+def tier_table(env: Mapping[str, str] | None = None, names: tuple[str, str] = TIERS_VARIABLES,
+               default: TierTable | None = None) -> TierTable | None:
+    """The :class:`TierTable` ``LLM_OTEL_TIERS_FILE`` or ``LLM_OTEL_TIERS`` defines, ``default``
+    (None) when neither is set. Raises ConfigError for both set, an unreadable file or a bad line."""
+    env = os.environ if env is None else env
+    inline_name, file_name = names
+    path = (env.get(file_name) or "").strip()
+    inline = (env.get(inline_name) or "").strip()
+    if path and inline:
+        raise ConfigError(f"{inline_name} and {file_name} are both set; use one")
+    if path:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                text = fh.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{file_name}={path!r}: cannot read it ({exc})") from None
+        return TierTable.parse(text, f"{file_name} {path}")
+    if inline:
+        return TierTable.parse(inline, inline_name, separator=";")
+    return default
