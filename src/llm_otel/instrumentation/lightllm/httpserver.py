@@ -241,7 +241,7 @@ class HttpAdapter:
                     break
                 finally:
                     otel_context.detach(token)
-                try:
+                try:  # per token: inline, not errors.guard (0.3-0.7 us more)
                     self._on_item(state, item)
                 except Exception as exc:  # noqa: BLE001
                     self.telemetry.errors.report(hook, exc)

@@ -69,7 +69,7 @@ class RouterAdapter:
     def admit(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
             batch = wrapped(*args, **kwargs)
-            try:
+            try:  # per step: inline, not errors.guard (0.3-0.7 us more)
                 if batch is not None and self.reqs:
                     now = time.time_ns()
                     for req in getattr(batch, "reqs", None) or ():
@@ -87,7 +87,7 @@ class RouterAdapter:
         def wrapper(wrapped, instance, args, kwargs):
             if not self.reqs or not self.step_spans.ready():
                 return wrapped(*args, **kwargs)
-            try:
+            try:  # per step: inline, not errors.guard (0.3-0.7 us more)
                 batch = bind(wrapped, args, kwargs).get("batch") or getattr(instance, "running_batch", None)
                 reqs = list(getattr(batch, "reqs", None) or ())
             except Exception as exc:  # noqa: BLE001
@@ -102,7 +102,7 @@ class RouterAdapter:
         try:
             return await coro
         finally:
-            try:
+            try:  # per step: inline, not errors.guard (0.3-0.7 us more)
                 linked = [st.span_context for st in (self.reqs.get(request_id(getattr(r, "request_id", None)))
                                                      for r in reqs) if st]
                 span = self.step_spans.start(linked, start_ns=start_ns, batch_size=len(reqs))
@@ -116,7 +116,7 @@ class RouterAdapter:
             if not self.reqs:
                 return wrapped(*args, **kwargs)
             snapshot = {}
-            try:
+            try:  # per step: inline, not errors.guard (0.3-0.7 us more)
                 for req in list(getattr(instance, "reqs", None) or ()):
                     rid = request_id(getattr(req, "request_id", None))
                     if rid in self.reqs:

@@ -88,7 +88,7 @@ class WorkerAdapter:
     def token(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
             if self.reqs:
-                try:
+                try:  # per token: inline, not errors.guard (0.3-0.7 us more)
                     st = self.reqs.get(request_id(instance.req_id))
                     if st is not None:
                         now = time.time_ns()
@@ -145,7 +145,7 @@ class WorkerAdapter:
         def wrapper(wrapped, instance, args, kwargs):
             ended = []
             if self.reqs:
-                try:
+                try:  # per step: inline, not errors.guard (0.3-0.7 us more)
                     ids = bind(wrapped, args, kwargs).get("finished_request_ids") or ()
                     mapping = getattr(instance, "requests_mapping", None) or {}
                     for rid in map(request_id, ids):

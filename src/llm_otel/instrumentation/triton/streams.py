@@ -229,7 +229,7 @@ class AioResponses(wrapt.ObjectProxy):
             except Exception as inner:  # noqa: BLE001
                 streams.errors.report("triton.aio_stream", inner)
             raise
-        try:
+        try:  # per response: inline, not errors.guard (0.3-0.7 us more)
             result, error = item
             streams.observe(state, result, error)
         except Exception as exc:  # noqa: BLE001

@@ -166,7 +166,7 @@ class WorkerAdapter:
             ctx = None
             if kwargs.get("dummy_run"):  # MRv2 passes it by keyword (_dummy_run); no step of a request
                 return wrapped(*args, **kwargs)
-            try:
+            try:  # per step: inline, not errors.guard (0.3-0.7 us more)
                 stale = self._open_steps.pop(id(instance), None) if self._open_steps else None
                 if stale is not None:  # sample_tokens never came (the step failed in between)
                     self._end_step(stale, hook)
@@ -244,7 +244,7 @@ class WorkerAdapter:
                            phase=step_phase(*step_tokens(so)), stream=stream, request_spans=request_spans)
 
     def _end_step(self, ctx: Any, hook: str) -> None:
-        try:
+        try:  # per step: inline, not errors.guard (0.3-0.7 us more)
             stream = self._cuda_stream()
             # while a graph is captured the end record is not launched: the step completes
             # without device times instead of putting our kernel into the engine's graph
