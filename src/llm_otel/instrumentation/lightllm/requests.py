@@ -12,6 +12,7 @@ import operator
 import os
 from typing import Any
 
+from llm_otel.errors import guard
 from llm_otel.instrumentation.lightllm import carrier as C
 from llm_otel.telemetry import Telemetry
 from llm_otel.telemetry.stages import StageRecord
@@ -114,3 +115,15 @@ def end_stage(telemetry: Telemetry, reqs: dict[int, StageRecord], rid: int, fact
     telemetry.end_stage(st)
     if not any(r.group_id == st.group_id for r in reqs.values()):
         C.TABLE.pop(st.group_id)
+
+
+def read_then_call(telemetry: Telemetry, hook: str, read):
+    """A wrapper that hands a call's arguments to ``read(wrapped, args, kwargs)`` first (failures
+    counted under ``hook``, never raised), then calls LightLLM as it was called."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        with guard(hook, telemetry.errors):
+            read(wrapped, args, kwargs)
+        return wrapped(*args, **kwargs)
+
+    return wrapper

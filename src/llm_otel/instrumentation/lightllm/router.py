@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import time
 
-from llm_otel.errors import guard
 from llm_otel.instrumentation.lightllm import carrier as C
-from llm_otel.instrumentation.lightllm.requests import MAX_LIVE, bind, end_stage, finish_info, request_id
+from llm_otel.instrumentation.lightllm.requests import (MAX_LIVE, bind, end_stage, finish_info, read_then_call,
+                                                        request_id)
 from llm_otel.telemetry import Telemetry
 from llm_otel.telemetry.stages import ROUTER, StageRecord
 from llm_otel.telemetry.steps import EngineSteps
@@ -33,12 +33,7 @@ class RouterAdapter:
         self.step_spans = EngineSteps(telemetry)
 
     def add_req(self, hook: str):
-        def wrapper(wrapped, instance, args, kwargs):
-            with guard(hook, self.telemetry.errors):
-                self._queued(wrapped, args, kwargs)
-            return wrapped(*args, **kwargs)
-
-        return wrapper
+        return read_then_call(self.telemetry, hook, self._queued)
 
     def _queued(self, wrapped, args, kwargs) -> None:
         now = time.time_ns()

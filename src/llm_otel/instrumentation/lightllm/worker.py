@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import time
 
-from llm_otel.errors import guard
 from llm_otel.instrumentation.lightllm import carrier as C
-from llm_otel.instrumentation.lightllm.requests import MAX_LIVE, bind, end_stage, finish_info, request_id
+from llm_otel.instrumentation.lightllm.requests import (MAX_LIVE, bind, end_stage, finish_info, read_then_call,
+                                                        request_id)
 from llm_otel.telemetry import Telemetry
 from llm_otel.telemetry.logit_capture import capture_rows, stage_row, wrap_sampler
 from llm_otel.telemetry.stages import INFER, StageRecord
@@ -51,12 +51,7 @@ class WorkerAdapter:
         self._master: bool | None = None
 
     def add_reqs(self, hook: str):
-        def wrapper(wrapped, instance, args, kwargs):
-            with guard(hook, self.telemetry.errors):
-                self._admitted(wrapped, args, kwargs)
-            return wrapped(*args, **kwargs)
-
-        return wrapper
+        return read_then_call(self.telemetry, hook, self._admitted)
 
     def _admitted(self, wrapped, args, kwargs) -> None:
         if self._master is None:
