@@ -37,7 +37,8 @@ known after sampling, so they are not reported - such a request's span has one e
 step, not per token. The V1 runner (``_sample``) skips steps with speculative decoding.
 
 Per step: the chosen rows are gathered and reduced on the logits' device *before* the sampler
-runs (it may modify logits in place), and after it one ``(rows, 2k+3)`` transfer brings top-k,
+runs (it may modify logits in place; the capture is the core's, :mod:`llm_otel.telemetry.logit_capture`,
+the same as LightLLM's), and after it one ``(rows, 2k+3)`` transfer brings top-k,
 entropy, non-finite flags and the sampled tokens' log-probs to host. That transfer is
 synchronous: on a step with chosen rows the engine's thread waits for the sampler to finish on
 the device. Unchosen requests cost a dict lookup (MRv2: one NumPy gather over the batch while
