@@ -16,6 +16,7 @@ from llm_otel.errors import guard
 from llm_otel.instrumentation.lightllm import carrier as C
 from llm_otel.telemetry import Telemetry
 from llm_otel.telemetry.stages import StageRecord
+from llm_otel.version import installed_version
 
 PROVIDER = "lightllm"
 MAX_LIVE = 100_000  # per-process cap on tracked requests (aborted/lost ones cannot leak past it)
@@ -91,12 +92,8 @@ def model_name(env: dict | None = None, args: Any = None) -> str:
 
 
 def engine_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("lightllm")
-    except Exception:  # noqa: BLE001 - silent: feature probe: version unknown
-        return ""
+    """The installed LightLLM's version, ``""`` when unknown."""
+    return installed_version("lightllm")
 
 
 def end_stage(telemetry: Telemetry, reqs: dict[int, StageRecord], rid: int, facts: dict) -> None:

