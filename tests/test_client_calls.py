@@ -129,3 +129,47 @@ def test_stream_requests_parent_on_the_caller_else_the_stream_and_always_link_it
     (point,) = [p for p in cap.metric_points("gen_ai.client.operation.duration")
                 if p.attributes["gen_ai.request.model"] == "a"]
     assert point.count == 1
+
+
+def test_requests_on_a_stream_are_matched_by_id_until_they_finish():
+    """A stream's responses find their request by the id the server echoes (oldest first for a
+    repeated id; the only request in flight whatever the id); a finished request is no longer in
+    flight; the stream's end drains what is left."""
+    cap = make_captured()
+    calls = calls_of(cap)
+    stream = calls.start_stream("llm.triton.stream", {})
+
+    def start(rid):
+        return calls.start(operation="infer", model="m", server={}, attributes={}, request_id=rid,
+                           streaming=True, stream=stream)
+
+    only = start("a")
+    assert stream.lookup("a") is only and stream.lookup("unknown") is only  # the only one in flight
+    first, second, other = start("r"), start("r"), start("x")
+    assert stream.requests == 4
+    assert stream.lookup("r") is first and stream.lookup("x") is other
+    assert stream.lookup("unknown") is None  # several in flight: an unknown id is no one's
+    calls.finish(first)
+    assert stream.lookup("r") is second
+    calls.finish(first)  # a second finish changes nothing
+    assert stream.lookup("r") is second
+    stream.remove(first)  # removing what is not in flight is harmless
+    assert sorted(c.request_id for c in stream.drain()) == ["a", "r", "x"]
+    assert stream.drain() == [] and stream.lookup("r") is None and stream.requests == 4
+    for call in (only, second, other):
+        calls.finish(call)  # drained calls still end once
+    assert len(by_name(cap, "infer m")) == 4
+
+
+def test_a_calls_headers_are_a_copy_with_its_trace_context_in_place_of_any_other():
+    cap = make_captured()
+    calls = calls_of(cap)
+    call = calls.start(operation="infer", model="m", server={}, attributes={})
+    theirs = {"Traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01", "TRACESTATE": "x=y", "x-user": "u", 7: "n"}
+    before = dict(theirs)
+    out = calls.headers_with_context(theirs, call)
+    assert theirs == before  # the caller's dict is never modified
+    assert out == {"x-user": "u", 7: "n", **calls.carrier(call)}
+    assert out["traceparent"].split("-")[1] == format(call.span.get_span_context().trace_id, "032x")
+    assert calls.headers_with_context(None, call) == calls.carrier(call)
+    calls.finish(call)

@@ -14,30 +14,6 @@ def test_settings_without_environment_have_the_documented_defaults():
     assert s.logit_dist_ratio == 0.05 and s.traces_per_s == 10.0  # issue 19: derivations in Settings
 
 
-def test_the_default_logit_dist_ratio_chooses_the_same_traces_in_vllm_and_lightllm():
-    """Both adapters choose by the trace id's random low 56 bits: a trace is chosen alike in every
-    process, and about the default share of sampled requests is."""
-    import random
-    import types
-
-    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
-
-    from llm_otel.instrumentation.lightllm.adapter import HttpAdapter
-    from llm_otel.instrumentation.vllm.adapter import VLLMAdapter
-
-    settings = Settings.from_env({})
-    vllm = types.SimpleNamespace(settings=settings)
-    lightllm = types.SimpleNamespace(telemetry=types.SimpleNamespace(settings=settings))
-    rng = random.Random(4)
-    chosen = 0
-    for _ in range(20_000):
-        span = NonRecordingSpan(SpanContext(rng.getrandbits(128) | 1, 1, False, TraceFlags(1)))
-        by_vllm = VLLMAdapter._wants_logit_dist(vllm, types.SimpleNamespace(span=span))
-        assert by_vllm == HttpAdapter._wants_logit_dist(lightllm, span)
-        chosen += by_vllm
-    assert abs(chosen / 20_000 - settings.logit_dist_ratio) < 4 * (0.05 * 0.95 / 20_000) ** 0.5
-
-
 @pytest.mark.parametrize("raw, expected", [("true", True), ("False", False), ("SPAN_ONLY", True),
                                            ("SPAN_AND_EVENT", True), ("NO_CONTENT", False), ("EVENT_ONLY", False)])
 def test_content_capture_accepts_legacy_and_latest_values(raw, expected):

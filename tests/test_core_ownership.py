@@ -147,7 +147,7 @@ def test_vllm_and_lightllm_adapters_never_build_step_spans():
 _LIGHTLLM_ALLOWED = {
     # the request span's kind (SERVER with an HTTP request, else INTERNAL), a value passed to
     # Telemetry.start_request
-    ("lightllm/adapter.py", "from opentelemetry.trace import SpanKind"): 1,
+    ("lightllm/httpserver.py", "from opentelemetry.trace import SpanKind"): 1,
     # the HTTP worker hands its tracer provider to the exporter process's prewarm (export setup)
     ("lightllm/process.py", "from opentelemetry import trace"): 1,
     ("lightllm/process.py", "get_tracer_provider()"): 1,

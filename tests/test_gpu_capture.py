@@ -77,12 +77,14 @@ class DeviceRing(R.NumpyRing):
 
 @pytest.fixture()
 def gate(monkeypatch):
-    """A fresh gate in place of the process's (the device timeline and the worker read it by module name)."""
+    """A fresh gate in place of the process's (the device timeline, the worker and the logit capture read it by module name)."""
     fresh = CaptureGate()
     import llm_otel.instrumentation.vllm.worker as worker_module
     import llm_otel.gpu.timeline as timeline_module
+    import llm_otel.telemetry.logit_capture as logit_capture_module
 
     monkeypatch.setattr(timeline_module, "capture_gate", fresh)
+    monkeypatch.setattr(logit_capture_module, "capture_gate", fresh)
     monkeypatch.setattr(worker_module, "capture_gate", fresh)
     yield fresh
     fresh.uninstall()

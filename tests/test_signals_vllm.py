@@ -127,7 +127,7 @@ def test_kv_footprint_follows_the_engines_own_block_accounting(engine, prompt_le
 
 
 def test_engine_request_classes_tier_slo_checks_and_pressure_event(engine, signals):
-    from llm_otel.instrumentation.vllm import adapter as vllm_adapter
+    from llm_otel.instrumentation.vllm import inbound as vllm_inbound
 
     sig, reader = signals({"LLM_OTEL_CLASS_HEADERS": "priority:engine:priority,tenant:x-tenant-id",
                            "LLM_OTEL_TIERS": "premium tenant=acme ttft=120 tpot=60; standard * e2e=120",
@@ -135,10 +135,10 @@ def test_engine_request_classes_tier_slo_checks_and_pressure_event(engine, signa
                            "LLM_OTEL_VRAM_WARN_HOLD_S": "0", "LLM_OTEL_VRAM_CRITICAL_HOLD_S": "0"})
     engine.clear()
     # as vLLM's OpenAI handler sees it: raw_request.headers is a Starlette Headers
-    inbound = vllm_adapter._Inbound(None, "text_completion", Headers({"x-tenant-id": "acme"}))
+    inbound = vllm_inbound.Inbound(None, "text_completion", Headers({"x-tenant-id": "acme"}))
 
     def served():
-        vllm_adapter._inbound.set(inbound)
+        vllm_inbound.INBOUND.set(inbound)
         return generate(engine, [11, 12, 13, 14, 15], 4)
 
     (premium,) = contextvars.copy_context().run(served)

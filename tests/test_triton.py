@@ -620,7 +620,7 @@ def test_entry_point_and_instrument_pick_up_the_triton_instrumentor():
 def test_request_attributes_from_inputs_and_sampling_parameters():
     import json
 
-    from llm_otel.instrumentation.triton.adapter import request_attributes
+    from llm_otel.instrumentation.triton.parsing import request_attributes
 
     for mod in (httpclient, grpcclient):
         sp = mod.InferInput("sampling_parameters", [1], "BYTES")
@@ -829,7 +829,7 @@ def test_malformed_stream_response_and_unreadable_results_never_raise(_instrumen
     read at all are findings, not exceptions (real tritonclient/protobuf types)."""
     from tritonclient.grpc import InferResult, service_pb2
 
-    from llm_otel.instrumentation.triton.adapter import response_problem
+    from llm_otel.instrumentation.triton.parsing import response_problem
 
     adapter = _instrumented[1].adapter
     response = service_pb2.ModelInferResponse(id="r1", model_name="m")

@@ -19,7 +19,7 @@ from lightllm_layouts.layers import build_tree
 
 from contracts import signatures
 from contracts.lightllm_goldens import hook_targets
-from llm_otel.instrumentation.lightllm.adapter import request_id
+from llm_otel.instrumentation.lightllm.requests import request_id
 from llm_otel.instrumentation.lightllm.hooks import HOOKS
 
 GOLDENS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "goldens")

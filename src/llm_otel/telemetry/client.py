@@ -29,6 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from array import array
+from collections import deque
 from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
@@ -85,10 +86,11 @@ class ClientCall:
     """
 
     __slots__ = ("span", "recording", "request_id", "metric_attrs", "start_mono", "offset_ns",
-                 "times", "streaming", "finished", "end_reason", "lock", "expected", "problem")
+                 "times", "streaming", "finished", "end_reason", "lock", "expected", "problem", "stream")
 
     def __init__(self, span, request_id: str, metric_attrs: dict, streaming: bool,
-                 expected: tuple[str, ...] = ()) -> None:
+                 expected: tuple[str, ...] = (), stream: ClientStream | None = None) -> None:
+        self.stream = stream  # the stream it is in flight on until it finishes, or None
         self.expected = expected
         self.problem: str | None = None
         self.span = span
@@ -113,12 +115,58 @@ class ClientCall:
 
 class ClientStream:
     """One stream of requests sharing one trace context (a gRPC stream): its span, whose context
-    is the stream's ``traceparent`` and hence the server's parent for every request on it."""
+    is the stream's ``traceparent`` and hence the server's parent for every request on it, and the
+    requests in flight on it by request id, oldest first (a call is in flight from
+    :meth:`ClientCalls.start` with ``stream=`` until :meth:`ClientCalls.finish`).
 
-    __slots__ = ("span",)
+    The server echoes a request's id on each response: :meth:`lookup` matches a response to its
+    request. ``requests`` counts the requests started on the stream; ``closed`` is the adapter's
+    mark that the stream ended (its open requests were drained). Thread-safe (the application's
+    thread starts requests while the library's stream thread delivers responses)."""
+
+    __slots__ = ("span", "lock", "inflight", "requests", "closed")
 
     def __init__(self, span) -> None:
         self.span = span
+        self.lock = threading.Lock()
+        self.inflight: dict[str, deque[ClientCall]] = {}
+        self.requests = 0
+        self.closed = False
+
+    def add(self, call: ClientCall) -> None:
+        with self.lock:
+            self.requests += 1
+            self.inflight.setdefault(call.request_id, deque()).append(call)
+
+    def lookup(self, request_id: str) -> ClientCall | None:
+        """The oldest request in flight with ``request_id``; with a single request in flight, that
+        one whatever the id (the server echoes ids: an unknown one can only be ours); else None."""
+        with self.lock:
+            calls = self.inflight.get(request_id)
+            if calls:
+                return calls[0]
+            if len(self.inflight) == 1:
+                (only,) = self.inflight.values()
+                return only[0] if len(only) == 1 else None
+            return None
+
+    def remove(self, call: ClientCall) -> None:
+        with self.lock:
+            calls = self.inflight.get(call.request_id)
+            if calls:
+                try:
+                    calls.remove(call)
+                except ValueError:
+                    pass
+                if not calls:
+                    del self.inflight[call.request_id]
+
+    def drain(self) -> list[ClientCall]:
+        """Every request still in flight (no longer tracked here), oldest first per id."""
+        with self.lock:
+            out = [c for calls in self.inflight.values() for c in calls]
+            self.inflight.clear()
+            return out
 
 
 class ClientCalls:
@@ -144,7 +192,7 @@ class ClientCalls:
         ``attributes``: the adapter's request attributes (``gen_ai.request.*``, library fields);
         ``streaming`` sets ``gen_ai.request.stream``; ``request_id`` (if any) ``llm.request.id``.
         On a ``stream``: the child of the caller's current span when there is one, else of the
-        stream span, and always linked to the stream span.
+        stream span, and always linked to the stream span; in flight on it until :meth:`finish`.
         """
         attrs: dict[str, Any] = {
             A.GEN_AI_OPERATION_NAME: operation,
@@ -166,7 +214,10 @@ class ClientCalls:
                                       attributes=attrs, links=links)
         metric_attrs = {A.GEN_AI_OPERATION_NAME: operation, A.GEN_AI_PROVIDER_NAME: self.provider,
                         A.GEN_AI_REQUEST_MODEL: model, **server}
-        return ClientCall(span, request_id, metric_attrs, streaming, expected)
+        call = ClientCall(span, request_id, metric_attrs, streaming, expected, stream)
+        if stream is not None:
+            stream.add(call)
+        return call
 
     def start_stream(self, name: str, attributes: Mapping[str, Any]) -> ClientStream:
         """Start a stream's CLIENT span ``name`` (the semconv name of the library's stream span) now,
@@ -187,11 +238,23 @@ class ClientCalls:
         """``traceparent`` (and ``tracestate`` when there is one) of ``record``'s span, lowercase keys."""
         return carrier_from_span(record.span)
 
+    @classmethod
+    def headers_with_context(cls, headers: Mapping[str, Any] | None, record: ClientCall | ClientStream) -> dict:
+        """A new dict: the caller's ``headers`` (never modified) without any ``traceparent`` /
+        ``tracestate`` key in any letter case, plus ``record``'s (:meth:`carrier`, lowercase: gRPC
+        metadata requires it)."""
+        out = dict(headers) if headers else {}
+        for key in [k for k in out if isinstance(k, str) and k.lower() in ("traceparent", "tracestate")]:
+            del out[key]
+        out.update(cls.carrier(record))
+        return out
+
     # --- end ------------------------------------------------------------------------------------
     def finish(self, call: ClientCall, *, error: BaseException | None = None, error_type: str | None = None,
                content_free: bool = False, end_reason: str | None = None, end_mono: float | None = None) -> None:
-        """End ``call`` exactly once (a second call is ignored): ``llm.token_stream`` (streams with
-        responses), status, metrics. Never raises (failures counted as ``{provider}.finish``).
+        """End ``call`` exactly once (a second call is ignored; it leaves its stream's requests in
+        flight): ``llm.token_stream`` (streams with responses), status, metrics. Never raises
+        (failures counted as ``{provider}.finish``).
 
         ``error_type``: the call's ``error.type`` (None: success); ``error``: what failed, whose
         message becomes the status description only with content capture on (server messages can
@@ -204,6 +267,8 @@ class ClientCalls:
             if call.finished:
                 return
             call.finished = True
+        if call.stream is not None:
+            call.stream.remove(call)
         try:
             end = time.monotonic() if end_mono is None else end_mono
             end_ns = call.epoch_ns(end)

@@ -289,3 +289,33 @@ def sampling_probability_reader(sampler):
         kept = sampler._decision is not sampling.Decision.DROP  # noqa: SLF001 - no public accessor
         return (lambda: 1.0) if kept else (lambda: 0.0)
     return None
+
+
+class BoundedValues:
+    """A metric dimension whose values the engine chooses at run time (LoRA adapters loaded while
+    serving): the first ``limit`` distinct values keep their own series, later ones are recorded
+    as ``_OTHER``, with one warning (``what``: the values' name in it). Not thread-safe: one
+    engine loop asks."""
+
+    OTHER = "_OTHER"
+
+    def __init__(self, limit: int, what: str) -> None:
+        self.limit = limit
+        self.what = what
+        self._seen: set[str] = set()
+        self._warned = False
+
+    def __call__(self, value: str) -> str:
+        """``value`` if it is one of the first ``limit`` seen here, else ``_OTHER``."""
+        seen = self._seen
+        if value in seen:
+            return value
+        if len(seen) < self.limit:
+            seen.add(value)
+            return value
+        if not self._warned:
+            self._warned = True
+            logging.getLogger("llm_otel").warning(
+                "llm-otel: more than %d %s served; metrics of further ones are recorded as model _OTHER "
+                "(spans keep their names)", self.limit, self.what)
+        return self.OTHER

@@ -68,7 +68,7 @@ class EngineCoreAdapter:
 
         def wrapper(wrapped, instance, args, kwargs):
             stats = wrapped(*args, **kwargs)
-            try:
+            try:  # per step: inline, not errors.guard (0.3-0.7 us more)
                 if self._model is None:
                     self._model = _served_model(instance)
                 self.engine_metrics().on_step_state(scheduler_state(stats), self._model)
@@ -82,7 +82,7 @@ class EngineCoreAdapter:
         def wrapper(wrapped, instance, args, kwargs):
             output = wrapped(*args, **kwargs)
             self._last_output = output  # the engine core's busy loop is one thread
-            try:
+            try:  # per step: inline, not errors.guard (0.3-0.7 us more)
                 if self._span is None and getattr(output, "total_num_scheduled_tokens", 0):
                     self._start(instance, output)
             except Exception as exc:  # noqa: BLE001
@@ -103,7 +103,9 @@ class EngineCoreAdapter:
             finally:
                 span, self._span, self._step_start_ns = self._span, None, None
                 output = self._last_output
-                try:  # engine phase and engine-state metrics: every step, sampled or not
+                # engine phase and engine-state metrics: every step, sampled or not; per step:
+                # inline try, not errors.guard (0.3-0.7 us more)
+                try:
                     if output is not None and getattr(output, "total_num_scheduled_tokens", 0):
                         if self.state_metrics is None:
                             self.engine_metrics()

@@ -37,7 +37,8 @@ known after sampling, so they are not reported - such a request's span has one e
 step, not per token. The V1 runner (``_sample``) skips steps with speculative decoding.
 
 Per step: the chosen rows are gathered and reduced on the logits' device *before* the sampler
-runs (it may modify logits in place), and after it one ``(rows, 2k+3)`` transfer brings top-k,
+runs (it may modify logits in place; the capture is the core's, :mod:`llm_otel.telemetry.logit_capture`,
+the same as LightLLM's), and after it one ``(rows, 2k+3)`` transfer brings top-k,
 entropy, non-finite flags and the sampled tokens' log-probs to host. That transfer is
 synchronous: on a step with chosen rows the engine's thread waits for the sampler to finish on
 the device. Unchosen requests cost a dict lookup (MRv2: one NumPy gather over the batch while
@@ -60,6 +61,7 @@ from llm_otel.instrumentation.vllm.carrier import (CARRIER_KEY, CARRIER_STATE_KE
                                                    request_span_context, step_ids, step_phase, step_tokens)
 from llm_otel.propagation import context_from_carrier
 from llm_otel.telemetry import Telemetry
+from llm_otel.telemetry.logit_capture import capture_rows, wrap_sampler
 from llm_otel.telemetry.spans import emit_logit_dist_for
 from llm_otel.telemetry.steps import step_parent
 
@@ -165,7 +167,7 @@ class WorkerAdapter:
             ctx = None
             if kwargs.get("dummy_run"):  # MRv2 passes it by keyword (_dummy_run); no step of a request
                 return wrapped(*args, **kwargs)
-            try:
+            try:  # per step: inline, not errors.guard (0.3-0.7 us more)
                 stale = self._open_steps.pop(id(instance), None) if self._open_steps else None
                 if stale is not None:  # sample_tokens never came (the step failed in between)
                     self._end_step(stale, hook)
@@ -243,7 +245,7 @@ class WorkerAdapter:
                            phase=step_phase(*step_tokens(so)), stream=stream, request_spans=request_spans)
 
     def _end_step(self, ctx: Any, hook: str) -> None:
-        try:
+        try:  # per step: inline, not errors.guard (0.3-0.7 us more)
             stream = self._cuda_stream()
             # while a graph is captured the end record is not launched: the step completes
             # without device times instead of putting our kernel into the engine's graph
@@ -263,27 +265,19 @@ class WorkerAdapter:
 
     def sample(self, hook: str):
         """Wrapper for the V1 runner's ``GPUModelRunner._sample(logits, spec_decode_metadata)``."""
-        def wrapper(wrapped, instance, args, kwargs):
-            plan = None
-            try:
-                logits = args[0] if args else kwargs.get("logits")
-                spec = args[1] if len(args) > 1 else kwargs.get("spec_decode_metadata")
-                # with speculative decoding rows != requests; with TP every rank samples the same
-                # rows, and only the rank whose output vLLM returns computes the statistics
-                if logits is not None and spec is None and self._owns_sampling():
-                    plan = self._prepare(instance, logits)
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
-            output = wrapped(*args, **kwargs)
-            if plan is not None:
-                try:
-                    sampled = getattr(output, "sampled_token_ids", None)
-                    self._collect(plan, sampled, plan[0], instance.requests)
-                except Exception as exc:  # noqa: BLE001
-                    self.telemetry.errors.report(hook, exc)
-            return output
+        return wrap_sampler(self.telemetry.errors, hook, self._before_sample, self._after_sample)
 
-        return wrapper
+    def _before_sample(self, runner: Any, args: tuple, kwargs: dict):
+        logits = args[0] if args else kwargs.get("logits")
+        spec = args[1] if len(args) > 1 else kwargs.get("spec_decode_metadata")
+        # with speculative decoding rows != requests; with TP every rank samples the same rows, and
+        # only the rank whose output vLLM returns computes the statistics
+        if logits is not None and spec is None and self._owns_sampling():
+            return self._prepare(runner, logits)
+        return None
+
+    def _after_sample(self, runner: Any, plan, output: Any) -> None:
+        self._collect(plan, getattr(output, "sampled_token_ids", None), plan[0], runner.requests)
 
     def _prepare(self, runner: Any, logits: Any):
         """V1: chosen rows of ``logits`` (row i <-> ``input_batch.req_ids[i]``), reduced."""
@@ -332,35 +326,32 @@ class WorkerAdapter:
         """Wrapper for MRv2 ``Sampler.__call__(logits, input_batch)`` and
         ``RejectionSampler.__call__(logits, input_batch, draft_logits=None, invalid_drafts=None)``
         (whose ``sampler`` attribute is the Sampler holding the chosen slots)."""
-        def wrapper(wrapped, instance, args, kwargs):
-            plan = None
-            sampler = vars(instance).get("sampler", instance) if hasattr(instance, "__dict__") else instance
-            try:
-                if self._chosen.get(sampler) and self._owns_sampling():  # TP: the output rank only
-                    logits = args[0] if args else kwargs.get("logits")
-                    batch = args[1] if len(args) > 1 else kwargs.get("input_batch")
-                    if logits is not None and batch is not None:
-                        plan = self._prepare_mrv2(sampler, logits, batch)
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
-            output = wrapped(*args, **kwargs)
-            if plan is not None:
-                try:
-                    rows, _, _, requests, n_logit_rows = plan
-                    sampled = getattr(output, "sampled_token_ids", None)
-                    # Sampler: one sampled row per logit row; RejectionSampler: (num_reqs, drafts + 1)
-                    by_row = sampled is not None and int(sampled.shape[0]) == n_logit_rows
-                    finished = self._collect(plan, sampled, rows if by_row else requests,
-                                             sampler.req_states.req_id_to_index)
-                    if finished:  # forget their slots: a step without chosen requests costs one lookup
-                        slots = self._chosen.get(sampler) or _Slots()
-                        for slot in [k for k, c in slots.items() if c.req_id in finished]:
-                            slots.forget(slot)
-                except Exception as exc:  # noqa: BLE001
-                    self.telemetry.errors.report(hook, exc)
-            return output
+        return wrap_sampler(self.telemetry.errors, hook, self._before_sampler_call, self._after_sampler_call)
 
-        return wrapper
+    @staticmethod
+    def _sampler_of(instance: Any) -> Any:
+        return vars(instance).get("sampler", instance) if hasattr(instance, "__dict__") else instance
+
+    def _before_sampler_call(self, instance: Any, args: tuple, kwargs: dict):
+        sampler = self._sampler_of(instance)
+        if self._chosen.get(sampler) and self._owns_sampling():  # TP: the output rank only
+            logits = args[0] if args else kwargs.get("logits")
+            batch = args[1] if len(args) > 1 else kwargs.get("input_batch")
+            if logits is not None and batch is not None:
+                return self._prepare_mrv2(sampler, logits, batch)
+        return None
+
+    def _after_sampler_call(self, instance: Any, plan, output: Any) -> None:
+        sampler = self._sampler_of(instance)
+        rows, _, _, requests, n_logit_rows = plan
+        sampled = getattr(output, "sampled_token_ids", None)
+        # Sampler: one sampled row per logit row; RejectionSampler: (num_reqs, drafts + 1)
+        by_row = sampled is not None and int(sampled.shape[0]) == n_logit_rows
+        finished = self._collect(plan, sampled, rows if by_row else requests, sampler.req_states.req_id_to_index)
+        if finished:  # forget their slots: a step without chosen requests costs one lookup
+            slots = self._chosen.get(sampler) or _Slots()
+            for slot in [k for k, c in slots.items() if c.req_id in finished]:
+                slots.forget(slot)
 
     def _prepare_mrv2(self, sampler: Any, logits: Any, batch: Any):
         """MRv2: the first logit row of each chosen request of ``batch`` (an ``InputBatch``), reduced;
@@ -391,39 +382,27 @@ class WorkerAdapter:
         return None if plan is None else (*plan, requests, n_rows)
 
     # --- one step's statistics, both runners ------------------------------------------------------
-    def _reduce(self, logits: Any, rows: list[int], members: list[tuple]):
-        """The one place a step's logit statistics are computed: gathers ``rows`` of the
-        ``(rows, vocab)`` ``logits`` on their device and reduces them (top-k, entropy, non-finite)
-        before the sampler may modify the logits in place. ``members[j]`` = ``(req_id,
+    @staticmethod
+    def _reduce(logits: Any, rows: list[int], members: list[tuple]):
+        """A step's chosen ``rows`` of the ``(rows, vocab)`` ``logits``, reduced on their device
+        (:func:`~llm_otel.telemetry.logit_capture.capture_rows`). ``members[j]`` = ``(req_id,
         extra_args, max_tokens, output tokens before this step or None)`` for ``rows[j]``.
 
-        Returns ``(rows, members, TorchLogitStats)`` or None (nothing chosen, or the engine's
-        stream is capturing a CUDA graph: no allocation or launch may happen then)."""
-        if not rows or capture_gate.capturing():
+        Returns ``(rows, members, StepLogits)`` or None (nothing chosen, or a CUDA graph is being
+        captured)."""
+        if not rows:
             return None
-        import torch
-
-        from llm_otel.telemetry.logits import TorchLogitStats
-
         k = max(int(extra[CARRIER_TOPK_KEY]) for _, extra, _, _ in members)
-        # staged host->device copy: no wait for the engine's stream (a blocking copy would wait
-        # for the forward pass here)
-        index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
-        return rows, members, TorchLogitStats(logits.index_select(0, index), k)
+        captured = capture_rows(logits, rows, k)
+        return None if captured is None else (rows, members, captured)
 
     def _collect(self, plan, sampled: Any, sampled_rows: list[int], live: Any) -> set[str]:
         """After the sampler: one ``(rows, 2k+3)`` transfer (statistics plus the log-probs of the
         tokens in column 0 of ``sampled[sampled_rows]``), then each member's stream is extended;
         streams of requests absent from ``live`` (vLLM's own request map) are emitted. Returns
         the request ids whose streams were emitted."""
-        _, members, device_stats = plan[:3]
-        picked = None
-        if sampled is not None:
-            import torch
-
-            index = torch.tensor(sampled_rows, dtype=torch.long).to(sampled.device, non_blocking=True)
-            picked = sampled.index_select(0, index)[:, 0]
-        stats, sampled_lp = device_stats.to_host(picked)
+        _, members, captured = plan[:3]
+        stats, sampled_lp = captured.to_host(sampled, sampled_rows)
         step = (time.time_ns(), stats, sampled_lp)
         now_mono = time.monotonic()
         done = []

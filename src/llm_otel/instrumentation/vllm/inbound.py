@@ -1,0 +1,84 @@
+"""Where a vLLM frontend request comes from, carried in context variables from the entry point
+that received it to ``OutputProcessor.add_request``, which starts its span: the operation of the
+``LLM`` entry point (``chat`` inside ``LLM.chat``), the OpenAI server's HTTP request (its trace
+headers and headers for the request classes, and whether any engine request was started for it),
+and trace headers handed to ``LLMEngine`` / ``AsyncLLM.add_request`` directly.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+import time
+from typing import Any
+
+from llm_otel.errors import guard
+from llm_otel.propagation import extract_carrier
+
+# Operation of the LLM entry point on this thread/task ("chat" inside LLM.chat).
+OPERATION: contextvars.ContextVar[str | None] = contextvars.ContextVar("llm_otel_vllm_operation", default=None)
+# The HTTP request this task serves (OpenAI server), and trace headers given to AsyncLLM directly.
+INBOUND: contextvars.ContextVar["Inbound | None"] = contextvars.ContextVar("llm_otel_vllm_inbound", default=None)
+ENGINE_CARRIER: contextvars.ContextVar[dict | None] = contextvars.ContextVar("llm_otel_vllm_carrier", default=None)
+
+
+class Inbound:
+    """One HTTP request seen by an OpenAI handler: its valid trace headers, and whether any engine
+    request was started for it (if none was and the handler failed, it was rejected)."""
+
+    __slots__ = ("carrier", "operation", "started", "headers")
+
+    def __init__(self, carrier: dict | None, operation: str, headers: Any = None) -> None:
+        self.carrier = carrier
+        self.operation = operation
+        self.started = 0
+        self.headers = headers  # the inbound request's headers, for request classes (llm_otel.signals)
+
+
+async def in_context(stream, inbound: "Inbound", operation: str):
+    """Iterate ``stream`` with this request's inbound context set; closing us closes it (vLLM
+    aborts the request when its generator is closed by a client disconnect)."""
+    INBOUND.set(inbound)
+    OPERATION.set(operation)
+    try:
+        async for item in stream:
+            yield item
+    finally:
+        await stream.aclose()
+
+
+def traced_handler(errors, hook: str, rejected):
+    """Wrapper of an OpenAI completions/chat handler ``(request, raw_request)``: the HTTP request's
+    trace headers and headers become the task's :data:`INBOUND` (SERVER-kind request spans under
+    them); a request the handler refuses before any engine request started (an exception, or an
+    ``ErrorResponse`` with ``error.type`` / ``.message``) goes to ``rejected(hook, args, kwargs,
+    inbound, arrival_s, error_type, message)``."""
+    operation = "chat" if "chat" in hook.rsplit(".", 1)[-1] else "text_completion"
+
+    async def wrapper(wrapped, instance, args, kwargs):
+        arrival = time.time()
+        inbound = None
+        with guard(hook, errors):
+            raw = kwargs.get("raw_request", args[1] if len(args) > 1 else None)
+            inbound = Inbound(extract_carrier(raw.headers) if raw is not None else None, operation,
+                               raw.headers if raw is not None else None)
+            INBOUND.set(inbound)  # the request's task (and the streaming tasks it starts) see it
+            OPERATION.set(operation)
+        try:
+            result = await wrapped(*args, **kwargs)
+        except Exception as error:
+            if inbound is not None and not inbound.started:
+                rejected(hook, args, kwargs, inbound, arrival, type(error).__qualname__, str(error))
+            raise
+        if inbound is not None and not inbound.started:
+            err = getattr(result, "error", None)
+            if err is not None and hasattr(err, "message"):
+                rejected(hook, args, kwargs, inbound, arrival,
+                         str(getattr(err, "type", None) or "error"), str(err.message))
+        if inbound is not None and inspect.isasyncgen(result):
+            # vLLM runs the handler in a task of its own (with_cancellation) and the response
+            # iterates the stream from another: carry the request's context into that one.
+            return in_context(result, inbound, operation)
+        return result
+
+    return wrapper
