@@ -79,9 +79,9 @@ class OffloadBuffer:
         self.drops = DropCounter(endpoint)
         self._created_pid = os.getpid()
         self._disowned_pid: int | None = None
-        from llm_otel.export import exporters
+        from llm_otel.export.exporters import register
 
-        exporters._EXPORTERS.add(self)  # noqa: SLF001 - disown_inherited() covers this buffer too
+        register(self)  # disown_inherited() covers this buffer too
         self._start_state()
 
     def _start_state(self) -> None:
