@@ -63,9 +63,9 @@ Guarantees:
   (``attributes_dropped``, one log line), not the frame; lists are copied when set, as the SDK does.
 
 **Per-request metrics built there too** (when llm-otel built the meter provider for OTLP: the
-core's metrics outlet, :meth:`~recorder.OffloadOutlets.request_metrics`): a finished request's GenAI observations go as one record
-(:meth:`~llm_otel.telemetry.metrics.Instruments.observations`: values, attribute sets and the
-request span's ids), and the exporter process records them with the same
+core's metrics outlet, :meth:`~recorder.OffloadOutlets.request_metrics`): a finished request's
+GenAI observations go as one record (:meth:`~llm_otel.telemetry.metrics.Instruments.observations`:
+values, attribute sets and the request span's ids), and the exporter process records them with the same
 :meth:`~llm_otel.telemetry.metrics.Instruments.apply` into the same instruments, the exemplar
 context rebuilt from those ids. Other metrics (gauges, the drop counters, the application's own
 meter provider) stay in the serving process.

@@ -143,7 +143,8 @@ def clean_attributes(attributes) -> tuple[dict | None, int]:
 
 
 def clean_record(kind: str, record: tuple) -> tuple[tuple, int]:
-    """A span record (see :meth:`OffloadSpan.end`) or metric record (``push_metric``) with its
+    """A span record (see :meth:`~llm_otel.export.offload.recorder.OffloadSpan.end`) or metric
+    record (``push_metric``) with its
     attributes, event and link attributes cleaned; (record, values dropped)."""
     if kind == "metrics":
         if record[0] == "request":  # a request's observations: its four attribute sets

@@ -219,10 +219,10 @@ class OffloadBuffer:
 
     # --- caller side: O(1), never blocks --------------------------------------------------------
     def push(self, record: tuple, spans: int = 1) -> None:
-        """One span record (:meth:`OffloadSpan.end`), or a tree record
-        (:meth:`OffloadTracer.ship_children`: ``(None, spans, ...)``) from which the exporter
-        process builds ``spans`` spans: one record either way, and a full buffer loses (and
-        counts) all its spans."""
+        """One span record (:meth:`~llm_otel.export.offload.recorder.OffloadSpan.end`), or a tree
+        record (:meth:`~llm_otel.export.offload.recorder.OffloadTracer.ship_children`:
+        ``(None, spans, ...)``) from which the exporter process builds ``spans`` spans: one record
+        either way, and a full buffer loses (and counts) all its spans."""
         if self._pid != _PID[0]:
             if self.disowned:
                 return
@@ -254,7 +254,8 @@ class OffloadBuffer:
 
     # --- writer thread ---------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the writer thread, which starts the exporter process at once (:func:`prewarm`;
+        """Start the writer thread, which starts the exporter process at once
+        (:func:`~llm_otel.export.offload.recorder.prewarm`;
         otherwise the first span or metric observation starts it)."""
         if self._pid == _PID[0] and self._thread is None and not self._closed:
             self._start_thread()
@@ -331,7 +332,8 @@ class OffloadBuffer:
 
     def _encodable(self, frame: tuple) -> tuple:
         """``frame`` (``spans`` or ``metrics``) without what pickle cannot encode: each record that
-        fails is cleaned as the SDK cleans attributes (:func:`clean_attributes`: the invalid
+        fails is cleaned as the SDK cleans attributes
+        (:func:`~llm_otel.export.offload.frames.clean_attributes`: the invalid
         values are dropped and counted); a span that still fails is dropped and counted. One log
         line the first time."""
         kind, records = frame[0], frame[1]
