@@ -45,11 +45,12 @@ def run_mode(mode: str, requests: int) -> dict:
     from micro import one_request
 
     from llm_otel.config import Settings
+    from llm_otel.export.offload import request_outlets
     from llm_otel.export.providers import build_providers
     from llm_otel.telemetry import Telemetry
 
     tp, mp = build_providers(Settings.from_env(), shutdown_on_exit=False)
-    tel = Telemetry(tp, mp)
+    tel = Telemetry(tp, mp, outlets=request_outlets(tp, mp))  # as instrument() wires it
     for _ in range(200):  # warm-up: imports, exporter process start, first gRPC connection
         one_request(tel)
     tp.force_flush(30_000)

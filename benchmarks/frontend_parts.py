@@ -84,11 +84,12 @@ def main() -> None:
     os.environ["OTEL_METRIC_EXPORT_INTERVAL"] = "600000"
     os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = "http://127.0.0.1:9"  # nothing is sent: the writer is held
     from llm_otel.config import Settings
+    from llm_otel.export.offload import request_outlets
     from llm_otel.export.providers import build_providers
     from llm_otel.telemetry import Telemetry
 
     tp, mp = build_providers(Settings.from_env(), shutdown_on_exit=False)
-    tel = Telemetry(tp, mp)
+    tel = Telemetry(tp, mp, outlets=request_outlets(tp, mp))  # as instrument() wires it
     buf = tp.buffer
     buf._lock.acquire()  # noqa: SLF001 - the writer never sends: the caller side alone is timed
     buf.capacity = buf.metric_capacity = 10**9

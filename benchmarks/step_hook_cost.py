@@ -64,12 +64,13 @@ def main() -> None:
                       OTEL_METRIC_EXPORT_INTERVAL="600000", OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9")
     logging.getLogger("llm_otel").setLevel(logging.ERROR)  # the synthetic stamps' clock-domain line
     from llm_otel.config import Settings
+    from llm_otel.export.offload import request_outlets
     from llm_otel.export.providers import build_providers
     from llm_otel.instrumentation.vllm.adapter import VLLMAdapter
     from llm_otel.telemetry import Telemetry
 
     tp, mp = build_providers(Settings.from_env(), shutdown_on_exit=False)
-    telemetry = Telemetry(tp, mp)
+    telemetry = Telemetry(tp, mp, outlets=request_outlets(tp, mp))  # as instrument() wires it
     tp.buffer._lock.acquire()  # noqa: SLF001 - nothing is sent: the caller side alone is timed
     adapter = VLLMAdapter(telemetry)
     two_passes = "pending" in adapter._after_step.__code__.co_varnames  # noqa: SLF001

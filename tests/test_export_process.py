@@ -26,8 +26,7 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from llm_otel.config import Settings
-from llm_otel.export import offload
-from llm_otel.export.offload import BACKLOG, DOWN, OffloadTracerProvider
+from llm_otel.export.offload import BACKLOG, DOWN, OffloadTracerProvider, RemoteInstrument, request_outlets
 from llm_otel.export.providers import build_providers, span_exporter_from_env
 from llm_otel.sampling import UtilizationPolicy, adaptive_sampler
 from llm_otel.semconv import metrics as M
@@ -105,7 +104,8 @@ def test_span_trees_are_identical_to_the_in_process_path(receiver):
         else:
             sdk.add_span_processor(BatchSpanProcessor(span_exporter_from_env(env)))
             tp = sdk
-        telemetry = Telemetry(tp, MeterProvider(metric_readers=[InMemoryMetricReader()]), settings)
+        mp = MeterProvider(metric_readers=[InMemoryMetricReader()])
+        telemetry = Telemetry(tp, mp, settings, outlets=request_outlets(tp, mp))
         _requests(telemetry, tp.get_tracer("test.scope", "1.2", schema_url="https://x/s"), "r")
         assert tp.force_flush(30_000)
         tp.shutdown()
@@ -261,8 +261,9 @@ def test_application_providers_are_used_in_process(receiver, monkeypatch):
     memory = InMemorySpanExporter()
     tp = TracerProvider()
     tp.add_span_processor(SimpleSpanProcessor(memory))
-    telemetry = Telemetry(tp, MeterProvider(metric_readers=[InMemoryMetricReader()]),
-                          Settings(console="off", adaptive_sampling="off"))
+    mp = MeterProvider(metric_readers=[InMemoryMetricReader()])
+    assert request_outlets(tp, mp) is None  # the SDK's provider: everything in process
+    telemetry = Telemetry(tp, mp, Settings(console="off", adaptive_sampling="off"), outlets=request_outlets(tp, mp))
     rec = telemetry.start_request("app", operation="text_completion", provider="vllm", model="m",
                                   arrival_s=time.time(), input_tokens=1)
     rec.on_tokens([1], time.monotonic())
@@ -413,7 +414,7 @@ def test_genai_metrics_are_the_same_and_their_exemplars_point_at_exported_reques
         from llm_otel.signals.kv import KVSpec
 
         telemetry = Telemetry(tp, mp, settings, signals_config=SignalsConfig.from_env(
-            {"LLM_OTEL_TIERS": "standard * e2e=120 ttft=60"}))
+            {"LLM_OTEL_TIERS": "standard * e2e=120 ttft=60"}), outlets=request_outlets(tp, mp))
         telemetry.instruments._rng.seed(3)  # noqa: SLF001 - the same ITL offsets on both paths
         signals, start = telemetry.signals, telemetry.start_request
         kv = KVSpec(layers=2, kv_heads=2, head_dim=8, dtype_bytes=4, block_size=16)
@@ -426,8 +427,8 @@ def test_genai_metrics_are_the_same_and_their_exemplars_point_at_exported_reques
 
         telemetry.start_request = start_request
         # recorded by the exporter process (the same points prove it delivers them) or in process
-        assert isinstance(signals.kv_size, offload._RemoteInstrument) is export_process
-        assert isinstance(signals.slo_checks, offload._RemoteInstrument) is export_process
+        assert isinstance(signals.kv_size, RemoteInstrument) is export_process
+        assert isinstance(signals.slo_checks, RemoteInstrument) is export_process
         assert (telemetry.instruments.sink is not None) is export_process
         _requests(telemetry, tp.get_tracer("t"), "m")
         _choices(telemetry)
@@ -458,13 +459,13 @@ def test_genai_metrics_are_the_same_and_their_exemplars_point_at_exported_reques
 
 def test_metric_observations_a_full_buffer_cannot_take_are_counted(receiver):
     tp, reader = _offload(receiver, Settings(console="off", adaptive_sampling="off", export_process_buffer=1))
-    telemetry = Telemetry(tp, MeterProvider(metric_readers=[InMemoryMetricReader()]),
-                          Settings(console="off", adaptive_sampling="off"))
+    mp = MeterProvider(metric_readers=[InMemoryMetricReader()])
+    telemetry = Telemetry(tp, mp, Settings(console="off", adaptive_sampling="off"), outlets=request_outlets(tp, mp))
     # the application's meter provider (not the one llm-otel built with the exporter process): here
-    assert type(telemetry.instruments.ttft).__name__ != "_RemoteInstrument"
-    from llm_otel.export.offload import _RemoteInstrument
+    assert type(telemetry.instruments.ttft).__name__ != "RemoteInstrument"
+    assert not isinstance(telemetry.instruments.ttft, RemoteInstrument)
 
-    remote = _RemoteInstrument(tp.buffer, "requests")
+    remote = RemoteInstrument(tp.buffer, "requests")
     with tp.buffer._lock:  # noqa: SLF001 - the writer is busy: nothing leaves the buffer
         for _ in range(tp.buffer.metric_capacity + 3):
             remote.add(1, {"a": "b"})
@@ -509,7 +510,7 @@ def test_a_request_metric_record_a_full_buffer_cannot_take_counts_all_its_points
 def test_the_points_of_a_request_record_are_what_apply_records(case):
     """``Instruments.points`` (the drop count of a lost request record) equals the points the real
     SDK instruments receive from ``apply``: histogram counts plus counter increments."""
-    from llm_otel.telemetry.metrics import _NO_TRACE, Instruments
+    from llm_otel.telemetry.metrics import NO_TRACE, Instruments
 
     reader = InMemoryMetricReader()
     instruments = Instruments(MeterProvider(metric_readers=[reader]).get_meter("t"), 1)
@@ -518,7 +519,7 @@ def test_the_points_of_a_request_record_are_what_apply_records(case):
            "error": (sets, True, 0.5, None, None, (), None, 0.002, 7, 0, "boom"),
            "first_choice": (sets, False, 0.5, 0.1, None, [0.3], 20.0, None, 7, 10, None),
            "no_tokens": (sets, True, 0.5, None, None, (), None, None, 7, 0, None)}[case]
-    instruments.apply(obs, _NO_TRACE)
+    instruments.apply(obs, NO_TRACE)
     data = reader.get_metrics_data()
     recorded = sum(p.count if hasattr(p, "count") else p.value for rm in data.resource_metrics
                    for sm in rm.scope_metrics for m in sm.metrics for p in m.data.data_points)

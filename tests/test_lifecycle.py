@@ -19,6 +19,7 @@ from conftest import record_received
 
 from llm_otel.config import Settings
 from llm_otel.export.exporters import ProcessSpanExporter, estimate_span_bytes
+from llm_otel.export.offload import request_outlets
 from llm_otel.export.providers import build_providers
 from llm_otel.telemetry import Telemetry
 
@@ -129,7 +130,7 @@ def test_c17_export_requests_stay_under_the_cap_and_captured_messages_stay_valid
     settings = Settings(capture_content=True, content_max_chars=10_000_000, console="off", adaptive_sampling="off")
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint, "OTEL_METRICS_EXPORTER": "none"}
     tp, mp = build_providers(settings, env=env, shutdown_on_exit=False)
-    telemetry = Telemetry(tp, mp, settings)
+    telemetry = Telemetry(tp, mp, settings, outlets=request_outlets(tp, mp))
     sizes = {f"long-{i}": 400_000 for i in range(12)}  # 12 x 400 kB: one batch of ~5 MB
     sizes["huge"] = 5_000_000  # alone over the 4 MiB a gRPC server accepts
     for rid, n in sizes.items():

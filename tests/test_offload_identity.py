@@ -58,14 +58,14 @@ RELABEL_APP = """
     import os
     from llm_otel.config import Settings
     from llm_otel.export.identity import relabel
-    from llm_otel.export.offload import prewarm
+    from llm_otel.export.offload import prewarm, request_outlets
     from llm_otel.export.providers import build_providers
     from llm_otel.telemetry import Telemetry
 
     settings = Settings(console="off", adaptive_sampling="off")
     tp, mp = build_providers(settings, shutdown_on_exit=False)
     assert prewarm(tp)
-    telemetry = Telemetry(tp, mp, settings)
+    telemetry = Telemetry(tp, mp, settings, outlets=request_outlets(tp, mp))
     tracer = tp.get_tracer("t")
     tracer.start_span("before-relabel").end()
     assert tp.force_flush(30000)

@@ -12,7 +12,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from llm_otel.config import Settings
-from llm_otel.export.offload import OffloadTracerProvider, _RemoteInstrument
+from llm_otel.export.offload import OffloadTracerProvider, RemoteInstrument, request_outlets
 from llm_otel.export.providers import build_providers
 from llm_otel.semconv import metrics as M
 from llm_otel.telemetry import Telemetry
@@ -34,8 +34,8 @@ def _run(receiver, *, flush_before_kill: bool) -> tuple[int, int]:
     assert isinstance(tp, OffloadTracerProvider)
     reader = InMemoryMetricReader()
     tp.buffer.bind(MeterProvider(metric_readers=[reader]))
-    telemetry = Telemetry(tp, mp, settings)
-    assert isinstance(telemetry.instruments.requests, _RemoteInstrument)
+    telemetry = Telemetry(tp, mp, settings, outlets=request_outlets(tp, mp))
+    assert isinstance(telemetry.instruments.requests, RemoteInstrument)
     buffer = tp.buffer
     buffer.respawn_s = 0.0
     for _ in range(10):

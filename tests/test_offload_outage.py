@@ -53,9 +53,10 @@ def _requests_counted_after_an_outage(export_process: bool) -> tuple[int, int]:
                         export_process_buffer=8)
     tp, mp = build_providers(settings, env, shutdown_on_exit=False)
     reader = InMemoryMetricReader()
+    from llm_otel.export.offload import request_outlets
     from llm_otel.telemetry import Telemetry
 
-    telemetry = Telemetry(tp, mp, settings)
+    telemetry = Telemetry(tp, mp, settings, outlets=request_outlets(tp, mp))
     if export_process:
         tp.buffer.bind(MeterProvider(metric_readers=[reader]))
     tracer = tp.get_tracer("t")

@@ -23,8 +23,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from test_export_process import SeededIds  # the same id sequence for both paths
 
 from llm_otel.config import Settings
-from llm_otel.export import offload
-from llm_otel.export.offload import BACKLOG, OffloadBuffer, OffloadTracerProvider, expand_trees
+from llm_otel.export.offload import BACKLOG, OffloadBuffer, OffloadTracerProvider, expand_trees, request_outlets
+from llm_otel.export.offload.frames import span_count
 from llm_otel.sampling import UtilizationPolicy, adaptive_sampler
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import metrics as M
@@ -90,9 +90,9 @@ def _run(sampler, settings: Settings, ship: bool) -> tuple[list[tuple], list[tup
     """(span records as the exporter process would export them, what the serving process handed over)."""
     tp = OffloadTracerProvider(Resource.create({}), sampler, SeededIds(11), "test", 100, {})
     tp.buffer = sink = Sink()  # no exporter process: the records it would get
-    telemetry = Telemetry(tp, MeterProvider(metric_readers=[InMemoryMetricReader()]), settings)
-    if not ship:
-        telemetry.spans._ship = None  # noqa: SLF001 - the in-process build, same tracer and ids
+    mp = MeterProvider(metric_readers=[InMemoryMetricReader()])
+    # without the outlets: the in-process build, same tracer and ids
+    telemetry = Telemetry(tp, mp, settings, outlets=request_outlets(tp, mp) if ship else None)
     _requests(telemetry)
     records, lost = expand_trees(sink.records)
     assert lost == 0
@@ -147,7 +147,7 @@ def test_a_tree_that_cannot_be_built_loses_the_spans_it_announced(caplog):
     records, lost = expand_trees([span, broken])
     assert lost == 2 and records == [span]
     assert len([r for r in caplog.records if "cannot build" in r.getMessage()]) <= 1
-    assert offload._span_count([span, tree]) == 3  # noqa: SLF001 - what the pipe's accounting counts
+    assert span_count([span, tree]) == 3  # what the pipe's accounting counts
 
 
 def test_a_full_buffer_counts_every_span_of_the_trees_it_drops(receiver):
@@ -157,8 +157,8 @@ def test_a_full_buffer_counts_every_span_of_the_trees_it_drops(receiver):
     tp = OffloadTracerProvider(Resource.create({}), ALWAYS_ON, SeededIds(3), "rx", 2, env)
     assert isinstance(tp.buffer, OffloadBuffer)
     tp.buffer.bind(MeterProvider(metric_readers=[reader]))
-    telemetry = Telemetry(tp, MeterProvider(metric_readers=[InMemoryMetricReader()]),
-                          Settings(console="off", adaptive_sampling="off"))
+    mp = MeterProvider(metric_readers=[InMemoryMetricReader()])
+    telemetry = Telemetry(tp, mp, Settings(console="off", adaptive_sampling="off"), outlets=request_outlets(tp, mp))
     with tp.buffer._lock:  # noqa: SLF001 - the writer is busy: nothing leaves the buffer
         _requests(telemetry)  # 6 requests: request span + tree each; room for 2 records
     dropped = 0

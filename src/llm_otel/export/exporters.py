@@ -57,6 +57,14 @@ _NUMBER_SIZE = 11
 _EXPORTERS: "weakref.WeakSet[_PerProcess]" = weakref.WeakSet()
 
 
+def register(exporter) -> None:
+    """Have :func:`disown_inherited` cover ``exporter`` too (held weakly); it keeps
+    ``_created_pid`` (the pid that created it) and ``_disowned_pid`` (set here in a process that
+    disowned it), as this module's exporters do (the exporter process's buffer,
+    :class:`~llm_otel.export.offload.writer.OffloadBuffer`)."""
+    _EXPORTERS.add(exporter)
+
+
 def disown_inherited() -> int:
     """In a forked process: every exporter created by an ancestor process drops what it is given
     from now on (returns how many). Called by a vLLM engine process forked from the frontend before

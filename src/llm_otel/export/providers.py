@@ -192,7 +192,7 @@ def build_providers_and_sampling(settings: Settings, env: Mapping[str, str] | No
     if offload:
         # spans leave this process as compact records; the SDK provider above is only the
         # source of its sampler (the env default when None) and id generator
-        from llm_otel.export.offload import OffloadTracerProvider
+        from llm_otel.export.offload.recorder import OffloadTracerProvider
 
         span_exporter.shutdown()  # its twin is built in the exporter process
         tracer_provider = OffloadTracerProvider(resource, tracer_provider.sampler, tracer_provider.id_generator,
@@ -227,7 +227,7 @@ def build_providers_and_sampling(settings: Settings, env: Mapping[str, str] | No
     meter_provider = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=shutdown_on_exit)
     if metric_exporter is not None and getattr(tracer_provider, "buffer", None) is not None:
         # the GenAI request metrics may be recorded by the exporter process too (over OTLP, same
-        # resource): Telemetry asks llm_otel.export.offload.offload_instruments; Prometheus and
+        # resource): llm_otel.export.offload.request_outlets hands them to Telemetry; Prometheus and
         # console metrics are read in this process and stay here; so do all other metrics
         tracer_provider.metrics_with = meter_provider
     if span_exporter is not None:

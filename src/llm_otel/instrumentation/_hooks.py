@@ -253,13 +253,15 @@ def telemetry_on_first_use(kwargs: dict[str, Any], scope: str):
     tool the application starts) gets no global providers and no exporter process from it.
     Raises :class:`llm_otel.config.ConfigError` for an invalid exporter setting."""
     from llm_otel._setup import ensure_providers
+    from llm_otel.export.offload import request_outlets
     from llm_otel.telemetry import Telemetry
 
     tracer_provider, meter_provider = kwargs.get("tracer_provider"), kwargs.get("meter_provider")
     sampling = kwargs.get("sampling")
     if tracer_provider is None and meter_provider is None:
         sampling = ensure_providers(kwargs["settings"]) or sampling
-    return Telemetry(tracer_provider, meter_provider, kwargs["settings"], scope=scope, sampling=sampling)
+    return Telemetry(tracer_provider, meter_provider, kwargs["settings"], scope=scope, sampling=sampling,
+                     outlets=request_outlets(tracer_provider, meter_provider))
 
 
 def flush_after_later_exit_handlers() -> None:

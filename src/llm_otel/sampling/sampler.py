@@ -26,7 +26,8 @@ from llm_otel.sampling.occupancy import EngineOccupancy, default_poller
 from llm_otel.sampling.policy import UtilizationPolicy, quantize_threshold
 from llm_otel.semconv import attributes as A
 
-__all__ = ["AdaptiveRootSampler", "Sampling", "adaptive_sampler", "sampling_of", "traces_sampler_factory"]
+__all__ = ["AdaptiveRootSampler", "Sampling", "adaptive_sampler", "decides_children_by_parent", "sampling_of",
+           "traces_sampler_factory"]
 
 logger = logging.getLogger("llm_otel")
 
@@ -220,6 +221,21 @@ def sampling_of(tracer_provider) -> Sampling | None:
     sampler = getattr(tracer_provider, "sampler", None)
     return sampler.sampling if isinstance(sampler, _AdaptiveSampler) else None
 
+
+def decides_children_by_parent(sampler) -> bool:
+    """True for samplers whose decision for a child with a valid parent depends on the parent
+    alone (whatever the child's name and attributes): the SDK's ``StaticSampler`` (always_on/off),
+    ``ParentBased`` with its default delegates for parents (and its ``TraceIdRatio`` root
+    variant), llm-otel's adaptive sampler (parent threshold for children)."""
+    from opentelemetry.sdk.trace import sampling
+
+    if type(sampler) in (sampling.StaticSampler, _AdaptiveSampler):
+        return True
+    if type(sampler) in (sampling.ParentBased, sampling.ParentBasedTraceIdRatio):
+        return all(type(getattr(sampler, name, None)) is sampling.StaticSampler for name in (
+            "_remote_parent_sampled", "_remote_parent_not_sampled", "_local_parent_sampled",
+            "_local_parent_not_sampled"))
+    return False
 
 
 def traces_sampler_factory(arg: str | None = None, traces_per_s: float | None = None) -> Sampler:

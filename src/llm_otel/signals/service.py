@@ -38,7 +38,7 @@ GIB = float(1 << 30)
 def request_instruments(meter: Meter) -> tuple:
     """``(llm.server.request.kv_cache.size histogram, llm.server.slo.checks counter)`` of ``meter``:
     the per-request signal instruments, created the same way in the serving process
-    (:class:`Signals`) and in the exporter process (``llm_otel.export.offload``)."""
+    (:class:`Signals`) and in the exporter process (``llm_otel.export.offload.replay``)."""
     kv_size = meter.create_histogram(
         M.LLM_SERVER_REQUEST_KV_CACHE_SIZE, unit=M.LLM_SERVER_REQUEST_KV_CACHE_SIZE_UNIT,
         description="Estimated KV-cache bytes per request at admission and finish.",
@@ -60,11 +60,15 @@ class Signals:
         config: :class:`SignalsConfig` (from the environment when None).
         poller: a :class:`llm_otel.gpu.nvml.UtilizationPoller` to share (the adaptive sampler's);
             one on NVML is created at :meth:`start` when None.
+        instruments: ``(kv_size, slo_checks)`` stand-ins that record the per-request
+            observations elsewhere (the exporter process, when llm-otel built the providers; made
+            by the core's metrics outlet); None: :func:`request_instruments` of ``meter``.
     """
 
     error_key = "telemetry.signals"  # lifecycle listener: its failures count under this hook name
 
-    def __init__(self, meter: Meter, config: SignalsConfig | None = None, poller: Any = None) -> None:
+    def __init__(self, meter: Meter, config: SignalsConfig | None = None, poller: Any = None,
+                 instruments: tuple | None = None) -> None:
         self.config = cfg = config or SignalsConfig.from_env()
         self.tiers = cfg.tiers
         self.poller = poller
@@ -81,8 +85,8 @@ class Signals:
             for reason in ClassExtractor.REASONS:
                 self._collapsed.add(0, {A.LLM_REQUEST_CLASS_KEY: dim, A.LLM_REQUEST_CLASS_REASON: reason})
         # per-request instruments: recorded in the exporter process when llm-otel built the providers
-        # (llm_otel.export.offload.offload_instruments replaces them with remote stand-ins)
-        self.kv_size, self.slo_checks = request_instruments(meter)
+        # (stand-ins handed in), else on this meter
+        self.kv_size, self.slo_checks = instruments if instruments is not None else request_instruments(meter)
         for name, callback, unit, description in (
                 (M.LLM_SERVER_TOKEN_EFFICIENCY, self._observe_efficiency, M.LLM_SERVER_TOKEN_EFFICIENCY_UNIT,
                  "Output tokens/s per GiB of GPU memory in use."),

@@ -37,6 +37,7 @@ from llm_otel.signals import Signals, SignalsConfig
 from llm_otel.telemetry.client import ClientCalls
 from llm_otel.telemetry.errors import HookErrors, guard
 from llm_otel.telemetry.metrics import Instruments
+from llm_otel.telemetry.outlets import RequestOutlets
 from llm_otel.telemetry.record import RequestRecord
 from llm_otel.telemetry.spans import SpanBuilder
 from llm_otel.telemetry.stages import StageRecord, emit_stage
@@ -72,6 +73,10 @@ class Telemetry:
         sampling: the parts of llm-otel's adaptive sampler the tracer provider was built with
             (:class:`llm_otel.sampling.Sampling`, as ``build_providers_and_sampling`` returns them);
             None: those of the provider's own sampler when it is llm-otel's, else none.
+        outlets: where finished requests' child spans and per-request metric observations go
+            when they are not built and recorded here (:class:`~llm_otel.telemetry.outlets.RequestOutlets`:
+            the exporter process's, ``llm_otel.export.offload.request_outlets(tracer_provider,
+            meter_provider)``); None: everything in process.
 
     Request lifecycle listeners (:mod:`llm_otel.listeners`): the GenAI metrics, the sampler's
     drift detector and :attr:`signals` see every request's start, steps and finish; adapters call
@@ -85,16 +90,22 @@ class Telemetry:
     def __init__(self, tracer_provider: TracerProvider | None = None,
                  meter_provider: MeterProvider | None = None,
                  settings: Settings | None = None, scope: str = "llm_otel",
-                 signals_config: SignalsConfig | None = None, sampling: Sampling | None = None) -> None:
+                 signals_config: SignalsConfig | None = None, sampling: Sampling | None = None,
+                 outlets: RequestOutlets | None = None) -> None:
         from llm_otel.version import __version__
 
         self.settings = settings or Settings.from_env()
         self.tracer = trace.get_tracer(scope, __version__, tracer_provider, schema_url=SCHEMA_URL)
         meter = get_meter(scope, __version__, meter_provider, schema_url=SCHEMA_URL)
         self.meter = meter
-        self.instruments = Instruments(meter, self.settings.itl_sample_every)
+        # per-request metrics recorded elsewhere (the exporter process) when the outlets say so; the
+        # signals' per-request observations (KV size, SLO checks) go the same way
+        metrics_outlet = outlets.request_metrics((scope, __version__, SCHEMA_URL), self.settings.itl_sample_every) \
+            if outlets is not None else None
+        self.instruments = Instruments(meter, self.settings.itl_sample_every, metrics_outlet)
         self.errors = HookErrors(meter)
-        self.spans = SpanBuilder(self.tracer, self.settings)
+        self.spans = SpanBuilder(self.tracer, self.settings,
+                                 outlets.span_tree(self.tracer) if outlets is not None else None)
         provider = tracer_provider if tracer_provider is not None else trace.get_tracer_provider()
         # llm-otel's adaptive sampler as whoever built the providers handed it over (instrument()
         # passes what build_providers_and_sampling returned), or as the application built its
@@ -106,17 +117,9 @@ class Telemetry:
         # request classes, tiers, KV footprint, VRAM pressure, health; the signals (health score,
         # token efficiency) share the sampler's poller only when it reads GPU utilisation
         signals = Signals(meter, signals_config or self.settings.signals,
-                          poller=self.sampling.gpu_poller if self.sampling is not None else None)
-        # spans in an exporter process (llm_otel.export.offload): the per-request GenAI metrics and
-        # the signals' per-request observations go there too when the meter provider is the one
-        # llm-otel built with it for OTLP
-        from opentelemetry.metrics import get_meter_provider
-
-        from llm_otel.export.offload import offload_instruments
-
-        offload_instruments(self.instruments, provider,
-                            meter_provider if meter_provider is not None else get_meter_provider(),
-                            (scope, __version__, SCHEMA_URL), signals=signals)
+                          poller=self.sampling.gpu_poller if self.sampling is not None else None,
+                          instruments=None if metrics_outlet is None else (
+                              metrics_outlet.instrument("kv_size"), metrics_outlet.instrument("slo_checks")))
         # lifecycle listeners (llm_otel.listeners), in the order they observe a finished request:
         # metrics, the sampler's drift detector, the serving signals
         self._fixed_listeners = (_MetricsListener(self.instruments),) + (

@@ -24,6 +24,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from llm_otel.errors import process_errors
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import metrics as M
+from llm_otel.telemetry.outlets import MetricsOutlet
 from llm_otel.telemetry.record import RequestRecord
 
 logger = logging.getLogger("llm_otel")
@@ -33,8 +34,9 @@ OTHER = "_OTHER"  # OpenTelemetry's fallback value for error.type
 MAX_ATTRIBUTE_SETS = 256  # distinct per-request metric attribute sets kept (Instruments._attribute_sets)
 # Context for observations that must not pick up an exemplar from whatever span is current when
 # the engine finishes a request (the SDK falls back to the current context for None - and for an
-# empty Context, which is falsy): the invalid span is never sampled.
-_NO_TRACE = trace.set_span_in_context(trace.INVALID_SPAN)
+# empty Context, which is falsy): the invalid span is never sampled. The exporter process records
+# observations without an exemplar with it too.
+NO_TRACE = trace.set_span_in_context(trace.INVALID_SPAN)
 
 
 class Instruments:
@@ -61,33 +63,39 @@ class Instruments:
     time once per choice. So the counts add up to what the engine served (one prompt, n outputs).
     """
 
-    def __init__(self, meter: Meter, itl_every: int = 1) -> None:
+    def __init__(self, meter: Meter, itl_every: int = 1, outlet: MetricsOutlet | None = None) -> None:
         if itl_every < 1:
             raise ValueError(f"itl_every must be >= 1, got {itl_every}")
         self.itl_every = int(itl_every)
         self._rng = random.Random()  # own generator: engines seed the global one identically everywhere
+        # ``sink(observations, span context or None)``: with an outlet (the exporter process records
+        # the per-request metrics) a finished request's observations go there as one record
+        self.sink = outlet.push_request if outlet is not None else None
 
-        def hist(name: str, unit: str, buckets: tuple[float, ...], description: str):
+        def hist(attr: str, name: str, unit: str, buckets: tuple[float, ...], description: str):
+            if outlet is not None:  # recorded elsewhere: the outlet's stand-in for this attribute
+                return outlet.instrument(attr)
             return meter.create_histogram(name, unit=unit, description=description,
                                           explicit_bucket_boundaries_advisory=list(buckets))
 
         self.meter = meter
-        self.ttft = hist(M.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN, M.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN_UNIT,
+        self.ttft = hist("ttft", M.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN, M.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN_UNIT,
                          M.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN_BUCKETS, "Time to generate first token for successful responses.")
-        self.tpot = hist(M.GEN_AI_SERVER_TIME_PER_OUTPUT_TOKEN, M.GEN_AI_SERVER_TIME_PER_OUTPUT_TOKEN_UNIT,
+        self.tpot = hist("tpot", M.GEN_AI_SERVER_TIME_PER_OUTPUT_TOKEN, M.GEN_AI_SERVER_TIME_PER_OUTPUT_TOKEN_UNIT,
                          M.GEN_AI_SERVER_TIME_PER_OUTPUT_TOKEN_BUCKETS, "Time per output token generated after the first token for successful responses.")
-        self.duration = hist(M.GEN_AI_SERVER_REQUEST_DURATION, M.GEN_AI_SERVER_REQUEST_DURATION_UNIT,
+        self.duration = hist("duration", M.GEN_AI_SERVER_REQUEST_DURATION, M.GEN_AI_SERVER_REQUEST_DURATION_UNIT,
                              M.GEN_AI_SERVER_REQUEST_DURATION_BUCKETS, "Generative AI server request duration.")
-        self.tokens = hist(M.LLM_SERVER_TOKEN_USAGE, M.LLM_SERVER_TOKEN_USAGE_UNIT,
+        self.tokens = hist("tokens", M.LLM_SERVER_TOKEN_USAGE, M.LLM_SERVER_TOKEN_USAGE_UNIT,
                            M.LLM_SERVER_TOKEN_USAGE_BUCKETS, "Input and output tokens per request.")
-        self.queue = hist(M.LLM_SERVER_REQUEST_QUEUE_TIME, M.LLM_SERVER_REQUEST_QUEUE_TIME_UNIT,
+        self.queue = hist("queue", M.LLM_SERVER_REQUEST_QUEUE_TIME, M.LLM_SERVER_REQUEST_QUEUE_TIME_UNIT,
                           M.LLM_SERVER_REQUEST_QUEUE_TIME_BUCKETS, "Seconds requests waited in the scheduler queue.")
-        self.itl = hist(M.LLM_SERVER_INTER_TOKEN_LATENCY, M.LLM_SERVER_INTER_TOKEN_LATENCY_UNIT,
+        self.itl = hist("itl", M.LLM_SERVER_INTER_TOKEN_LATENCY, M.LLM_SERVER_INTER_TOKEN_LATENCY_UNIT,
                         M.LLM_SERVER_INTER_TOKEN_LATENCY_BUCKETS, "Seconds between token-producing engine steps of a request, per token.")
-        self.token_rate = hist(M.LLM_SERVER_OUTPUT_TOKEN_RATE, M.LLM_SERVER_OUTPUT_TOKEN_RATE_UNIT,
+        self.token_rate = hist("token_rate", M.LLM_SERVER_OUTPUT_TOKEN_RATE, M.LLM_SERVER_OUTPUT_TOKEN_RATE_UNIT,
                                M.LLM_SERVER_OUTPUT_TOKEN_RATE_BUCKETS, "Output tokens per second of request duration.")
-        self.requests = meter.create_counter(M.LLM_SERVER_REQUESTS, unit=M.LLM_SERVER_REQUESTS_UNIT,
-                                             description="Finished and rejected requests by finish reason and error.type.")
+        self.requests = outlet.instrument("requests") if outlet is not None else meter.create_counter(
+            M.LLM_SERVER_REQUESTS, unit=M.LLM_SERVER_REQUESTS_UNIT,
+            description="Finished and rejected requests by finish reason and error.type.")
         self._error_types: set[str] = set()
         self._attr_sets: dict[tuple, tuple[dict, dict, dict, dict]] = {}  # see _attribute_sets
         self._error_lock = threading.Lock()
@@ -110,20 +118,16 @@ class Instruments:
     def record(self, rec: RequestRecord, duration_s: float) -> None:
         """Record one finished request; ``duration_s`` is arrival -> finish in seconds.
 
-        Observations carry the request span's context when it is sampled (exemplars). With
-        :attr:`sink` set (the exporter process records them: :func:`llm_otel.export.offload.offload_instruments`)
-        the request's observations go there as one record (:meth:`observations`) with the
-        request span's context, and the exporter process's :meth:`apply` records them."""
+        Observations carry the request span's context when it is sampled (exemplars). With a
+        metrics outlet (:class:`~llm_otel.telemetry.outlets.MetricsOutlet`, e.g. the exporter
+        process records them) the request's observations go there as one record
+        (:meth:`observations`) with the request span's context, and :meth:`apply` records them there."""
         obs = self.observations(rec, duration_s)
         sink = self.sink
         if sink is not None:
             sink(obs, rec.span.get_span_context() if rec.recording else None)
         else:
-            self.apply(obs, trace.set_span_in_context(rec.span) if rec.recording else _NO_TRACE)
-
-    # set by llm_otel.export.offload.offload_instruments: ``sink(observations, span context or
-    # None)`` hands one finished request's observations to the exporter process
-    sink = None
+            self.apply(obs, trace.set_span_in_context(rec.span) if rec.recording else NO_TRACE)
 
     def observations(self, rec: RequestRecord, duration_s: float) -> tuple:
         """One finished request's GenAI observations as one compact tuple of plain values (what
@@ -154,7 +158,7 @@ class Instruments:
 
     def apply(self, obs: tuple, ctx) -> None:
         """Record one request's :meth:`observations` with ``ctx`` (the request span's context for
-        exemplars, or :data:`_NO_TRACE`): the same instruments, values, attributes and order in the
+        exemplars, or :data:`NO_TRACE`): the same instruments, values, attributes and order in the
         serving process and in the exporter process. Token counts never carry the exemplar; of
         the ITL gaps only the largest does (the bucket's exemplar then leads to a request that
         stalled there)."""
@@ -171,7 +175,7 @@ class Instruments:
                 worst = max(range(len(gaps)), key=gaps.__getitem__)
                 record = self.itl.record
                 for i, gap in enumerate(gaps):
-                    record(gap, attrs, ctx if i == worst else _NO_TRACE)
+                    record(gap, attrs, ctx if i == worst else NO_TRACE)
             if token_rate is not None:
                 self.token_rate.record(token_rate, attrs, ctx)
         else:
@@ -183,8 +187,8 @@ class Instruments:
         if queue is not None:
             self.queue.record(queue, attrs, ctx)
         if whole:
-            self.tokens.record(input_tokens, input_attrs, _NO_TRACE)
-        self.tokens.record(output_tokens, output_attrs, _NO_TRACE)
+            self.tokens.record(input_tokens, input_attrs, NO_TRACE)
+        self.tokens.record(output_tokens, output_attrs, NO_TRACE)
 
     @staticmethod
     def points(obs: tuple) -> int:
@@ -246,7 +250,7 @@ class Instruments:
         """A request the engine refused: ``attrs`` are operation, provider, model and ``error.type``;
         ``ctx`` the context of its (sampled) error span, for the exemplar."""
         attrs = {**attrs, A.ERROR_TYPE: self.error_type(str(attrs.get(A.ERROR_TYPE, OTHER)))}
-        ctx = ctx if ctx is not None else _NO_TRACE
+        ctx = ctx if ctx is not None else NO_TRACE
         self.duration.record(duration_s, attrs, ctx)
         self.requests.add(1, attrs, ctx)
 

@@ -19,6 +19,7 @@ from llm_otel.config import Settings
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import spans as S
 from llm_otel.telemetry import logits
+from llm_otel.telemetry.outlets import SpanTreeOutlet
 from llm_otel.telemetry.record import RequestRecord
 
 
@@ -43,17 +44,17 @@ def _percentiles(values) -> tuple[float, float, float, float]:
 class SpanBuilder:
     """Emits ``llm.prompt`` / ``llm.token_stream`` / ``llm.logit_dist`` under a request span.
 
-    When ``tracer`` sends its spans to an exporter process (an
-    :class:`~llm_otel.export.offload.OffloadTracer` with ``ship_children``), ``llm.prompt`` and
-    ``llm.token_stream`` are built there from the record's raw arrays by this same class
-    (:meth:`children`); their ids and sampling decisions are still made here.
+    With a ``tree_outlet`` (:class:`~llm_otel.telemetry.outlets.SpanTreeOutlet`: the tracer's
+    spans go to an exporter process, which builds them), ``llm.prompt`` and ``llm.token_stream``
+    are built there from the record's raw arrays by this same class (:meth:`children`); their ids
+    and sampling decisions are still made here.
     """
 
-    def __init__(self, tracer: Tracer, settings: Settings) -> None:
+    def __init__(self, tracer: Tracer, settings: Settings, tree_outlet: SpanTreeOutlet | None = None) -> None:
         self.tracer = tracer
         self.settings = settings
-        # OffloadTracer.ship_children(rec, end_ns, settings) -> bool, else None (SDK / application tracer)
-        self._ship = getattr(tracer, "ship_children", None)
+        # ship_children(rec, end_ns, settings) -> bool, or None: the children are built here
+        self._ship = tree_outlet.ship_children if tree_outlet is not None else None
 
     def emit(self, rec: RequestRecord, end_ns: int) -> None:
         """Finish ``rec.span`` at ``end_ns`` (epoch ns) after creating its children.

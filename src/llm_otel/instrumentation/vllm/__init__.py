@@ -148,6 +148,7 @@ class VLLMInstrumentor(BaseInstrumentor):
 
     def _activate(self, **kwargs: Any) -> None:
         from llm_otel._setup import ensure_providers
+        from llm_otel.export.offload import request_outlets
         from llm_otel.instrumentation.vllm import plugin
 
         self._pending = None
@@ -162,7 +163,8 @@ class VLLMInstrumentor(BaseInstrumentor):
             else:
                 tracer_provider, meter_provider = plugin.engine_process_providers(role)
                 sampling = None  # engine processes sample as their parent decided (SDK default)
-        telemetry = Telemetry(tracer_provider, meter_provider, settings, scope=__name__, sampling=sampling)
+        telemetry = Telemetry(tracer_provider, meter_provider, settings, scope=__name__, sampling=sampling,
+                              outlets=request_outlets(tracer_provider, meter_provider))
         if role == "frontend":  # where requests start: the head-sampling probability applies here
             from opentelemetry import trace
 
