@@ -159,7 +159,11 @@ def doctor(env=None, out=None, *, api_servers: int = 1, dp_size: int = 1, serve_
     from opentelemetry.sdk.trace.export import SpanExportResult
 
     from llm_otel.config import ConfigError, Settings, validate_exporter_env
-    from llm_otel.export.providers import exporter_choice, metric_exporter_from_env, span_exporter_from_env
+    from llm_otel.export.providers import (
+        exporter_choice,
+        metric_exporter_from_env,
+        span_exporter_from_env,
+    )
 
     env = os.environ if env is None else env
     out = out or sys.stdout
@@ -212,7 +216,10 @@ def doctor(env=None, out=None, *, api_servers: int = 1, dp_size: int = 1, serve_
         return 1
     if metric_exporter is not None:
         from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricExportResult
+        from opentelemetry.sdk.metrics.export import (
+            InMemoryMetricReader,
+            MetricExportResult,
+        )
 
         reader = InMemoryMetricReader()
         MeterProvider(metric_readers=[reader]).get_meter("llm_otel.doctor").create_counter(

@@ -147,7 +147,7 @@ class guard:  # noqa: N801 - used like a function: ``with guard("site"):``
         self.message = message
         self.failed = False
 
-    def __enter__(self) -> "guard":
+    def __enter__(self) -> guard:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:

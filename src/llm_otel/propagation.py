@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context

@@ -49,7 +49,7 @@ import shutil
 import sysconfig
 import tempfile
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 __all__ = [
     "BUILD_FORMAT",
@@ -360,7 +360,14 @@ def _corpus() -> list[str]:
 
 
 def _build_tokenizer(out: pathlib.Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     pad, bos, eos, unk = SPECIAL_TOKENS[:4]

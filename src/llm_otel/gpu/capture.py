@@ -31,7 +31,8 @@ import contextlib
 import logging
 import sys
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from llm_otel.errors import process_errors
 

@@ -65,7 +65,7 @@ class NvmlSource:
         """Per visible device: (NVML index, utilisation fraction over NVML's last sample period,
         memory used bytes, memory total bytes). Raises any NVML error."""
         out = []
-        for index, h in zip(self.indices, self._handles):
+        for index, h in zip(self.indices, self._handles, strict=True):  # one handle per index, built together
             info = self._nvml.nvmlDeviceGetMemoryInfo(h)
             out.append((index, self._nvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0,
                         int(info.used), int(info.total)))
@@ -101,7 +101,7 @@ class UtilizationPoller:
         self.owner = None  # weakref to the tracer provider whose collection stops it (build_providers)
 
     @classmethod
-    def from_nvml(cls, period_s: float = 1.0, alpha: float = 0.3) -> "UtilizationPoller":
+    def from_nvml(cls, period_s: float = 1.0, alpha: float = 0.3) -> UtilizationPoller:
         """A poller on NVML, or an unavailable one (logged once) when NVML cannot be used."""
         try:
             return cls(NvmlSource(), period_s, alpha)
@@ -124,7 +124,7 @@ class UtilizationPoller:
             self.alpha * value + (1 - self.alpha) * self.utilization
         return self.utilization
 
-    def start(self) -> "UtilizationPoller":
+    def start(self) -> UtilizationPoller:
         if self.source is None or self._thread is not None:
             return self
 

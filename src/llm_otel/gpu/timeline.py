@@ -32,7 +32,15 @@ from typing import Any
 
 from llm_otel.errors import process_errors
 from llm_otel.gpu.capture import capture_gate
-from llm_otel.gpu.ring import KIND_BEGIN, KIND_END, CupyRing, RingBackend, RingError, fallback_warning, make_ring
+from llm_otel.gpu.ring import (
+    KIND_BEGIN,
+    KIND_END,
+    CupyRing,
+    RingBackend,
+    RingError,
+    fallback_warning,
+    make_ring,
+)
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import metrics as M
 

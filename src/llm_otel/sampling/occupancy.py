@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from llm_otel.errors import process_errors
 
@@ -32,7 +32,7 @@ class EngineOccupancy:
         self._lock = threading.Lock()
         self.on_attach = on_attach  # an idempotent poller.start: no thread until an engine attaches
 
-    def attach(self, source: Callable[[], "tuple[int, int] | None"]) -> None:
+    def attach(self, source: Callable[[], tuple[int, int] | None]) -> None:
         """Add one engine's ``source() -> (requests, capacity) | None``, then run ``on_attach``
         (errors logged, never raised)."""
         with self._lock:

@@ -6,7 +6,7 @@ import logging
 import math
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace._sampling_experimental import (
@@ -20,8 +20,7 @@ from opentelemetry.sdk.trace.sampling import Sampler, SamplingResult
 
 from llm_otel.errors import process_errors
 from llm_otel.sampling.budget import TraceBudget, trace_budget
-from llm_otel.sampling.drift import DriftDetector
-from llm_otel.sampling.drift import DriftListener
+from llm_otel.sampling.drift import DriftDetector, DriftListener
 from llm_otel.sampling.occupancy import EngineOccupancy, default_poller
 from llm_otel.sampling.policy import UtilizationPolicy, quantize_threshold
 from llm_otel.semconv import attributes as A
@@ -230,7 +229,8 @@ def traces_sampler_factory(arg: str | None = None, traces_per_s: float | None = 
     ``LLM_OTEL_TRACES_PER_S`` from the environment (the SDK configurator passes only ``arg``).
     Raises ConfigError for a bad argument or budget.
     """
-    from llm_otel.config import ConfigError, traces_per_s as configured_traces_per_s
+    from llm_otel.config import ConfigError
+    from llm_otel.config import traces_per_s as configured_traces_per_s
 
     floor, ceiling = 0.01, 1.0
     if arg:

@@ -23,8 +23,8 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Mapping
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -213,7 +213,7 @@ class HealthServer:
                 "reasons": reasons}
         return (503 if reasons else 200), body
 
-    def start(self) -> "HealthServer":
+    def start(self) -> HealthServer:
         if self._thread is None:
             self._thread = threading.Thread(target=self._httpd.serve_forever, name="llm-otel-healthz", daemon=True)
             self._thread.start()
