@@ -25,7 +25,7 @@ This module imports nothing from llm-otel, so that every subsystem can name thes
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 __all__ = ["RequestFacts", "SpanNotes", "RequestListener", "token_hooks"]
@@ -73,7 +73,7 @@ class RequestListener(Protocol):
     on_finish: Callable[[Any, float], SpanNotes | None] | None  # (record, duration seconds)
 
 
-def token_hooks(listeners) -> tuple:
+def token_hooks(listeners: Iterable[object]) -> tuple[Callable[[int, float], None], ...]:
     """The bound ``on_tokens`` methods of ``listeners`` that have one, in order."""
     return tuple(hook for hook in (getattr(listener, "on_tokens", None) for listener in listeners)
                  if hook is not None)
