@@ -51,7 +51,7 @@ class CaptureGate:
         self._lock = threading.Lock()
         self.active = 0
         self.skipped = 0
-        self._installed: dict[type, tuple[Any, Any]] = {}
+        self._installed: dict[Any, tuple[Any, Any]] = {}  # graph class -> original methods
 
     # --- the capture side (engine thread, through the wrapped CUDAGraph methods) --------------
     def capture_started(self) -> None:
@@ -127,7 +127,9 @@ class CaptureGate:
             finally:
                 gate.capture_ended()
 
-        for name, fn, orig in (("capture_begin", capture_begin, begin), ("capture_end", capture_end, end)):
+        wrappers: tuple[tuple[str, Any, Any], ...] = (("capture_begin", capture_begin, begin),
+                                                      ("capture_end", capture_end, end))
+        for name, fn, orig in wrappers:
             fn.__name__, fn.__qualname__, fn.__doc__ = orig.__name__, orig.__qualname__, orig.__doc__
             fn.__wrapped__ = orig
             setattr(graph_cls, name, fn)
