@@ -44,7 +44,7 @@ def score(factors: Mapping[str, float | None], weights: Mapping[str, float]) -> 
         return 1.0, "none"
     value = sum(weights[f] * v for f, v in factors.items() if v is not None) / total
     deficits = {f: weights[f] * (1.0 - v) for f, v in factors.items() if v is not None}
-    dominant = max(deficits, key=deficits.get)
+    dominant = max(deficits, key=deficits.__getitem__)
     if deficits[dominant] <= 1e-12:
         dominant = "none"
     return min(1.0, max(0.0, value)), dominant
@@ -66,7 +66,8 @@ class HealthScore:
     def __init__(self, weights: Mapping[str, float] | None = None, latency_target_s: float = 1.0,
                  max_error_rate: float = 0.05, gpu_knee: float = 0.85, warmup_s: float = 60.0,
                  window_s: float = 300.0, max_samples: int = 4096,
-                 utilization: Callable[[], float | None] | None = None, clock=time.monotonic) -> None:
+                 utilization: Callable[[], float | None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.weights = {f: float((weights or DEFAULT_WEIGHTS).get(f, 0.0)) for f in FACTORS}
         self.latency_target_s = latency_target_s
         self.max_error_rate = max_error_rate
