@@ -113,7 +113,7 @@ class CaptureGate:
             return False
         gate = self
 
-        def capture_begin(graph, *args, **kwargs):
+        def capture_begin(graph: Any, *args: Any, **kwargs: Any) -> Any:
             gate.capture_started()
             try:
                 return begin(graph, *args, **kwargs)
@@ -121,7 +121,7 @@ class CaptureGate:
                 gate.capture_ended()
                 raise
 
-        def capture_end(graph, *args, **kwargs):
+        def capture_end(graph: Any, *args: Any, **kwargs: Any) -> Any:
             try:
                 return end(graph, *args, **kwargs)
             finally:

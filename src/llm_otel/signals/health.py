@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -180,13 +181,13 @@ class HealthServer:
                 if with_body:
                     self.wfile.write(data)
 
-            def do_GET(self):  # noqa: N802 - http.server API
+            def do_GET(self) -> None:  # noqa: N802 - http.server API
                 self._respond(with_body=True)
 
-            def do_HEAD(self):  # noqa: N802 - load-balancer checks: same status and headers, no body
+            def do_HEAD(self) -> None:  # noqa: N802 - load-balancer checks: same status and headers, no body
                 self._respond(with_body=False)
 
-            def log_message(self, *args):  # health checks are frequent: no access log
+            def log_message(self, *args: Any) -> None:  # health checks are frequent: no access log
                 pass
 
         self._httpd = ThreadingHTTPServer((host, port), Handler)
