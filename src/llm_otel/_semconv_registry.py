@@ -126,7 +126,7 @@ def validate(reg: Registry) -> list[str]:
     seen_groups: dict[str, str] = {}
     seen_attrs: dict[str, str] = {}
     # a span, event or metric name declared twice would silently replace the first generated constant
-    seen_names: dict[tuple[str, str], str] = {}
+    seen_names: dict[tuple[Any, str], str] = {}
     for g in reg.groups:
         where = f"{g['_file']}:{g.get('id', '?')}"
         gid = g.get("id")
@@ -136,7 +136,7 @@ def validate(reg: Registry) -> list[str]:
         if gid in seen_groups:
             problems.append(f"{where}: duplicate group id (also in {seen_groups[gid]})")
         seen_groups[gid] = g["_file"]
-        gtype = g.get("type")
+        gtype: Any = g.get("type")  # whatever the YAML holds: checked against GROUP_TYPES below
         emitted = {"span": (g.get("annotations") or {}).get("span_name"), "event": g.get("name"),
                    "metric": g.get("metric_name")}.get(gtype)
         if emitted:
@@ -397,8 +397,8 @@ def main(argv: list[str] | None = None) -> int:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(content)
     if args.check and stale:
-        for p in stale:
-            print(f"semconv: stale generated file {p} - run `{GENERATOR}`", file=sys.stderr)
+        for path in stale:
+            print(f"semconv: stale generated file {path} - run `{GENERATOR}`", file=sys.stderr)
         return 1
     print(f"semconv: {len(reg.attributes)} attributes, {len(reg.groups)} groups OK"
           + ("" if args.check else f"; wrote {len(stale)} file(s)"))

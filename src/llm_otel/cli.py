@@ -5,6 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from llm_otel.config import Settings
+
+_Say = Callable[[str, str], None]  # doctor's report line: (status, text)
 
 from llm_otel.config.signals import SignalsConfig
 
@@ -69,7 +76,7 @@ def run_demo_command(prompts: int, max_tokens: int, model_dir: str | None) -> in
     return run_demo(prompts=prompts, max_tokens=max_tokens, model_dir=model_dir)
 
 
-def _doctor_prometheus(env, settings, say, api_servers: int = 1, dp_size: int = 1,
+def _doctor_prometheus(env: Mapping[str, str], settings: Settings, say: _Say, api_servers: int = 1, dp_size: int = 1,
                        serve_port: int | None = None) -> bool:
     """The ports each serving process would listen on (llm_otel.export.ports: Prometheus with
     OTEL_METRICS_EXPORTER=prometheus, /healthz with LLM_OTEL_HEALTH_PORT) for ``api_servers`` API
@@ -126,7 +133,7 @@ def _doctor_prometheus(env, settings, say, api_servers: int = 1, dp_size: int = 
     return good
 
 
-def _spans_destination(env, choice: str, console: str) -> str:
+def _spans_destination(env: Mapping[str, str], choice: str, console: str) -> str:
     """Where spans go when no OTLP span exporter is built (the rules of build_providers)."""
     if choice == "none":
         return "OTEL_TRACES_EXPORTER=none: spans are not exported"
@@ -137,7 +144,7 @@ def _spans_destination(env, choice: str, console: str) -> str:
     return f"{why}: spans go to the console ({'json' if console == 'json' else 'tree'}, stderr)"
 
 
-def _metrics_destination(env, choice: str, console: str) -> str:
+def _metrics_destination(env: Mapping[str, str], choice: str, console: str) -> str:
     """Where metrics go when neither an OTLP metric exporter nor Prometheus is configured."""
     why = ("OTEL_METRICS_EXPORTER=console" if choice == "console"
            else "no OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
@@ -146,7 +153,8 @@ def _metrics_destination(env, choice: str, console: str) -> str:
     return f"{why} and LLM_OTEL_CONSOLE={console}: metrics are not exported"
 
 
-def doctor(env=None, out=None, *, api_servers: int = 1, dp_size: int = 1, serve_port: int | None = None) -> int:
+def doctor(env: Mapping[str, str] | None = None, out: TextIO | None = None, *, api_servers: int = 1,
+           dp_size: int = 1, serve_port: int | None = None) -> int:
     """Print a health report; exit status 1 when something would lose telemetry.
 
     Checks: the configuration parses; the OTLP span exporter the environment selects accepts a
@@ -163,7 +171,11 @@ def doctor(env=None, out=None, *, api_servers: int = 1, dp_size: int = 1, serve_
     from opentelemetry.sdk.trace.export import SpanExportResult
 
     from llm_otel.config import ConfigError, Settings, validate_exporter_env
-    from llm_otel.export.providers import exporter_choice, metric_exporter_from_env, span_exporter_from_env
+    from llm_otel.export.providers import (
+        exporter_choice,
+        metric_exporter_from_env,
+        span_exporter_from_env,
+    )
 
     env = os.environ if env is None else env
     out = out or sys.stdout
@@ -216,7 +228,10 @@ def doctor(env=None, out=None, *, api_servers: int = 1, dp_size: int = 1, serve_
         return 1
     if metric_exporter is not None:
         from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricExportResult
+        from opentelemetry.sdk.metrics.export import (
+            InMemoryMetricReader,
+            MetricExportResult,
+        )
 
         reader = InMemoryMetricReader()
         MeterProvider(metric_readers=[reader]).get_meter("llm_otel.doctor").create_counter(
@@ -257,7 +272,7 @@ def doctor(env=None, out=None, *, api_servers: int = 1, dp_size: int = 1, serve_
     return 0 if ok else 1
 
 
-def _doctor_cuda_stack(say) -> None:
+def _doctor_cuda_stack(say: _Say) -> None:
     """CuPy's CUDA build against torch's (the GPU step ring needs the same major). Informational:
     without it step timing still works on the host clock."""
     from llm_otel.gpu.stack import EXTRA_FOR_MAJOR, cuda_stack

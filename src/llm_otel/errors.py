@@ -21,9 +21,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from types import TracebackType
+from typing import TYPE_CHECKING
 
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import metrics as M
+
+if TYPE_CHECKING:
+    from opentelemetry.metrics import Counter, Meter
 
 logger = logging.getLogger("llm_otel")
 
@@ -45,8 +50,8 @@ class HookErrors:
     One built with a meter becomes this process's :func:`process_errors`.
     """
 
-    def __init__(self, meter=None) -> None:
-        self._counter = None
+    def __init__(self, meter: Meter | None = None) -> None:
+        self._counter: Counter | None = None
         if meter is not None:
             self._counter = meter.create_counter(
                 M.LLM_OTEL_INSTRUMENTATION_ERRORS, unit=M.LLM_OTEL_INSTRUMENTATION_ERRORS_UNIT,
@@ -57,7 +62,7 @@ class HookErrors:
         self.counts: dict[str, int] = {}
         self._unexported: dict[tuple[str, str], int] = {}  # (hook, error.type) counted without a meter
         if self._counter is not None:
-            _adopt(self)
+            _adopt(self, self._counter)
 
     def report(self, hook: str, exc: BaseException, message: str | None = None) -> None:
         """Count one failure of ``hook`` (the site: ``telemetry.spans``, ``export.offload.writer``);
@@ -106,9 +111,10 @@ _fallback = HookErrors()  # until a Telemetry exists in this process: logged, co
 _default: HookErrors | None = None
 
 
-def _adopt(errors: HookErrors) -> None:
-    """Make ``errors`` (metered) this process's default; what the fallback counted so far goes
-    into its counter once, and the sites the fallback already logged are not logged again."""
+def _adopt(errors: HookErrors, counter: Counter) -> None:
+    """Make ``errors`` (metered: ``counter`` is its counter) this process's default; what the
+    fallback counted so far goes into its counter once, and the sites the fallback already logged
+    are not logged again."""
     global _default
     with _default_lock:
         with _fallback._lock:
@@ -119,7 +125,7 @@ def _adopt(errors: HookErrors) -> None:
         errors._logged |= logged
     for (hook, error_type), n in pending.items():
         try:
-            errors._counter.add(n, {A.LLM_INSTRUMENTATION_HOOK: hook, A.ERROR_TYPE: error_type})
+            counter.add(n, {A.LLM_INSTRUMENTATION_HOOK: hook, A.ERROR_TYPE: error_type})
         except Exception:  # noqa: BLE001 - silent: the error counter itself; nothing left to report to
             pass
 
@@ -147,11 +153,12 @@ class guard:  # noqa: N801 - used like a function: ``with guard("site"):``
         self.message = message
         self.failed = False
 
-    def __enter__(self) -> "guard":
+    def __enter__(self) -> guard:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is None or not issubclass(exc_type, Exception):
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        if not isinstance(exc, Exception):  # None: no exception; BaseException passes through
             return False
         self.failed = True
         (self.errors or process_errors()).report(self.site, exc, self.message)

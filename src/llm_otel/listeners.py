@@ -25,7 +25,8 @@ This module imports nothing from llm-otel, so that every subsystem can name thes
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple, Optional, Protocol
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple, Protocol
 
 __all__ = ["RequestFacts", "SpanNotes", "RequestListener", "token_hooks"]
 
@@ -44,7 +45,7 @@ class RequestFacts(NamedTuple):
     """
 
     headers: Any = None
-    engine_fields: Optional[Mapping[str, Optional[str]]] = None
+    engine_fields: Mapping[str, str | None] | None = None
     kv: Any = None
 
 
@@ -58,8 +59,8 @@ class SpanNotes(NamedTuple):
         events: ``(name, attributes)`` pairs added as span events now.
     """
 
-    request_attributes: Optional[Mapping[str, Any]] = None
-    attributes: Optional[Mapping[str, Any]] = None
+    request_attributes: Mapping[str, Any] | None = None
+    attributes: Mapping[str, Any] | None = None
     events: tuple = ()
 
 
@@ -67,12 +68,12 @@ class RequestListener(Protocol):
     """The listener interface (structural: no base class to inherit)."""
 
     error_key: str  # ``llm.instrumentation.hook`` value of its failures, e.g. ``telemetry.signals``
-    on_start: Optional[Callable[[Any, RequestFacts], Optional[SpanNotes]]]
-    on_tokens: Optional[Callable[[int, float], None]]  # (output tokens, engine monotonic seconds)
-    on_finish: Optional[Callable[[Any, float], Optional[SpanNotes]]]  # (record, duration seconds)
+    on_start: Callable[[Any, RequestFacts], SpanNotes | None] | None
+    on_tokens: Callable[[int, float], None] | None  # (output tokens, engine monotonic seconds)
+    on_finish: Callable[[Any, float], SpanNotes | None] | None  # (record, duration seconds)
 
 
-def token_hooks(listeners) -> tuple:
+def token_hooks(listeners: Iterable[object]) -> tuple[Callable[[int, float], None], ...]:
     """The bound ``on_tokens`` methods of ``listeners`` that have one, in order."""
     return tuple(hook for hook in (getattr(listener, "on_tokens", None) for listener in listeners)
                  if hook is not None)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -113,8 +114,11 @@ def _tracestate_well_formed(header: str) -> bool:
     return True
 
 
+_MEMBER: re.Pattern[str] | None
 try:  # the API's member grammar (opentelemetry.trace.span); without it its parser decides alone
-    from opentelemetry.trace.span import _member_pattern as _MEMBER
+    from opentelemetry.trace.span import _member_pattern
+
+    _MEMBER = _member_pattern
 except ImportError:  # silent: an API version without it falls back to its own parser
     _MEMBER = None
 

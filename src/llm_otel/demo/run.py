@@ -11,6 +11,10 @@ import os
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.renderers.chat_utils import ChatCompletionMessageParam
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -41,12 +45,12 @@ class _Progress:
             else:
                 print(".", end="", file=sys.stderr, flush=True)
 
-    def __enter__(self):
+    def __enter__(self) -> _Progress:
         print(self.text, end="", file=sys.stderr, flush=True)
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
         print(" done", file=sys.stderr, flush=True)
@@ -106,8 +110,9 @@ def run_demo(prompts: int = 4, max_tokens: int = 24, model_dir: str | None = Non
     with tracer.start_as_current_span("demo batch") as root:
         t1 = time.monotonic()
         outputs = llm.generate(batch, params, use_tqdm=False)
-        chat = llm.chat([{"role": "user", "content": "Write a haiku about tracing."}],
-                        SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)
+        messages: list[ChatCompletionMessageParam] = [
+            {"role": "user", "content": "Write a haiku about tracing."}]
+        chat = llm.chat(messages, SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)
         wall = time.monotonic() - t1
         trace_id = root.get_span_context().trace_id
     n_out = sum(len(c.token_ids) for o in outputs + chat for c in o.outputs)
@@ -122,7 +127,8 @@ def run_demo(prompts: int = 4, max_tokens: int = 24, model_dir: str | None = Non
               " span; vLLM's own start-up spans may print as separate traces):\n",
               flush=True)
         print(trees.getvalue(), flush=True)
-        print(summary.summary(), flush=True)
+        if summary is not None:  # always without OTLP
+            print(summary.summary(), flush=True)
     llm_otel.uninstrument()
     meter_provider.shutdown()
     tracer_provider.shutdown()

@@ -49,7 +49,7 @@ import shutil
 import sysconfig
 import tempfile
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 __all__ = [
     "BUILD_FORMAT",
@@ -360,7 +360,14 @@ def _corpus() -> list[str]:
 
 
 def _build_tokenizer(out: pathlib.Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     pad, bos, eos, unk = SPECIAL_TOKENS[:4]
@@ -436,7 +443,8 @@ def _build_model(out: pathlib.Path) -> None:
     # Keep the caller's global RNG state untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_SEED)
-        model = LlamaForCausalLM(config).to(torch.float32)
+        # transformers' @wraps(nn.Module.to) types `to` as taking the module again: its stub is wrong
+        model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]
     model.eval()
     with _quiet_transformers():
         model.save_pretrained(str(out), safe_serialization=True)

@@ -10,9 +10,16 @@ from __future__ import annotations
 import collections
 import json
 import threading
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any, TextIO
 
-from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader, NumberDataPoint
+from opentelemetry.sdk.metrics.export import (
+    DataPointT,
+    HistogramDataPoint,
+    InMemoryMetricReader,
+    MetricsData,
+    NumberDataPoint,
+)
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
@@ -37,7 +44,7 @@ _KEY_ATTRS = [
 ]
 
 
-def _fmt(value, scale, unit) -> str:
+def _fmt(value: object, scale: float | None, unit: str) -> str:
     if isinstance(value, (list, tuple)):
         return ",".join(str(v) for v in value)
     if isinstance(value, float):
@@ -56,18 +63,19 @@ def format_tree(spans: Sequence[ReadableSpan]) -> str:
     lines: list[str] = []
 
     def walk(span: ReadableSpan, prefix: str, last: bool, root: bool) -> None:
-        dur = ((span.end_time or span.start_time) - span.start_time) / 1e6
+        start = span.start_time or 0  # set on every started span
+        dur = ((span.end_time or start) - start) / 1e6
         attrs = span.attributes or {}
         keys = " ".join(f"{label}={_fmt(attrs[k], sc, u)}" for k, label, sc, u in _KEY_ATTRS if k in attrs)
         status = " ERROR" if span.status.status_code.name == "ERROR" else ""
         head = "" if root else (prefix + ("└─ " if last else "├─ "))
         extra = f" trace={span.context.trace_id:032x}" if root else ""
         lines.append(f"{head}{span.name}  {dur:.1f} ms{status}  {keys}{extra}".rstrip())
-        children = sorted(kids.get(span.context.span_id, []), key=lambda s: s.start_time)
+        children = sorted(kids.get(span.context.span_id, []), key=lambda s: s.start_time or 0)
         for i, child in enumerate(children):
             walk(child, prefix if root else prefix + ("   " if last else "│  "), i == len(children) - 1, False)
 
-    for r in sorted(kids[None], key=lambda s: s.start_time):
+    for r in sorted(kids[None], key=lambda s: s.start_time or 0):
         walk(r, "", True, True)
     return "\n".join(lines)
 
@@ -78,7 +86,7 @@ class ConsoleTreeExporter(SpanExporter):
     Holds at most ``max_spans`` spans; the oldest traces are dropped first.
     """
 
-    def __init__(self, stream, max_spans: int = 10_000) -> None:
+    def __init__(self, stream: TextIO, max_spans: int = 10_000) -> None:
         self.stream = stream
         self.max_spans = max_spans
         self._traces: collections.OrderedDict[int, list[ReadableSpan]] = collections.OrderedDict()
@@ -114,7 +122,7 @@ class ConsoleTreeExporter(SpanExporter):
 class JsonLinesExporter(SpanExporter):
     """One JSON object per finished span (the SDK's ``ReadableSpan.to_json``, compacted)."""
 
-    def __init__(self, stream) -> None:
+    def __init__(self, stream: TextIO) -> None:
         self.stream = stream
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
@@ -127,7 +135,7 @@ _LABELS = {A.GEN_AI_OPERATION_NAME: "op", A.GEN_AI_TOKEN_TYPE: "type", A.ERROR_T
            A.LLM_INSTRUMENTATION_HOOK: "hook"}
 
 
-def format_metrics(metrics_data) -> str:
+def format_metrics(metrics_data: MetricsData | None) -> str:
     """A compact table of histogram count/mean and counter totals from SDK ``MetricsData``."""
     rows = []
     if metrics_data is None:
@@ -135,7 +143,7 @@ def format_metrics(metrics_data) -> str:
     for rm in metrics_data.resource_metrics:
         for sm in rm.scope_metrics:
             for metric in sm.metrics:
-                points = list(metric.data.data_points)
+                points: list[DataPointT] = list(metric.data.data_points)
                 # the usual labels, plus any attribute that tells this metric's points apart
                 varying = {k for p in points for k in (p.attributes or {})
                            if len({(q.attributes or {}).get(k) for q in points}) > 1}
@@ -155,14 +163,14 @@ def format_metrics(metrics_data) -> str:
 class ConsoleMetricsSummary(InMemoryMetricReader):
     """In-memory metric reader that prints :func:`format_metrics` once, at shutdown."""
 
-    def __init__(self, stream) -> None:
+    def __init__(self, stream: TextIO) -> None:
         super().__init__()
         self.stream = stream
 
     def summary(self) -> str:
         return format_metrics(self.get_metrics_data())
 
-    def shutdown(self, timeout_millis: float = 30_000, **kwargs) -> None:
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
         try:
             text = self.summary()
             if text:

@@ -31,7 +31,8 @@ import contextlib
 import logging
 import sys
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from llm_otel.errors import process_errors
 
@@ -50,7 +51,7 @@ class CaptureGate:
         self._lock = threading.Lock()
         self.active = 0
         self.skipped = 0
-        self._installed: dict[type, tuple[Any, Any]] = {}
+        self._installed: dict[Any, tuple[Any, Any]] = {}  # graph class -> original methods
 
     # --- the capture side (engine thread, through the wrapped CUDAGraph methods) --------------
     def capture_started(self) -> None:
@@ -112,7 +113,7 @@ class CaptureGate:
             return False
         gate = self
 
-        def capture_begin(graph, *args, **kwargs):
+        def capture_begin(graph: Any, *args: Any, **kwargs: Any) -> Any:
             gate.capture_started()
             try:
                 return begin(graph, *args, **kwargs)
@@ -120,13 +121,15 @@ class CaptureGate:
                 gate.capture_ended()
                 raise
 
-        def capture_end(graph, *args, **kwargs):
+        def capture_end(graph: Any, *args: Any, **kwargs: Any) -> Any:
             try:
                 return end(graph, *args, **kwargs)
             finally:
                 gate.capture_ended()
 
-        for name, fn, orig in (("capture_begin", capture_begin, begin), ("capture_end", capture_end, end)):
+        wrappers: tuple[tuple[str, Any, Any], ...] = (("capture_begin", capture_begin, begin),
+                                                      ("capture_end", capture_end, end))
+        for name, fn, orig in wrappers:
             fn.__name__, fn.__qualname__, fn.__doc__ = orig.__name__, orig.__qualname__, orig.__doc__
             fn.__wrapped__ = orig
             setattr(graph_cls, name, fn)

@@ -11,6 +11,8 @@ A failing read returns no points for that collection (logged once).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
@@ -20,25 +22,35 @@ from llm_otel.semconv import metrics as M
 
 logger = logging.getLogger("llm_otel")
 
+Device = tuple[int, float, int, int]  # (NVML index, utilisation fraction, memory used By, memory total By)
+
+
+class DeviceSource(Protocol):
+    """Per-device readings, like :meth:`llm_otel.gpu.nvml.NvmlSource.devices`."""
+
+    def devices(self) -> Sequence[Device]:
+        """One :data:`Device` per visible GPU. Raises any exception when unavailable."""
+        ...
+
 
 class GpuMetrics:
     """Registers the GPU gauges on ``meter`` for ``source`` (an object with ``devices()`` like
     :class:`llm_otel.gpu.nvml.NvmlSource`); ``phase`` is a zero-argument callable returning the
     engine phase now."""
 
-    def __init__(self, meter: Meter, source, phase) -> None:
+    def __init__(self, meter: Meter, source: DeviceSource, phase: Callable[[], str]) -> None:
         self.source = source
         self.phase = phase
 
-        def util(_options: CallbackOptions):
+        def util(_options: CallbackOptions) -> list[Observation]:
             return [Observation(u, {A.HW_ID: str(i), A.LLM_ENGINE_PHASE: ph})
                     for ph, (i, u, _used, _total) in self._read()]
 
-        def used(_options: CallbackOptions):
+        def used(_options: CallbackOptions) -> list[Observation]:
             return [Observation(b, {A.HW_ID: str(i), A.LLM_ENGINE_PHASE: ph})
                     for ph, (i, _u, b, _total) in self._read()]
 
-        def limit(_options: CallbackOptions):
+        def limit(_options: CallbackOptions) -> list[Observation]:
             return [Observation(total, {A.HW_ID: str(i)}) for _ph, (i, _u, _b, total) in self._read()]
 
         meter.create_observable_gauge(M.LLM_GPU_UTILIZATION, callbacks=[util], unit=M.LLM_GPU_UTILIZATION_UNIT,
@@ -48,7 +60,7 @@ class GpuMetrics:
         meter.create_observable_gauge(M.LLM_GPU_MEMORY_LIMIT, callbacks=[limit], unit=M.LLM_GPU_MEMORY_LIMIT_UNIT,
                                       description="GPU memory size (NVML).")
 
-    def _read(self) -> list:
+    def _read(self) -> list[tuple[str, Device]]:
         try:
             devices = self.source.devices()
             phase = self.phase()
@@ -58,7 +70,8 @@ class GpuMetrics:
         return [(phase, d) for d in devices]
 
 
-def register_gpu_metrics(meter: Meter, phase, source=None) -> GpuMetrics | None:
+def register_gpu_metrics(meter: Meter, phase: Callable[[], str],
+                         source: DeviceSource | None = None) -> GpuMetrics | None:
     """The GPU gauges on ``meter`` from NVML (or ``source``); None, with one log line, without NVML."""
     if source is None:
         from llm_otel.gpu.nvml import NvmlSource

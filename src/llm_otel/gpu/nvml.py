@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Protocol
+import weakref
+from typing import Any, Protocol
 
 from llm_otel.errors import process_errors
 
@@ -27,6 +28,20 @@ class SignalSource(Protocol):
 
     def read(self) -> float:
         """Current utilisation in [0, 1]. Raises any exception when unavailable."""
+
+
+class UtilizationReader(Protocol):
+    """What the adaptive sampler and the signals read utilisation from: a
+    :class:`UtilizationPoller` or alike."""
+
+    @property
+    def utilization(self) -> float | None:
+        """Utilisation in [0, 1], or None while unknown."""
+        ...
+
+    def stop(self) -> None:
+        """Stop reading (a poller's thread)."""
+        ...
 
 
 class NvmlSource:
@@ -65,7 +80,7 @@ class NvmlSource:
         """Per visible device: (NVML index, utilisation fraction over NVML's last sample period,
         memory used bytes, memory total bytes). Raises any NVML error."""
         out = []
-        for index, h in zip(self.indices, self._handles):
+        for index, h in zip(self.indices, self._handles, strict=True):  # one handle per index, built together
             info = self._nvml.nvmlDeviceGetMemoryInfo(h)
             out.append((index, self._nvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0,
                         int(info.used), int(info.total)))
@@ -98,10 +113,10 @@ class UtilizationPoller:
         self.available = source is not None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.owner = None  # weakref to the tracer provider whose collection stops it (build_providers)
+        self.owner: weakref.ref[Any] | None = None  # weakref to the tracer provider whose collection stops it (build_providers)
 
     @classmethod
-    def from_nvml(cls, period_s: float = 1.0, alpha: float = 0.3) -> "UtilizationPoller":
+    def from_nvml(cls, period_s: float = 1.0, alpha: float = 0.3) -> UtilizationPoller:
         """A poller on NVML, or an unavailable one (logged once) when NVML cannot be used."""
         try:
             return cls(NvmlSource(), period_s, alpha)
@@ -124,7 +139,7 @@ class UtilizationPoller:
             self.alpha * value + (1 - self.alpha) * self.utilization
         return self.utilization
 
-    def start(self) -> "UtilizationPoller":
+    def start(self) -> UtilizationPoller:
         if self.source is None or self._thread is not None:
             return self
 

@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from llm_otel.errors import process_errors
+
+if TYPE_CHECKING:
+    import numpy as np
 
 logger = logging.getLogger("llm_otel")
 
@@ -52,16 +55,31 @@ def int64_to_span_id(value: int) -> int:
     return value + _U64 if value < 0 else value
 
 
-def request_payload_dtype(np_module: Any):
+def request_payload_dtype(np_module: Any) -> Any:
     """NumPy dtype of the structured per-request payload (three little-endian uint64)."""
     return np_module.dtype([("trace_id_hi", "<u8"), ("trace_id_lo", "<u8"), ("span_id", "<u8")])
 
 
-def request_payload(trace_id: int, span_id: int):
+def request_payload(trace_id: int, span_id: int) -> np.ndarray:
     """A 0-d structured array ``(trace_id_hi, trace_id_lo, span_id)`` (24 bytes) for a request range."""
     import numpy as np
 
     return np.array((trace_id >> 64, trace_id & (_U64 - 1), span_id), dtype=request_payload_dtype(np))
+
+
+class NvtxDomain(Protocol):
+    """The methods of an ``nvtx.Domain`` that :class:`NvtxRanges` calls."""
+
+    def get_event_attributes(self, message: str | None = None, color: Any = None,
+                             category: str | int | None = None, payload: Any = None) -> Any: ...
+
+    def push_range(self, attributes: Any) -> None: ...
+
+    def pop_range(self) -> None: ...
+
+    def start_range(self, attributes: Any) -> int: ...
+
+    def end_range(self, range_id: int) -> None: ...
 
 
 class NvtxRanges:
@@ -78,10 +96,10 @@ class NvtxRanges:
     :meth:`begin_step` is ignored rather than popping someone else's range.
     """
 
-    def __init__(self, enabled: bool = True, domain: Any = None) -> None:
-        self.active = False
+    def __init__(self, enabled: bool = True, domain: NvtxDomain | None = None) -> None:
+        self.active = False  # True only with a domain
         self.structured_payloads = False
-        self._domain = None
+        self._domain: NvtxDomain | None = None
         self._requests: dict[str, int] = {}
         self._lock = threading.Lock()
         self._tls = threading.local()
@@ -109,14 +127,15 @@ class NvtxRanges:
 
     def begin_step(self, step_span_id: int, phase: str = "mixed") -> None:
         """Push the step range (payload: the step span id as INT64) on this thread."""
-        if not self.active:
+        domain = self._domain
+        if not self.active or domain is None:
             return
         try:
             payload = span_id_to_int64(step_span_id)
             stack = getattr(self._tls, "stack", None)
             if stack is None:
                 stack = self._tls.stack = []
-            self._domain.push_range(self._domain.get_event_attributes(
+            domain.push_range(domain.get_event_attributes(
                 message=STEP_MESSAGE, category=phase, payload=payload))
             stack.append(step_span_id)
         except Exception as exc:  # noqa: BLE001
@@ -124,25 +143,28 @@ class NvtxRanges:
 
     def end_step(self, step_span_id: int) -> None:
         """Pop the step range pushed by :meth:`begin_step` for this step on this thread."""
-        if not self.active:
+        domain = self._domain
+        if not self.active or domain is None:
             return
         stack = getattr(self._tls, "stack", None)
         if not stack or stack[-1] != step_span_id:
             return
         stack.pop()
         try:
-            self._domain.pop_range()
+            domain.pop_range()
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
 
     def start_request(self, request_id: str, trace_id: int, span_id: int) -> None:
         """Start the request's process range (once per request id; bounded to 1M open ranges)."""
-        if not self.active or request_id in self._requests or len(self._requests) >= 1_000_000:
+        domain = self._domain
+        if (not self.active or domain is None or request_id in self._requests
+                or len(self._requests) >= 1_000_000):
             return
         try:
             payload = (request_payload(trace_id, span_id) if self.structured_payloads
                        else span_id_to_int64(span_id))
-            range_id = self._domain.start_range(self._domain.get_event_attributes(
+            range_id = domain.start_range(domain.get_event_attributes(
                 message=REQUEST_MESSAGE, payload=payload))
             with self._lock:
                 self._requests[request_id] = range_id
@@ -151,14 +173,15 @@ class NvtxRanges:
 
     def end_request(self, request_id: str) -> None:
         """End the request's process range, from any thread; unknown ids are ignored."""
-        if not self.active:
+        domain = self._domain
+        if not self.active or domain is None:
             return
         with self._lock:
             range_id = self._requests.pop(request_id, None)
         if range_id is None:
             return
         try:
-            self._domain.end_range(range_id)
+            domain.end_range(range_id)
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
 

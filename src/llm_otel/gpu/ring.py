@@ -49,6 +49,7 @@ KIND_END = 2
 DEFAULT_CAPACITY: int = Settings().gpu_ring_capacity  # LLM_OTEL_GPU_RING_CAPACITY's default
 RECORD_DTYPE = np.dtype([("span_id", "<u8"), ("kind", "<u8"), ("timestamp", "<u8"), ("aux", "<u8"),
                          ("seq", "<u8")])
+_RECORD_FIELDS: tuple[str, ...] = RECORD_DTYPE.names or ()  # structured: always named
 
 KERNEL_NAME = "llm_otel_step_record"
 TIMER_KERNEL_NAME = "llm_otel_globaltimer"
@@ -149,8 +150,12 @@ class RingBackend(Protocol):
     name: str
     clock: str
     capacity: int
-    overwritten: int
     clock_error_ns: int
+
+    @property
+    def overwritten(self) -> int:
+        """Records lost to overflow so far."""
+        ...
 
     def record(self, span_id: int, kind: int, stream: Any = None) -> None:
         """Append one record on ``stream`` (CUDA stream handle, CuPy backend only). Never blocks."""
@@ -206,7 +211,7 @@ class _Reader:
         self.read += stop
         out = np.empty(int(good.sum()), RECORD_DTYPE)
         sel = rows[:stop][good]
-        for i, field in enumerate(RECORD_DTYPE.names):
+        for i, field in enumerate(_RECORD_FIELDS):
             out[field] = sel[:, i]
         return out
 
@@ -331,7 +336,7 @@ class CupyRing:
     def overwritten(self) -> int:
         return self._reader.overwritten
 
-    def _stream(self, stream: Any):
+    def _stream(self, stream: Any) -> Any:
         if stream is None:
             return self._cp.cuda.get_current_stream()
         if isinstance(stream, int):
@@ -397,7 +402,7 @@ class CupyRing:
     def calibrate(self, tries: int = 5) -> None:
         """Offset = midpoint of the host-clock window around a device ``%globaltimer`` read, minus
         that read; the narrowest of ``tries`` windows wins. Runs on a private stream."""
-        best = None
+        best: tuple[int, int] | None = None  # (window ns, offset ns)
         with self._device:
             for _ in range(tries):
                 t0 = time.time_ns()
@@ -407,6 +412,8 @@ class CupyRing:
                 t1 = time.time_ns()
                 if best is None or t1 - t0 < best[0]:
                     best = (t1 - t0, (t0 + t1) // 2 - device_ns)
+        if best is None:
+            raise ValueError(f"calibrate needs tries >= 1, not {tries}")
         self.clock_error_ns = best[0] // 2
         self.offset_ns = best[1]
 

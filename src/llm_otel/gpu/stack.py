@@ -11,9 +11,11 @@ start-up warning and ``llm-otel doctor``. Nothing here imports CuPy; torch is re
 from __future__ import annotations
 
 import dataclasses
+import email.message
 import importlib.metadata
 import re
 import sys
+from typing import cast
 
 #: CuPy wheel -> CUDA major it loads (the llm-otel extra that installs it in EXTRA_FOR_MAJOR)
 CUPY_WHEELS = {"cupy-cuda11x": 11, "cupy-cuda12x": 12, "cupy-cuda13x": 13}
@@ -59,7 +61,9 @@ def installed_cupy() -> tuple[str | None, int | None]:
     """``(distribution name, CUDA major)`` of the installed CuPy, from package metadata."""
     found = None
     for dist in importlib.metadata.distributions():
-        name = (dist.metadata.get("Name") or "").lower().replace("_", "-")
+        # an email Message at run time (typeshed's PackageMetadata has .get only from 3.12)
+        metadata = cast(email.message.Message, dist.metadata)
+        name = (metadata.get("Name") or "").lower().replace("_", "-")
         if name in CUPY_WHEELS:
             return name, CUPY_WHEELS[name]
         if name == "cupy":  # a source build: its CUDA is whatever it was compiled against

@@ -138,8 +138,10 @@ class DeviceTimeline:
         graph), or complete it at once when no record of it will ever be drained."""
         ctx.end_launch_ns = time.time_ns()
         if ctx.recorded and record and self._record(ctx.span_id, KIND_END, stream):
+            ring = self.ring  # None if closed (or failed) since the record above: nothing to mark
             try:
-                self.ring.mark_step(stream)
+                if ring is not None:
+                    ring.mark_step(stream)
             except Exception as exc:  # noqa: BLE001
                 self._ring_failed(exc)
         else:

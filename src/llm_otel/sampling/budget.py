@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from opentelemetry.sdk.trace._sampling_experimental._util import MAX_THRESHOLD
 

@@ -6,6 +6,7 @@ import math
 import threading
 import time
 from collections import deque
+from typing import Protocol
 
 import numpy as np
 
@@ -72,6 +73,15 @@ class DriftDetector:
         return (time.monotonic() if now is None else now) < self.boost_until
 
 
+class TimedRequest(Protocol):
+    """What :class:`DriftListener` reads of a finished request record
+    (:class:`llm_otel.telemetry.record.RequestRecord`)."""
+
+    def time_to_first_token_s(self) -> float | None: ...
+
+    def time_per_output_token_s(self) -> float | None: ...
+
+
 class DriftListener:
     """Request-lifecycle listener (see :mod:`llm_otel.telemetry.lifecycle`) that feeds a
     :class:`DriftDetector` each finished request's TTFT (``"ttft"``) and time per output token
@@ -84,7 +94,7 @@ class DriftListener:
     def __init__(self, drift: DriftDetector) -> None:
         self.drift = drift
 
-    def on_finish(self, rec, duration_s: float) -> None:
+    def on_finish(self, rec: TimedRequest, duration_s: float) -> None:
         ttft = rec.time_to_first_token_s()
         if ttft is not None:
             self.drift.observe("ttft", ttft)

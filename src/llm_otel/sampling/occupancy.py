@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from llm_otel.errors import process_errors
+
+if TYPE_CHECKING:
+    from llm_otel.gpu.nvml import UtilizationPoller
 
 __all__ = ["EngineOccupancy", "utilization_is_gpu", "default_poller"]
 
@@ -32,7 +36,7 @@ class EngineOccupancy:
         self._lock = threading.Lock()
         self.on_attach = on_attach  # an idempotent poller.start: no thread until an engine attaches
 
-    def attach(self, source: Callable[[], "tuple[int, int] | None"]) -> None:
+    def attach(self, source: Callable[[], tuple[int, int] | None]) -> None:
         """Add one engine's ``source() -> (requests, capacity) | None``, then run ``on_attach``
         (errors logged, never raised)."""
         with self._lock:
@@ -70,13 +74,13 @@ class EngineOccupancy:
         return best
 
 
-def utilization_is_gpu(poller) -> bool:
+def utilization_is_gpu(poller: object) -> bool:
     """True unless ``poller`` reads :class:`EngineOccupancy` (which is not a GPU's utilisation and
     must not feed ``hw.gpu.utilization`` or the health score)."""
     return poller is not None and not isinstance(getattr(poller, "source", None), EngineOccupancy)
 
 
-def default_poller():
+def default_poller() -> UtilizationPoller:
     """The adaptive sampler's poller: GPU utilisation from NVML when NVML sees a GPU (started), or
     else :class:`EngineOccupancy`, whose thread starts when the first engine attaches (a process
     that serves no engine, e.g. a Triton client, runs no poller). Stop it with ``poller.stop()``."""

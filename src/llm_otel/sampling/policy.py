@@ -10,7 +10,10 @@ from __future__ import annotations
 import math
 import time
 
-from opentelemetry.sdk.trace._sampling_experimental._util import MAX_THRESHOLD, calculate_threshold
+from opentelemetry.sdk.trace._sampling_experimental._util import (
+    MAX_THRESHOLD,
+    calculate_threshold,
+)
 
 __all__ = ["QUANT_BITS", "quantize_threshold", "UtilizationPolicy"]
 

@@ -6,9 +6,11 @@ import logging
 import math
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.sdk.trace._sampling_experimental import (
     ComposableSampler,
     SamplingIntent,
@@ -17,21 +19,25 @@ from opentelemetry.sdk.trace._sampling_experimental import (
 )
 from opentelemetry.sdk.trace._sampling_experimental._util import MAX_THRESHOLD
 from opentelemetry.sdk.trace.sampling import Sampler, SamplingResult
+from opentelemetry.trace import Link, SpanKind, TraceState
+from opentelemetry.util.types import Attributes
 
 from llm_otel.errors import process_errors
 from llm_otel.sampling.budget import TraceBudget, trace_budget
-from llm_otel.sampling.drift import DriftDetector
-from llm_otel.sampling.drift import DriftListener
+from llm_otel.sampling.drift import DriftDetector, DriftListener
 from llm_otel.sampling.occupancy import EngineOccupancy, default_poller
 from llm_otel.sampling.policy import UtilizationPolicy, quantize_threshold
 from llm_otel.semconv import attributes as A
+
+if TYPE_CHECKING:
+    from llm_otel.gpu.nvml import SignalSource, UtilizationReader
 
 __all__ = ["AdaptiveRootSampler", "Sampling", "adaptive_sampler", "decides_children_by_parent", "sampling_of",
            "traces_sampler_factory"]
 
 logger = logging.getLogger("llm_otel")
 
-def _as_poller(poller):
+def _as_poller(poller: UtilizationReader | SignalSource | None) -> UtilizationReader | None:
     """What the sampler reads utilisation from. Returns ``poller`` itself when it has a
     ``utilization`` attribute (a :class:`~llm_otel.gpu.nvml.UtilizationPoller` or alike), a started
     ``UtilizationPoller`` around it when it is a bare ``SignalSource`` (a ``read()`` method and no
@@ -42,11 +48,11 @@ def _as_poller(poller):
     except Exception:  # noqa: BLE001 - silent: a property failing now: read (guarded) at each decision
         has_utilization = True
     if poller is None or has_utilization:
-        return poller
+        return cast("UtilizationReader | None", poller)  # has .utilization: used as a poller
     if callable(getattr(poller, "read", None)):
         from llm_otel.gpu.nvml import UtilizationPoller
 
-        return UtilizationPoller(poller).start()
+        return UtilizationPoller(cast("SignalSource", poller)).start()  # has .read(): a source
     raise TypeError(f"poller must be a UtilizationPoller (a .utilization attribute) or a SignalSource "
                     f"(a .read() method returning utilisation in [0, 1]), not {type(poller).__name__}")
 
@@ -63,7 +69,8 @@ class AdaptiveRootSampler(ComposableSampler):
     budget lowered carries ``llm.sampling.reason=budget``. None: no budget.
     """
 
-    def __init__(self, policy: UtilizationPolicy | None = None, poller=None,
+    def __init__(self, policy: UtilizationPolicy | None = None,
+                 poller: UtilizationReader | SignalSource | None = None,
                  drift: DriftDetector | None = None, budget: TraceBudget | None = None) -> None:
         self.policy = policy or UtilizationPolicy()
         self.budget = budget
@@ -110,7 +117,9 @@ class AdaptiveRootSampler(ComposableSampler):
             process_errors().report("sampling.utilization", exc, "sampler utilisation unusable; using the base rate")
         return None
 
-    def sampling_intent(self, parent_ctx, name, span_kind, attributes, links, trace_state=None) -> SamplingIntent:
+    def sampling_intent(self, parent_ctx: Context | None, name: str, span_kind: SpanKind | None,
+                        attributes: Attributes, links: Sequence[Link] | None,
+                        trace_state: TraceState | None = None) -> SamplingIntent:
         if attributes and attributes.get(A.LLM_SAMPLING_REASON) == "outlier":
             return SamplingIntent(threshold=0, threshold_reliable=False)  # kept, no `th`: no count bias
         self._policy_now()
@@ -129,7 +138,8 @@ class AdaptiveRootSampler(ComposableSampler):
 _BUDGET_REASON = {A.LLM_SAMPLING_REASON: A.LlmSamplingReasonValues.BUDGET}
 
 
-def adaptive_sampler(policy: UtilizationPolicy | None = None, poller=None,
+def adaptive_sampler(policy: UtilizationPolicy | None = None,
+                     poller: UtilizationReader | SignalSource | None = None,
                      drift: DriftDetector | None = None, budget: TraceBudget | None = None) -> Sampler:
     """A complete SDK sampler: parent threshold for children, :class:`AdaptiveRootSampler` for roots.
 
@@ -163,8 +173,10 @@ class _AdaptiveSampler(Sampler):
         self.sampling = Sampling(root, occupancy)
         self._inner = composite_sampler(composable_parent_threshold(root))
 
-    def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None,
-                      trace_state=None) -> SamplingResult:
+    def should_sample(self, parent_context: Context | None, trace_id: int, name: str,
+                      kind: SpanKind | None = None, attributes: Attributes = None,
+                      links: Sequence[Link] | None = None,
+                      trace_state: TraceState | None = None) -> SamplingResult:
         if trace_state is None:
             parent = trace.get_current_span(parent_context).get_span_context()
             if parent.is_valid:
@@ -200,11 +212,11 @@ class Sampling:
         self.listener = DriftListener(root.drift)
 
     @property
-    def poller(self):
+    def poller(self) -> UtilizationReader | None:
         return self.root.poller
 
     @property
-    def gpu_poller(self):
+    def gpu_poller(self) -> UtilizationReader | None:
         """The poller when it reads GPU utilisation (signals share it), None for engine occupancy."""
         return self.poller if self.occupancy is None else None
 
@@ -214,7 +226,7 @@ class Sampling:
             self.poller.stop()
 
 
-def sampling_of(tracer_provider) -> Sampling | None:
+def sampling_of(tracer_provider: object) -> Sampling | None:
     """The :class:`Sampling` of a tracer provider the application built with llm-otel's
     :func:`adaptive_sampler` (``TracerProvider(sampler=adaptive_sampler())``), else None: a
     provider with any other sampler gets no drift detector and no engine-load signal."""
@@ -246,7 +258,8 @@ def traces_sampler_factory(arg: str | None = None, traces_per_s: float | None = 
     ``LLM_OTEL_TRACES_PER_S`` from the environment (the SDK configurator passes only ``arg``).
     Raises ConfigError for a bad argument or budget.
     """
-    from llm_otel.config import ConfigError, traces_per_s as configured_traces_per_s
+    from llm_otel.config import ConfigError
+    from llm_otel.config import traces_per_s as configured_traces_per_s
 
     floor, ceiling = 0.01, 1.0
     if arg:

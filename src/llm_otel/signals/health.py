@@ -26,8 +26,9 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -48,7 +49,7 @@ def score(factors: Mapping[str, float | None], weights: Mapping[str, float]) -> 
         return 1.0, "none"
     value = sum(weights[f] * v for f, v in factors.items() if v is not None) / total
     deficits = {f: weights[f] * (1.0 - v) for f, v in factors.items() if v is not None}
-    dominant = max(deficits, key=deficits.get)
+    dominant = max(deficits, key=deficits.__getitem__)
     if deficits[dominant] <= 1e-12:
         dominant = "none"
     return min(1.0, max(0.0, value)), dominant
@@ -72,7 +73,8 @@ class HealthScore:
                  max_error_rate: float = _DEFAULTS.health_max_error_rate, gpu_knee: float = _DEFAULTS.health_gpu_knee,
                  warmup_s: float = _DEFAULTS.health_warmup_s, window_s: float = _DEFAULTS.health_window_s,
                  max_samples: int = 4096,
-                 utilization: Callable[[], float | None] | None = None, clock=time.monotonic) -> None:
+                 utilization: Callable[[], float | None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.weights = {f: float((weights or _DEFAULTS.health_weights).get(f, 0.0)) for f in FACTORS}
         self.latency_target_s = latency_target_s
         self.max_error_rate = max_error_rate
@@ -185,13 +187,13 @@ class HealthServer:
                 if with_body:
                     self.wfile.write(data)
 
-            def do_GET(self):  # noqa: N802 - http.server API
+            def do_GET(self) -> None:  # noqa: N802 - http.server API
                 self._respond(with_body=True)
 
-            def do_HEAD(self):  # noqa: N802 - load-balancer checks: same status and headers, no body
+            def do_HEAD(self) -> None:  # noqa: N802 - load-balancer checks: same status and headers, no body
                 self._respond(with_body=False)
 
-            def log_message(self, *args):  # health checks are frequent: no access log
+            def log_message(self, *args: Any) -> None:  # health checks are frequent: no access log
                 pass
 
         self._httpd = ThreadingHTTPServer((host, port), Handler)
@@ -219,7 +221,7 @@ class HealthServer:
                 "reasons": reasons}
         return (503 if reasons else 200), body
 
-    def start(self) -> "HealthServer":
+    def start(self) -> HealthServer:
         if self._thread is None:
             self._thread = threading.Thread(target=self._httpd.serve_forever, name="llm-otel-healthz", daemon=True)
             self._thread.start()

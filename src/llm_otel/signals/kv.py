@@ -53,7 +53,7 @@ class KVSpec:
         return None if self.num_blocks is None else self.num_blocks * self.bytes_per_block
 
     @classmethod
-    def checked(cls, **fields: Any) -> "KVSpec | None":
+    def checked(cls, **fields: Any) -> KVSpec | None:
         """A spec from the engine's values (the dataclass fields), or None when any size is not
         positive (an engine layout the formula does not cover)."""
         spec = cls(**fields)
