@@ -382,7 +382,8 @@ class Telemetry:
         """Spans and GenAI client metrics of a client library's calls (``provider``: its
         ``gen_ai.provider.name``); see :mod:`llm_otel.telemetry.client`. Each call builds the
         client histograms on this telemetry's meter: an adapter asks once, at ``instrument()``."""
-        return ClientCalls(self, provider)
+        return ClientCalls(provider=provider, tracer=self.tracer, meter=self.meter, settings=self.settings,
+                           errors=self.errors, truncate=self.truncate)
 
     # --- stage spans of engine processes past the frontend (telemetry/stages.py) ----------------
     def start_stage(self, stage: str, request_id: int, parent: otel_context.Context, *, group_id: int,

@@ -30,7 +30,7 @@ import threading
 import time
 from array import array
 from collections import deque
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 from opentelemetry import trace
@@ -44,7 +44,11 @@ from llm_otel.telemetry.record import mono_offset_ns
 from llm_otel.telemetry.spans import _percentiles
 
 if TYPE_CHECKING:
-    from llm_otel.telemetry import Telemetry
+    from opentelemetry.metrics import Meter
+    from opentelemetry.trace import Tracer
+
+    from llm_otel.config import Settings
+    from llm_otel.telemetry.errors import HookErrors
 
 # ``error.type`` of a call or stream the application cancelled: recorded, but no error status
 CANCELLED = "cancelled"
@@ -174,13 +178,14 @@ class ClientCalls:
     ``gen_ai.provider.name``, ``triton``). Created by :meth:`llm_otel.telemetry.Telemetry.client_calls`;
     the histograms live on the telemetry's meter."""
 
-    def __init__(self, telemetry: Telemetry, provider: str) -> None:
+    def __init__(self, *, provider: str, tracer: Tracer, meter: Meter, settings: Settings, errors: HookErrors,
+                 truncate: Callable[[str], str]) -> None:
         self.provider = provider
-        self.tracer = telemetry.tracer
-        self.settings = telemetry.settings
-        self.errors = telemetry.errors
-        self._truncate = telemetry.truncate
-        self.instruments = ClientInstruments(telemetry.meter)
+        self.tracer = tracer
+        self.settings = settings
+        self.errors = errors
+        self._truncate = truncate
+        self.instruments = ClientInstruments(meter)
 
     # --- start ----------------------------------------------------------------------------------
     def start(self, *, operation: str, model: str, server: Mapping[str, Any], attributes: Mapping[str, Any],
