@@ -13,7 +13,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExportResult
-from otlp_receiver import OTLPReceiver
+from support.otlp_receiver import OTLPReceiver
 
 from llm_otel.config import Settings
 from llm_otel.export.exporters import ProcessSpanExporter

@@ -1,7 +1,7 @@
 """Spans exported by an exporter process (``LLM_OTEL_EXPORT_PROCESS``, :mod:`llm_otel.export.offload`).
 
 Real components: the exporter process (``python -m llm_otel.export.offload``) exports over
-OTLP/gRPC to the real in-process receiver (tests/otlp_receiver.py); the same requests through the
+OTLP/gRPC to the real in-process receiver (tests/support/otlp_receiver.py); the same requests through the
 SDK's in-process path must arrive as the same spans, ids included.
 """
 

@@ -30,7 +30,7 @@ import time
 import pytest
 import yaml
 from conftest import HAS_VLLM, VLLM_ENV, record_received
-from otlp_receiver import OTLPReceiver
+from support.otlp_receiver import OTLPReceiver
 from test_ops_live import _free_pair, _free_port, _query, _require, _stop
 
 httpx = pytest.importorskip("httpx")

@@ -2,7 +2,7 @@
 (:mod:`llm_otel.export.identity`), the start policy and what it inherits.
 
 Real components: the exporter process exports over OTLP/gRPC to the in-process receiver
-(tests/otlp_receiver.py); processes under ``opentelemetry-instrument`` are real interpreters
+(tests/support/otlp_receiver.py); processes under ``opentelemetry-instrument`` are real interpreters
 started with the auto-instrumentation ``sitecustomize``.
 """
 

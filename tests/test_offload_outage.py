@@ -3,7 +3,7 @@ reading its pipe while span exports wait on a dead collector, so GenAI request m
 outage as they do in process.
 
 Real components: the exporter process (``python -m llm_otel.export.offload``) exporting over
-OTLP/gRPC to a real receiver (tests/otlp_receiver.py) that starts only after the outage."""
+OTLP/gRPC to a real receiver (tests/support/otlp_receiver.py) that starts only after the outage."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def _requests_counted_after_an_outage(export_process: bool) -> tuple[int, int]:
     from concurrent import futures
 
     import grpc
-    import otlp_receiver as orx
+    import support.otlp_receiver as orx
     from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc
     from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 

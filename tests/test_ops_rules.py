@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import yaml
 
-import ops_harness as H
+from support import ops_harness as H
 
 
 def _promtool() -> str:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import yaml
-from semconv_live import SpanLog, check
+from support.semconv_live import SpanLog, check
 
 from llm_otel._semconv_registry import generated_files, load_registry, validate
 

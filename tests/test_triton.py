@@ -1,5 +1,5 @@
 """Triton client instrumentation against a real Triton Inference Server (tritonserver 2.51 from the
-nvidia-pytriton wheel, see tests/triton_server.py) that exports its own spans to the test OTLP
+nvidia-pytriton wheel, see tests/support/triton_server.py) that exports its own spans to the test OTLP
 receiver: every client flavour's call is a CLIENT span that Triton's ``InferRequest`` span hangs
 under (C11), streams are timed per response, errors mark spans, the caller's headers are never
 mutated, and nothing llm-otel does reaches the application.
@@ -18,7 +18,7 @@ from conftest import make_captured
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode
 
-import triton_server
+from support import triton_server
 from llm_otel.config import Settings
 
 tritonclient = pytest.importorskip("tritonclient")

@@ -3,7 +3,7 @@ tensor parallelism, each topology started once (class-scoped, torn down before t
 zero-code (``LLM_OTEL_ENABLED=1``), exporting to the test's OTLP receiver.
 
 * ``--api-server-count 2`` (with a LoRA adapter): the ``vllm serve`` launcher
-  (tests/vllm_serve_launcher.py) starts two API servers (``ApiServer_0/1``), one engine core and
+  (tests/support/vllm_serve_launcher.py) starts two API servers (``ApiServer_0/1``), one engine core and
   one worker. Prometheus: each API server on its own port (base - index), the launcher none; the
   per-process request counts add up, with ``n=3`` (C15) and a LoRA request (C22).
 * ``--data-parallel-size 2``: two API servers (vLLM's default for DP), two engine cores
@@ -29,13 +29,13 @@ import time
 
 import pytest
 from conftest import HAS_VLLM, VLLM_ENV, record_received, wait_for_vllm_server
-from tiny_lora import ensure_tiny_lora
+from support.tiny_lora import ensure_tiny_lora
 
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")]
 
 httpx = pytest.importorskip("httpx")
 psutil = pytest.importorskip("psutil")
-LAUNCHER = os.path.join(os.path.dirname(__file__), "vllm_serve_launcher.py")
+LAUNCHER = os.path.join(os.path.dirname(__file__), "support", "vllm_serve_launcher.py")
 SERVED = "tiny"
 IDENTITY_KEYS = ("llm.process.role", "llm.process.api_server.index", "llm.process.data_parallel.rank",
                  "llm.process.tensor_parallel.rank", "llm.process.pipeline_parallel.rank")
