@@ -191,6 +191,7 @@ def test_spans_ended_while_the_exporter_process_is_down_are_counted(receiver, ca
     tp.shutdown()
 
 
+@pytest.mark.case("C13")
 def test_a_full_buffer_drops_new_spans_and_counts_them(receiver):
     receiver.clear()
     tp, reader = _offload(receiver, Settings(console="off", adaptive_sampling="off", export_process_buffer=5))

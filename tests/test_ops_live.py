@@ -273,6 +273,7 @@ def test_engine_core_process_serves_engine_state_only(ops_engine):
     assert hits and hits[0] > 0  # the shared prompt prefix is served from the cache
 
 
+@pytest.mark.case("C26")
 def test_rejected_requests_are_counted_by_error_type(prom):
     result = _query(prom["client"], 'llm_server_requests_total{error_type!=""}')
     assert result, "the over-long prompts vLLM rejects are not counted"

@@ -137,7 +137,8 @@ def _closed_port() -> int:
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
-def test_c04_doctor_reports_a_broken_exporter(protocol, capsys):
+@pytest.mark.case("C04")
+def test_doctor_reports_a_broken_exporter(protocol, capsys):
     port = _closed_port()
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
            "OTEL_METRICS_EXPORTER": "none"}
@@ -148,7 +149,8 @@ def test_c04_doctor_reports_a_broken_exporter(protocol, capsys):
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
-def test_c04_doctor_confirms_a_working_exporter(protocol, receiver, capsys, monkeypatch):
+@pytest.mark.case("C04")
+def test_doctor_confirms_a_working_exporter(protocol, receiver, capsys, monkeypatch):
     endpoint = receiver.grpc_endpoint if protocol == "grpc" else receiver.http_endpoint
     for k, v in {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": protocol}.items():
         monkeypatch.setenv(k, v)
@@ -250,7 +252,8 @@ def test_prometheus_port_is_applied_only_after_the_rest_validates(monkeypatch):
     assert dict(os.environ) == before
 
 
-def test_c04_doctor_probes_the_metrics_exporter_too(receiver, capsys):
+@pytest.mark.case("C04")
+def test_doctor_probes_the_metrics_exporter_too(receiver, capsys):
     env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.grpc_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
            "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": f"http://127.0.0.1:{_closed_port()}"}
     assert doctor(env) == 1

@@ -166,7 +166,8 @@ def engine_death(tiny_model, tmp_path_factory):
         yield rx, chunks, server
 
 
-def test_c16_engine_core_death_ends_every_in_flight_request_with_the_error(engine_death):
+@pytest.mark.case("C16")
+def test_engine_core_death_ends_every_in_flight_request_with_the_error(engine_death):
     rx, chunks, server = engine_death
     for i in (1, 2):
         (root,) = rx.wait_for_spans(1, trace_id=f"{i:032x}", kind="SPAN_KIND_SERVER", timeout=15)
@@ -203,7 +204,8 @@ def collector_down(tiny_model, tmp_path_factory):
         hole.close()
 
 
-def test_c18_collector_that_never_answers_bounds_the_servers_shutdown(collector_down):
+@pytest.mark.case("C18")
+def test_a_collector_that_never_answers_bounds_the_servers_shutdown(collector_down):
     """(d) Requests are served; SIGTERM ends the server within the flush deadline (1 s here) plus
     vLLM's own teardown, not the OTLP exporter's 10 s per signal and retry; each process that
     could not deliver says so in one line."""

@@ -262,7 +262,8 @@ class TestApiServers:
         assert owners[api2.prom] != owners[api2.prom - 1]
         assert owners[api2.prom + 1] not in (owners[api2.prom], owners[api2.prom - 1])  # the engine core
 
-    def test_c15_n3_usage_and_request_counts_add_up_to_what_vllm_served(self, api2):
+    @pytest.mark.case("C15")
+    def test_n3_usage_and_request_counts_add_up_to_what_vllm_served(self, api2):
         usage = [r["usage"] for r in api2.responses] + [api2.n3["usage"], api2.lora["usage"]]
         assert len(api2.n3["choices"]) == 3 and api2.n3["usage"]["completion_tokens"] == 15
         input_sum = self._scrape(api2, "llm_server_token_usage", 'gen_ai_token_type="input"')
@@ -276,7 +277,8 @@ class TestApiServers:
         requests = self._scrape(api2, "llm_server_requests")
         assert sum(requests.values()) == self.N + 2
 
-    def test_c22_lora_request_names_the_adapter_and_keeps_the_base_model(self, api2, receiver):
+    @pytest.mark.case("C22")
+    def test_lora_request_names_the_adapter_and_keeps_the_base_model(self, api2, receiver):
         assert api2.lora["model"] == "sql"
         (span,) = wait_until(lambda: [s for s in top_spans(receiver, api2) if s["name"] == "text_completion sql"]
                              or None, what="the LoRA request's span")
@@ -328,7 +330,8 @@ class TestDataParallel:
     def _points(self, receiver):
         return latest_points(receiver, "topology-dp2")
 
-    def test_c14_every_metric_point_is_attributable_to_one_process(self, dp2, receiver):
+    @pytest.mark.case("C14")
+    def test_every_metric_point_is_attributable_to_one_process(self, dp2, receiver):
         def ready():
             pts = self._points(receiver)
             served = sum(m["count"] for m in pts if m["name"] == "gen_ai.server.request.duration")
