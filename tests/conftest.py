@@ -20,8 +20,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from support.otlp_receiver import OTLPReceiver  # noqa: E402
 from support.semconv_live import SpanLog, check  # noqa: E402
-# re-exported: tests import these from conftest
-from support.vllm_env import EXACT, HAS_VLLM, VLLM_ENV, wait_for_vllm_server  # noqa: E402, F401
+from support.vllm_env import EXACT, HAS_VLLM, VLLM_ENV, wait_for_vllm_server  # noqa: E402, F401 (tests import them from here)
 
 from llm_otel.config import Settings  # noqa: E402
 from llm_otel.export.providers import SystemRandomIdGenerator  # noqa: E402

@@ -19,8 +19,10 @@ CASE_ID = re.compile(r"C\d\d")
 
 # Cases no test shows yet, each with what is missing.
 KNOWN_GAPS = {
-    "C24": "speculative decoding: no per-request drafted/accepted or per-step drafted/accepted/rejected counts "
-           "are recorded yet (only llm.logit_dist over the emitted tokens is tested)",
+    "C24": (
+        "speculative decoding: no per-request drafted/accepted or per-step drafted/accepted/rejected counts "
+        "are recorded yet (only llm.logit_dist over the emitted tokens is tested)"
+    ),
     "C25": "prefill/decode disaggregation: no span for the KV transfer, no proxy/prefill/decode trace test",
     "C28": "several front-end workers: no test checks that every request's scheduler and step spans arrive",
 }
@@ -32,8 +34,8 @@ def case_ids(cases_md: pathlib.Path) -> list[str]:
 
 
 def _is_case_marker(func: ast.expr) -> bool:
-    return (isinstance(func, ast.Attribute) and func.attr == "case" and isinstance(func.value, ast.Attribute)
-            and func.value.attr == "mark" and isinstance(func.value.value, ast.Name) and func.value.value.id == "pytest")
+    """``pytest.mark.case``"""
+    return ast.unparse(func) == "pytest.mark.case"
 
 
 def case_markers(tests_dir: pathlib.Path = TESTS) -> dict[str, list[str]]:
@@ -47,10 +49,14 @@ def case_markers(tests_dir: pathlib.Path = TESTS) -> dict[str, list[str]]:
             for deco in node.decorator_list:
                 if isinstance(deco, ast.Call) and _is_case_marker(deco.func):
                     where = f"{path.relative_to(tests_dir)}::{node.name}"
-                    assert deco.args and not deco.keywords, f"{where}: case() takes case ids, e.g. case(\"C06\")"
+                    assert deco.args and not deco.keywords, f'{where}: case() takes case ids, e.g. case("C06")'
                     for arg in deco.args:
-                        assert isinstance(arg, ast.Constant) and isinstance(arg.value, str) \
-                            and CASE_ID.fullmatch(arg.value), f"{where}: case ids are strings like \"C06\", not {ast.unparse(arg)}"
+                        ok = (
+                            isinstance(arg, ast.Constant)
+                            and isinstance(arg.value, str)
+                            and CASE_ID.fullmatch(arg.value)
+                        )
+                        assert ok, f'{where}: case ids are strings like "C06", not {ast.unparse(arg)}'
                         found.setdefault(arg.value, []).append(where)
     return found
 
@@ -83,14 +89,19 @@ def test_every_case_marker_names_a_case_of_the_table():
 
 
 def test_test_names_say_what_they_check_not_a_case_number():
-    numbered = [f"{p.relative_to(TESTS)}::{n.name}" for p in sorted(TESTS.rglob("test_*.py"))
-                for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-                and re.match(r"test_c\d\d", n.name)]
+    numbered = [
+        f"{p.relative_to(TESTS)}::{n.name}"
+        for p in sorted(TESTS.rglob("test_*.py"))
+        for n in ast.walk(ast.parse(p.read_text()))
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and re.match(r"test_c\d\d", n.name)
+    ]
     assert numbered == [], "name the behaviour and put the case id in @pytest.mark.case(...)"
 
 
 def test_case_markers_are_found_in_the_sources():
     # the reader above against the suite as written: stale if it ever finds nothing
     assert MARKERS["C06"] and MARKERS["C19"]
-    assert "test_lightllm_pypi.py::test_real_2024_layout_traces_the_request_span_tree_with_the_engines_exact_counts" \
+    assert (
+        "test_lightllm_pypi.py::test_real_2024_layout_traces_the_request_span_tree_with_the_engines_exact_counts"
         in MARKERS["C09"]
+    )

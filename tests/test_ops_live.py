@@ -22,7 +22,6 @@ import time
 import pytest
 import yaml
 from conftest import HAS_VLLM, VLLM_ENV
-
 from support import ops_harness as H
 
 httpx = pytest.importorskip("httpx")

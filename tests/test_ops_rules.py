@@ -10,7 +10,6 @@ import subprocess
 
 import pytest
 import yaml
-
 from support import ops_harness as H
 
 

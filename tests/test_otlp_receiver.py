@@ -46,7 +46,6 @@ from opentelemetry.trace import (
     TraceFlags,
     TraceState,
 )
-
 from support.otlp_receiver import OTLPReceiver
 
 RESOURCE_ATTRS = {"service.name": "otlp-receiver-tests", "deployment.environment": "test"}

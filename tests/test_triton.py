@@ -17,8 +17,8 @@ import pytest
 from conftest import make_captured
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode
-
 from support import triton_server
+
 from llm_otel.config import Settings
 
 tritonclient = pytest.importorskip("tritonclient")
