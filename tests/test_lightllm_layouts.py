@@ -23,6 +23,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LAYOUTS = os.path.join(HERE, "lightllm_layouts")
 MODEL = "tiny-llama"
 
+# every test reads runs of three LightLLM processes (tens of seconds each)
+pytestmark = pytest.mark.slow
+
 
 def tp(i: int) -> tuple[str, str, str]:
     trace_id, span_id = f"{i:032x}", f"{i + 0xABC:016x}"

@@ -19,6 +19,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PYPI = os.path.join(os.path.dirname(sys.executable), "..", "lightllm-pypi")
 TRACE_ID, PARENT = "0000000000000000000000000000c0de", "00000000000000f0"
 
+# the 2024 LightLLM from PyPI runs in two processes (tens of seconds)
+pytestmark = pytest.mark.slow
+
 
 def free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]

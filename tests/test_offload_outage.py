@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
@@ -84,6 +85,7 @@ def _requests_counted_after_an_outage(export_process: bool) -> tuple[int, int]:
     return counted, _metric_drops(reader) if export_process else 0
 
 
+@pytest.mark.slow
 def test_a_collector_outage_loses_no_genai_request_metrics_with_the_exporter_process():
     """In process, the meter provider aggregates every request while the collector is down and
     delivers the cumulative totals once it is back. With the exporter process, its one thread
