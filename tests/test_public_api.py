@@ -29,6 +29,7 @@ def run_py(code: str, env: dict | None = None, argv_prefix: list[str] | None = N
 
 
 @needs_vllm
+@pytest.mark.slow
 def test_instrument_is_idempotent_and_uninstrument_restores_every_attribute_exactly():
     out = run_py("""
         import importlib, llm_otel
@@ -57,6 +58,7 @@ def test_instrument_is_idempotent_and_uninstrument_restores_every_attribute_exac
 
 
 @needs_vllm
+@pytest.mark.slow
 def test_zero_code_opentelemetry_instrument_applies_the_vllm_hooks():
     out = run_py("""
         from opentelemetry import trace
@@ -351,6 +353,7 @@ ENGINE_PROCESS_APP = """
 
 
 @needs_vllm
+@pytest.mark.slow
 @pytest.mark.parametrize("name, role", [("EngineCore", "engine_core"), ("VllmWorker-0", "worker")])
 def test_vllm_engine_processes_export_in_process_and_start_no_exporter_process_under_opentelemetry_instrument(
         name, role, receiver):
@@ -403,6 +406,7 @@ def test_triton_instrumentation_builds_providers_and_hooks_at_the_first_tritoncl
 
 
 @needs_vllm
+@pytest.mark.slow
 def test_vllm_instrumentation_waits_for_the_process_to_import_vllm_under_opentelemetry_instrument():
     """opentelemetry-instrument runs the vLLM instrumentor in every process of a served tree;
     applying its hooks imports vLLM (and torch): multiprocessing's resource tracker, which never
