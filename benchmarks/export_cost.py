@@ -29,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def _receiver() -> tuple[subprocess.Popen, str]:
     code = ("import sys, time; sys.path.insert(0, %r)\n"
-            "from otlp_receiver import OTLPReceiver\n"
+            "from support.otlp_receiver import OTLPReceiver\n"
             "rx = OTLPReceiver().start(); print(rx.grpc_endpoint, flush=True)\n"
             "sys.stdin.read()\n") % os.path.join(HERE, "..", "tests")
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

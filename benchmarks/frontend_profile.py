@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 
 def main() -> None:
-    from otlp_receiver import OTLPReceiver
+    from support.otlp_receiver import OTLPReceiver
 
     rx = OTLPReceiver().start()
     os.environ.update(OTEL_EXPORTER_OTLP_ENDPOINT=rx.grpc_endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="grpc",

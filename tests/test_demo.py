@@ -13,7 +13,8 @@ from conftest import HAS_VLLM, record_received
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")]
 
 
-def test_c04_demo_exports_its_trace_and_metrics_over_otlp_and_flushes_at_exit(receiver):
+@pytest.mark.case("C04")
+def test_demo_exports_its_trace_and_metrics_over_otlp_and_flushes_at_exit(receiver):
     receiver.clear()
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env.update(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.http_endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",

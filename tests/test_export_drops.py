@@ -8,12 +8,13 @@ from __future__ import annotations
 import logging
 import socket
 
+import pytest
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExportResult
-from otlp_receiver import OTLPReceiver
+from support.otlp_receiver import OTLPReceiver
 
 from llm_otel.config import Settings
 from llm_otel.export.exporters import ProcessSpanExporter
@@ -44,6 +45,7 @@ def _exporter(inner, endpoint: str) -> ProcessSpanExporter:
     return ProcessSpanExporter(lambda: inner, endpoint=endpoint)
 
 
+@pytest.mark.case("C13")
 def test_spans_lost_to_a_collector_that_is_down_are_counted_and_logged_once(caplog):
     endpoint = f"127.0.0.1:{_closed_port()}"
     drops = _exporter(OTLPSpanExporter(endpoint=endpoint, insecure=True, timeout=1), endpoint)

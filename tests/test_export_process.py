@@ -1,7 +1,7 @@
 """Spans exported by an exporter process (``LLM_OTEL_EXPORT_PROCESS``, :mod:`llm_otel.export.offload`).
 
 Real components: the exporter process (``python -m llm_otel.export.offload``) exports over
-OTLP/gRPC to the real in-process receiver (tests/otlp_receiver.py); the same requests through the
+OTLP/gRPC to the real in-process receiver (tests/support/otlp_receiver.py); the same requests through the
 SDK's in-process path must arrive as the same spans, ids included.
 """
 
@@ -191,6 +191,7 @@ def test_spans_ended_while_the_exporter_process_is_down_are_counted(receiver, ca
     tp.shutdown()
 
 
+@pytest.mark.case("C13")
 def test_a_full_buffer_drops_new_spans_and_counts_them(receiver):
     receiver.clear()
     tp, reader = _offload(receiver, Settings(console="off", adaptive_sampling="off", export_process_buffer=5))

@@ -30,7 +30,7 @@ import time
 import pytest
 import yaml
 from conftest import HAS_VLLM, VLLM_ENV, record_received
-from otlp_receiver import OTLPReceiver
+from support.otlp_receiver import OTLPReceiver
 from test_ops_live import _free_pair, _free_port, _query, _require, _stop
 
 httpx = pytest.importorskip("httpx")
@@ -278,6 +278,7 @@ def test_every_request_of_a_half_sampling_replica_arrives_once_with_or_without_i
     assert kinds["head"] and kinds["outlier"], kinds
 
 
+@pytest.mark.case("C27")
 def test_an_idle_adaptive_replica_keeps_everything_and_carries_a_routers_threshold_on(fleet):
     roots = _request_roots(fleet, fleet.b, B_OWN + B_ROUTED)
     assert sorted(roots) == list(range(2, 2 + B_OWN + B_ROUTED))

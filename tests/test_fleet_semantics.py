@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from conftest import make_captured
 
 from llm_otel.telemetry.record import ChoiceGroup
@@ -15,7 +16,8 @@ def _points(cap, name):
             for p in m.data.data_points]
 
 
-def test_c15_n_choices_count_the_prompt_and_the_request_once():
+@pytest.mark.case("C15")
+def test_n_choices_count_the_prompt_and_the_request_once():
     cap = make_captured()
     group = ChoiceGroup(3)
     for i, out in enumerate((4, 5, 6)):
@@ -38,7 +40,8 @@ def test_c15_n_choices_count_the_prompt_and_the_request_once():
     assert sorted(s.attributes["llm.request.choice.index"] for s in roots) == [0, 1, 2]
 
 
-def test_c22_lora_metric_dimension_is_bounded_per_process(caplog):
+@pytest.mark.case("C22")
+def test_lora_metric_dimension_is_bounded_per_process(caplog):
     import logging
 
     from llm_otel.instrumentation.vllm.adapter import MAX_LORA_NAMES, VLLMAdapter

@@ -90,7 +90,8 @@ def gate(monkeypatch):
     fresh.uninstall()
 
 
-def test_c23_drain_does_no_device_work_during_a_capture_and_catches_up_after(gate):
+@pytest.mark.case("C23")
+def test_drain_does_no_device_work_during_a_capture_and_catches_up_after(gate):
     cap = make_captured()
     ring = DeviceRing(gate)
     tracker = StepTracker(cap.telemetry, backend=ring, nvtx=False, start_thread=False)
@@ -114,7 +115,8 @@ def test_c23_drain_does_no_device_work_during_a_capture_and_catches_up_after(gat
     tracker.close()
 
 
-def test_c23_a_capture_waits_for_device_work_in_flight(gate):
+@pytest.mark.case("C23")
+def test_a_capture_waits_for_device_work_in_flight(gate):
     gate.install(Graph)
     inside, release = threading.Event(), threading.Event()
 
@@ -137,7 +139,8 @@ def test_c23_a_capture_waits_for_device_work_in_flight(gate):
     assert gate.active == 1
 
 
-def test_c23_drain_thread_polling_through_many_captures_never_touches_the_device_inside_one(gate):
+@pytest.mark.case("C23")
+def test_drain_thread_polling_through_many_captures_never_touches_the_device_inside_one(gate):
     cap = make_captured()
     ring = DeviceRing(gate, capacity=4096)
     tracker = StepTracker(cap.telemetry, backend=ring, nvtx=False, drain_period_s=0.0005)
@@ -152,7 +155,8 @@ def test_c23_drain_thread_polling_through_many_captures_never_touches_the_device
     assert tracker.counts["steps"] == 200
 
 
-def test_c23_a_capture_that_fails_to_begin_is_not_counted_on_the_real_torch_class(gate):
+@pytest.mark.case("C23")
+def test_a_capture_that_fails_to_begin_is_not_counted_on_the_real_torch_class(gate):
     from torch.cuda.graphs import CUDAGraph
 
     original = vars(CUDAGraph)["capture_begin"]
@@ -169,7 +173,8 @@ def test_c23_a_capture_that_fails_to_begin_is_not_counted_on_the_real_torch_clas
     assert type(plain_error.value) is type(wrapped_error.value)  # the engine sees the same error
 
 
-def test_c23_the_worker_launches_no_end_record_while_its_stream_captures(gate, monkeypatch):
+@pytest.mark.case("C23")
+def test_the_worker_launches_no_end_record_while_its_stream_captures(gate, monkeypatch):
     from llm_otel.instrumentation.vllm.worker import WorkerAdapter
 
     cap = make_captured()
@@ -233,7 +238,8 @@ class CupyCompiler:
         self.compiled_once = True
 
 
-def test_c21_an_unwritable_kernel_cache_compiles_in_memory_with_one_warning(tmp_path, monkeypatch, caplog):
+@pytest.mark.case("C21")
+def test_an_unwritable_kernel_cache_compiles_in_memory_with_one_warning(tmp_path, monkeypatch, caplog):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")  # a path under a regular file cannot be created, even by root
     monkeypatch.setenv("CUPY_CACHE_DIR", str(blocker / "kernel_cache"))
@@ -247,7 +253,8 @@ def test_c21_an_unwritable_kernel_cache_compiles_in_memory_with_one_warning(tmp_
     assert "CUPY_CACHE_IN_MEMORY" not in os.environ  # the process environment is put back
 
 
-def test_c21_a_kernel_that_cannot_compile_at_all_falls_back_to_the_host_clock_ring(monkeypatch, caplog):
+@pytest.mark.case("C21")
+def test_a_kernel_that_cannot_compile_at_all_falls_back_to_the_host_clock_ring(monkeypatch, caplog):
     class Broken:
         def RawModule(self, code):  # noqa: N802
             raise PermissionError(13, "Permission denied", "/home/ro/.cupy/kernel_cache")

@@ -16,6 +16,7 @@ pytest.importorskip("torch")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_the_device_check_dry_run_passes_and_prints_one_table(tmp_path):
     out = tmp_path / "device_check.md"
     done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu", "device_check.py"),

@@ -177,7 +177,8 @@ def test_steps_without_records_are_completed_after_the_timeout():
     assert steps.counts["completed_without_device"] == 1
 
 
-def test_c13_ring_overflow_is_counted_in_a_self_metric():
+@pytest.mark.case("C13")
+def test_ring_overflow_is_counted_in_a_self_metric():
     cap = make_captured()
     steps = tracker(cap, capacity=16)
     for _ in range(20):  # 40 records, nobody draining
@@ -268,7 +269,8 @@ def test_close_completes_pending_steps():
     assert cap.finished() == []  # no end record: no device times, no device span
 
 
-def test_c12_no_prompt_text_reaches_nvtx_messages_or_ring_records():
+@pytest.mark.case("C12")
+def test_no_prompt_text_reaches_nvtx_messages_or_ring_records():
     from test_gpu_nvtx import RecordingDomain
 
     from llm_otel.gpu.nvtx import NvtxRanges

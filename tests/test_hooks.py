@@ -43,7 +43,8 @@ def engine_module(monkeypatch):
     return mod
 
 
-def test_c05_missing_targets_warn_once_each_and_the_rest_keeps_working(engine_module, caplog):
+@pytest.mark.case("C05")
+def test_missing_targets_warn_once_each_and_the_rest_keeps_working(engine_module, caplog):
     hooks = [
         Hook("fake_engine_layout", "Engine.step", "tracer", "test", ""),
         Hook("fake_engine_layout", "Engine.renamed_step", "tracer", "test", ""),

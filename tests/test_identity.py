@@ -102,6 +102,7 @@ def test_dense_dp_worker_reads_the_dp_index_not_its_process_group_rank():
     assert got["llm.process.data_parallel.rank"] == 1
 
 
+@pytest.mark.slow
 def test_worker_identity_survives_spawn():
     """vLLM on CPU spawns: the child's Process object (and its kwargs) is unpickled from the parent's."""
     got = _identity_of_child("VllmWorker-1", {"rank": 1, "vllm_config": _parallel(tp=2)}, method="spawn")

@@ -102,7 +102,8 @@ def _closed_port() -> int:
 
 
 @pytest.mark.parametrize("collector", ["closed port", "accepts and never answers"])
-def test_c18_exit_with_an_unreachable_collector_is_bounded_by_the_flush_deadline(collector):
+@pytest.mark.case("C18")
+def test_exit_with_an_unreachable_collector_is_bounded_by_the_flush_deadline(collector):
     hole = _BlackHole() if collector != "closed port" else None
     port = hole.port if hole else _closed_port()
     try:
@@ -125,7 +126,8 @@ def _long_prompt(n_chars: int, seed: int) -> str:
     return (unit * (n_chars // len(unit) + 1))[:n_chars]
 
 
-def test_c17_export_requests_stay_under_the_cap_and_captured_messages_stay_valid_json(receiver):
+@pytest.mark.case("C17")
+def test_export_requests_stay_under_the_cap_and_captured_messages_stay_valid_json(receiver):
     receiver.clear()
     settings = Settings(capture_content=True, content_max_chars=10_000_000, console="off", adaptive_sampling="off")
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint, "OTEL_METRICS_EXPORTER": "none"}
@@ -240,7 +242,8 @@ FORK_APP = """
 """
 
 
-def test_c20_forked_application_child_exports_through_its_own_channel(receiver):
+@pytest.mark.case("C20")
+def test_forked_application_child_exports_through_its_own_channel(receiver):
     receiver.clear()
     result, _ = _run(FORK_APP, _child_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint,
                                           OTEL_BSP_SCHEDULE_DELAY="100"))

@@ -23,6 +23,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LAYOUTS = os.path.join(HERE, "lightllm_layouts")
 MODEL = "tiny-llama"
 
+# every test reads runs of three LightLLM processes (tens of seconds each)
+pytestmark = pytest.mark.slow
+
 
 def tp(i: int) -> tuple[str, str, str]:
     trace_id, span_id = f"{i:032x}", f"{i + 0xABC:016x}"
@@ -161,7 +164,8 @@ def runs(receiver, tmp_path_factory, main_run):
 
 
 # --- C01: the tree covers the request from arrival; queue, prefill and decode separable ------
-def test_c01_request_span_tree_spans_three_processes_and_covers_the_request(main_run):
+@pytest.mark.case("C01")
+def test_request_span_tree_spans_three_processes_and_covers_the_request(main_run):
     t = Trace(main_run)
     tree = t.tree(request_id(main_run, "stop"))
     req = tree["request"]
@@ -216,7 +220,8 @@ def test_logit_dist_from_the_workers_full_vocabulary_logits(main_run):
     assert all(e["attributes"]["llm.logit.entropy"] > 0 for e in steps)
 
 
-def test_c01_router_steps_are_linked_not_parented(main_run):
+@pytest.mark.case("C01")
+def test_router_steps_are_linked_not_parented(main_run):
     t = Trace(main_run)
     (req,) = t.requests(request_id(main_run, "stop"))
     steps = [s for s in t.named("llm.engine.step") if any(l["span_id"] == req["span_id"] for l in s["links"])]
@@ -230,7 +235,8 @@ def test_c01_router_steps_are_linked_not_parented(main_run):
     ("length", 6, 3, 4, "length"),
     ("after", 2, 2, None, "stop"),
 ])
-def test_c09_token_counts_are_the_engine_counts_in_every_process(main_run, name, input_tokens, output_tokens,
+@pytest.mark.case("C09")
+def test_token_counts_are_the_engine_counts_in_every_process(main_run, name, input_tokens, output_tokens,
                                                                  cached, reason):
     assert len(main_run["results"][name]["tokens"]) == output_tokens
     tree = Trace(main_run).tree(request_id(main_run, name))
@@ -244,7 +250,8 @@ def test_c09_token_counts_are_the_engine_counts_in_every_process(main_run, name,
     assert tree["llm.token_stream"]["attributes"]["gen_ai.usage.output_tokens"] == output_tokens
 
 
-def test_c09_each_choice_of_n2_has_its_own_span_tree(main_run):
+@pytest.mark.case("C09")
+def test_each_choice_of_n2_has_its_own_span_tree(main_run):
     t = Trace(main_run)
     first = request_id(main_run, "n2")
     roots = []
@@ -261,7 +268,8 @@ def test_c09_each_choice_of_n2_has_its_own_span_tree(main_run):
 
 
 # --- C02: abort / disconnect mid-decode ------------------------------------------------------
-def test_c02_client_disconnect_ends_every_stage_with_error_and_partial_counts(main_run):
+@pytest.mark.case("C02")
+def test_client_disconnect_ends_every_stage_with_error_and_partial_counts(main_run):
     assert main_run["results"]["disconnect"]["error"].endswith("disconnected")
     tree = Trace(main_run).tree(request_id(main_run, "disconnect"))
     req = tree["request"]
@@ -275,7 +283,8 @@ def test_c02_client_disconnect_ends_every_stage_with_error_and_partial_counts(ma
         assert 3 <= tree[stage]["attributes"]["gen_ai.usage.output_tokens"] < 11, stage  # stopped early
 
 
-def test_c02_the_engine_keeps_serving_and_the_next_request_is_traced(main_run):
+@pytest.mark.case("C02")
+def test_the_engine_keeps_serving_and_the_next_request_is_traced(main_run):
     assert len(main_run["results"]["after"]["tokens"]) == 2
     tree = Trace(main_run).tree(request_id(main_run, "after"))
     assert tree["request"]["trace_id"] == AFTER[1]
@@ -283,7 +292,8 @@ def test_c02_the_engine_keeps_serving_and_the_next_request_is_traced(main_run):
     assert all(tree[n] is not None for n in ("llm.router.request", "llm.infer.request"))
 
 
-def test_c02_a_consumer_closing_the_stream_ends_the_request_span_as_aborted(main_run):
+@pytest.mark.case("C02")
+def test_a_consumer_closing_the_stream_ends_the_request_span_as_aborted(main_run):
     assert len(main_run["results"]["closed"]["tokens"]) == 2
     tree = Trace(main_run).tree(request_id(main_run, "closed"))
     assert tree["request"]["attributes"]["error.type"] == "aborted"
@@ -310,7 +320,8 @@ def test_health_probes_are_not_traced(runs, layout):
 
 
 # --- C10: concurrent requests keep their own parents, no context errors ----------------------
-def test_c10_concurrent_requests_each_get_their_own_trace_and_parents(main_run):
+@pytest.mark.case("C10")
+def test_concurrent_requests_each_get_their_own_trace_and_parents(main_run):
     t = Trace(main_run)
     for (traceparent, trace_id, span_id), name in zip(CONCURRENT, ("c0", "c1", "c2")):
         tree = t.tree(request_id(main_run, name))
@@ -325,7 +336,8 @@ def test_c10_concurrent_requests_each_get_their_own_trace_and_parents(main_run):
 
 # --- C06: each known layout resolves and traces the whole life -------------------------------
 @pytest.mark.parametrize("layout", ["main", "v1_0", "pr965"])
-def test_c06_each_known_layout_traces_the_full_tree_without_warnings(runs, layout):
+@pytest.mark.case("C06")
+def test_each_known_layout_traces_the_full_tree_without_warnings(runs, layout):
     run = runs[layout]
     assert "unknown layout" not in run["stderr"] and "not found" not in run["stderr"]
     t = Trace(run)
@@ -360,7 +372,8 @@ def test_router_step_spans_honour_the_step_span_budget(runs):
 
 
 # --- C05: an unknown layout: one warning per process naming what is missing ------------------
-def test_c05_unknown_layout_warns_once_per_process_and_http_spans_still_work(receiver, tmp_path_factory):
+@pytest.mark.case("C05")
+def test_unknown_layout_warns_once_per_process_and_http_spans_still_work(receiver, tmp_path_factory):
     run = run_layout("unknown", receiver, tmp_path_factory, REQUESTS[:1])
     # an unrecognised module: one warning listing what it lacks; a module whose layout was
     # recognised (infer_batch still looks like main) but lacks a target: one warning naming it

@@ -19,6 +19,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PYPI = os.path.join(os.path.dirname(sys.executable), "..", "lightllm-pypi")
 TRACE_ID, PARENT = "0000000000000000000000000000c0de", "00000000000000f0"
 
+# the 2024 LightLLM from PyPI runs in two processes (tens of seconds)
+pytestmark = pytest.mark.slow
+
 
 def free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
@@ -51,14 +54,16 @@ def pypi_run(receiver, tiny_model):
     return {"result": result, "spans": spans, "stderr": done.stderr}
 
 
-def test_c06_the_real_2024_lightllm_package_is_imported_and_its_layout_recognised_without_warnings(pypi_run):
+@pytest.mark.case("C06")
+def test_the_real_2024_lightllm_package_is_imported_and_its_layout_recognised_without_warnings(pypi_run):
     """C06 (an integration broke when the engine renamed an internal module): the run imports the real
     2024 LightLLM from PyPI (not a layout copy) and every hook target of that layout resolves."""
     assert os.path.abspath(pypi_run["result"]["lightllm_file"]).startswith(os.path.abspath(PYPI))
     assert "unknown layout" not in pypi_run["stderr"] and "not found" not in pypi_run["stderr"]
 
 
-def test_c06_c09_real_2024_layout_request_span_tree_and_exact_counts(pypi_run):
+@pytest.mark.case("C06", "C09")
+def test_real_2024_layout_traces_the_request_span_tree_with_the_engines_exact_counts(pypi_run):
     result, spans = pypi_run["result"], pypi_run["spans"]
     assert [t[1] for t in result["tokens"]] == [100, 101, 102, 103, 104]
     assert result["tokens"][-1][3] == "length"

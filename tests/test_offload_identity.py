@@ -2,7 +2,7 @@
 (:mod:`llm_otel.export.identity`), the start policy and what it inherits.
 
 Real components: the exporter process exports over OTLP/gRPC to the in-process receiver
-(tests/otlp_receiver.py); processes under ``opentelemetry-instrument`` are real interpreters
+(tests/support/otlp_receiver.py); processes under ``opentelemetry-instrument`` are real interpreters
 started with the auto-instrumentation ``sitecustomize``.
 """
 
@@ -16,6 +16,7 @@ import textwrap
 import threading
 
 import numpy as np
+import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
@@ -171,6 +172,7 @@ INSTRUMENTED_APP = """
 """
 
 
+@pytest.mark.slow
 def test_processes_that_never_emit_start_no_exporter_process_and_it_does_not_instrument_itself(receiver,
                                                                                                tmp_path):
     """Under opentelemetry-instrument every Python process that imports a library llm-otel hooks

@@ -3,12 +3,13 @@ reading its pipe while span exports wait on a dead collector, so GenAI request m
 outage as they do in process.
 
 Real components: the exporter process (``python -m llm_otel.export.offload``) exporting over
-OTLP/gRPC to a real receiver (tests/otlp_receiver.py) that starts only after the outage."""
+OTLP/gRPC to a real receiver (tests/support/otlp_receiver.py) that starts only after the outage."""
 
 from __future__ import annotations
 
 import time
 
+import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
@@ -37,7 +38,7 @@ def _requests_counted_after_an_outage(export_process: bool) -> tuple[int, int]:
     from concurrent import futures
 
     import grpc
-    import otlp_receiver as orx
+    import support.otlp_receiver as orx
     from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc
     from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
@@ -85,6 +86,7 @@ def _requests_counted_after_an_outage(export_process: bool) -> tuple[int, int]:
     return counted, _metric_drops(reader) if export_process else 0
 
 
+@pytest.mark.slow
 def test_a_collector_outage_loses_no_genai_request_metrics_with_the_exporter_process():
     """In process, the meter provider aggregates every request while the collector is down and
     delivers the cumulative totals once it is back. With the exporter process, its one thread

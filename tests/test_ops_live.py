@@ -5,7 +5,7 @@ dashboard in examples/grafana/dashboards/ runs through Prometheus's HTTP API.
 
 The session ``engine`` fixture cannot serve here: it passes an in-memory meter provider to the
 frontend and an OTLP environment to its engine processes, and a Prometheus reader must be part of
-a meter provider when it is built. So this module runs one extra engine (tests/ops_engine_app.py)
+a meter provider when it is built. So this module runs one extra engine (tests/support/ops_engine_app.py)
 as a subprocess - the frontend serves on port P, its engine-core process on P + 1.
 """
 
@@ -22,8 +22,7 @@ import time
 import pytest
 import yaml
 from conftest import HAS_VLLM, VLLM_ENV
-
-import ops_harness as H
+from support import ops_harness as H
 
 httpx = pytest.importorskip("httpx")
 
@@ -100,7 +99,7 @@ def ops_engine(tiny_model, tmp_path_factory):
                LLM_OTEL_TIERS="free * ttft=1.2 tpot=0.5", LLM_OTEL_MODEL_REVISION="stable",
                LLM_OTEL_CLASS_HEADERS="priority:engine:priority")
     log = open(log_path, "w")
-    app = os.path.join(os.path.dirname(__file__), "ops_engine_app.py")
+    app = os.path.join(os.path.dirname(__file__), "support", "ops_engine_app.py")
     proc = subprocess.Popen([sys.executable, app, str(tiny_model)], env=env, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
     try:
@@ -273,6 +272,7 @@ def test_engine_core_process_serves_engine_state_only(ops_engine):
     assert hits and hits[0] > 0  # the shared prompt prefix is served from the cache
 
 
+@pytest.mark.case("C26")
 def test_rejected_requests_are_counted_by_error_type(prom):
     result = _query(prom["client"], 'llm_server_requests_total{error_type!=""}')
     assert result, "the over-long prompts vLLM rejects are not counted"

@@ -110,6 +110,7 @@ def test_rejected_request_counted_with_error_type_and_no_finish_reason(captured)
     assert A.LLM_RESPONSE_FINISH_REASON not in point.attributes
 
 
+@pytest.mark.case("C26")
 def test_error_type_cardinality_is_bounded(captured, caplog):
     with caplog.at_level(logging.WARNING, logger="llm_otel"):
         for i in range(MAX_ERROR_TYPES + 5):

@@ -10,8 +10,7 @@ import subprocess
 
 import pytest
 import yaml
-
-import ops_harness as H
+from support import ops_harness as H
 
 
 def _promtool() -> str:
@@ -33,6 +32,7 @@ def test_alert_rules_pass_promtool_check(path):
     assert run.returncode == 0, run.stdout + run.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", H.rule_test_files(), ids=lambda p: p.name)
 def test_alert_rule_unit_tests_pass_under_promtool(path):
     run = subprocess.run([_promtool(), "test", "rules", str(path)], capture_output=True, text=True, cwd=path.parent)

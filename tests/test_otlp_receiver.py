@@ -1,4 +1,4 @@
-"""Specification tests for the in-process OTLP receiver in ``otlp_receiver.py``.
+"""Specification tests for the in-process OTLP receiver in ``support/otlp_receiver.py``.
 
 Everything is sent with the official OpenTelemetry OTLP exporters so the
 receiver is checked against what real instrumentation puts on the wire.
@@ -46,8 +46,7 @@ from opentelemetry.trace import (
     TraceFlags,
     TraceState,
 )
-
-from otlp_receiver import OTLPReceiver
+from support.otlp_receiver import OTLPReceiver
 
 RESOURCE_ATTRS = {"service.name": "otlp-receiver-tests", "deployment.environment": "test"}
 SCOPE = ("tests.otlp_receiver", "1.2.3")

@@ -29,6 +29,7 @@ def run_py(code: str, env: dict | None = None, argv_prefix: list[str] | None = N
 
 
 @needs_vllm
+@pytest.mark.slow
 def test_instrument_is_idempotent_and_uninstrument_restores_every_attribute_exactly():
     out = run_py("""
         import importlib, llm_otel
@@ -57,6 +58,7 @@ def test_instrument_is_idempotent_and_uninstrument_restores_every_attribute_exac
 
 
 @needs_vllm
+@pytest.mark.slow
 def test_zero_code_opentelemetry_instrument_applies_the_vllm_hooks():
     out = run_py("""
         from opentelemetry import trace
@@ -137,7 +139,8 @@ def _closed_port() -> int:
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
-def test_c04_doctor_reports_a_broken_exporter(protocol, capsys):
+@pytest.mark.case("C04")
+def test_doctor_reports_a_broken_exporter(protocol, capsys):
     port = _closed_port()
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
            "OTEL_METRICS_EXPORTER": "none"}
@@ -148,7 +151,8 @@ def test_c04_doctor_reports_a_broken_exporter(protocol, capsys):
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
-def test_c04_doctor_confirms_a_working_exporter(protocol, receiver, capsys, monkeypatch):
+@pytest.mark.case("C04")
+def test_doctor_confirms_a_working_exporter(protocol, receiver, capsys, monkeypatch):
     endpoint = receiver.grpc_endpoint if protocol == "grpc" else receiver.http_endpoint
     for k, v in {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": protocol}.items():
         monkeypatch.setenv(k, v)
@@ -250,7 +254,8 @@ def test_prometheus_port_is_applied_only_after_the_rest_validates(monkeypatch):
     assert dict(os.environ) == before
 
 
-def test_c04_doctor_probes_the_metrics_exporter_too(receiver, capsys):
+@pytest.mark.case("C04")
+def test_doctor_probes_the_metrics_exporter_too(receiver, capsys):
     env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.grpc_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
            "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": f"http://127.0.0.1:{_closed_port()}"}
     assert doctor(env) == 1
@@ -348,6 +353,7 @@ ENGINE_PROCESS_APP = """
 
 
 @needs_vllm
+@pytest.mark.slow
 @pytest.mark.parametrize("name, role", [("EngineCore", "engine_core"), ("VllmWorker-0", "worker")])
 def test_vllm_engine_processes_export_in_process_and_start_no_exporter_process_under_opentelemetry_instrument(
         name, role, receiver):
@@ -400,6 +406,7 @@ def test_triton_instrumentation_builds_providers_and_hooks_at_the_first_tritoncl
 
 
 @needs_vllm
+@pytest.mark.slow
 def test_vllm_instrumentation_waits_for_the_process_to_import_vllm_under_opentelemetry_instrument():
     """opentelemetry-instrument runs the vLLM instrumentor in every process of a served tree;
     applying its hooks imports vLLM (and torch): multiprocessing's resource tracker, which never

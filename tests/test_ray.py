@@ -79,6 +79,7 @@ def _actor_report():
                                                                  if k.startswith(("OTEL_", "LLM_OTEL_"))}
 
 
+@pytest.mark.slow
 def test_real_ray_actor_is_detected_and_gets_the_configuration(monkeypatch):
     ray = pytest.importorskip("ray")
     pytest.importorskip("vllm")

@@ -95,6 +95,7 @@ def test_policy_hysteresis_ignores_small_moves():
     assert policy.update(0.52, now=1.0) == p
 
 
+@pytest.mark.case("C27")
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, (1 << 128) - 1), st.floats(0.001, 1.0), st.floats(0.001, 1.0))
 def test_consistency_higher_probability_keeps_a_superset(trace_id, p1, p2):
@@ -114,6 +115,7 @@ def test_threshold_does_not_depend_on_the_traces_randomness():
     assert kept and len(set(kept)) == 1 and kept[0] == pytest.approx(0.3, abs=2 ** -12)
 
 
+@pytest.mark.case("C27")
 def test_children_in_another_process_reuse_the_parents_threshold():
     frontend = adaptive_sampler(UtilizationPolicy(floor=0.25, ceiling=0.25), poller=poller_at(0.0))
     engine_process = adaptive_sampler(UtilizationPolicy(floor=0.01, ceiling=0.01), poller=poller_at(1.0))

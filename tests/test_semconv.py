@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import yaml
-from semconv_live import SpanLog, check
+from support.semconv_live import SpanLog, check
 
 from llm_otel._semconv_registry import generated_files, load_registry, validate
 
@@ -112,7 +112,8 @@ def test_live_check_flags_undeclared_names_and_wrong_types():
     ])
 
 
-def test_c07_names_come_only_from_our_generated_module():
+@pytest.mark.case("C07")
+def test_names_come_only_from_our_generated_module():
     """No llm-otel module imports a third-party semconv constants package, and no module outside
     the generated one spells an attribute or metric name as a string literal."""
     src = REPO / "src" / "llm_otel"

@@ -102,7 +102,8 @@ def test_token_stream_timing_ttft_tpot_and_itl(captured):
     assert a["llm.inter_token_latency.max"] == pytest.approx(0.040, abs=1e-6)
 
 
-def test_c08_delayed_first_token_span_starts_before_first_token_and_ttft_is_the_delay(captured):
+@pytest.mark.case("C08")
+def test_delayed_first_token_span_starts_before_first_token_and_ttft_is_the_delay(captured):
     delay = 0.750
     _, spans = run_request(captured, delays=(delay, 0.01, 0.01))
     root, stream = spans["text_completion tiny"], spans["llm.token_stream"]
@@ -138,7 +139,8 @@ def test_stall_events_mark_tokens_slower_than_k_times_the_median_itl():
     assert stream.attributes["llm.token.stall.threshold"] == pytest.approx(0.03, abs=1e-6)
 
 
-def test_c01_prompt_and_token_stream_cover_at_least_90_percent_of_the_request(captured):
+@pytest.mark.case("C01")
+def test_prompt_and_token_stream_cover_at_least_90_percent_of_the_request(captured):
     _, spans = run_request(captured)
     root = spans["text_completion tiny"]
     covered = sum(spans[n].end_time - spans[n].start_time for n in ("llm.prompt", "llm.token_stream"))
@@ -220,7 +222,8 @@ def test_request_span_is_child_of_the_current_span(captured):
     assert root.parent.span_id == app.get_span_context().span_id
 
 
-def test_c12_rejection_messages_quoting_the_prompt_are_not_exported_unless_capture_is_on():
+@pytest.mark.case("C12")
+def test_rejection_messages_quoting_the_prompt_are_not_exported_unless_capture_is_on():
     secret = "SECRET-7f3a9c"
     cap = make_captured()
     cap.telemetry.reject(operation="chat", provider="vllm", model="m", arrival_s=ARRIVAL,
@@ -306,7 +309,8 @@ def test_broken_span_building_is_counted_and_the_request_span_still_ends(capture
     assert point.value == 1 and point.attributes["llm.instrumentation.hook"] == "telemetry.spans"
 
 
-def test_c12_prompt_content_is_not_captured_by_default_and_truncated_when_opted_in():
+@pytest.mark.case("C12")
+def test_prompt_content_is_not_captured_by_default_and_truncated_when_opted_in():
     secret = "SECRET-" + "x" * 50
     cap = make_captured()
     rec = start(cap, prompt_text=secret)

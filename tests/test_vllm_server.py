@@ -128,7 +128,8 @@ def test_streaming_chat_without_traceparent_is_a_new_root_shared_by_every_proces
     assert dist["trace_id"] == root["trace_id"]
 
 
-def test_c02_client_disconnect_mid_stream_ends_the_spans_with_error_and_partial_counts(rx, server):
+@pytest.mark.case("C02")
+def test_client_disconnect_mid_stream_ends_the_spans_with_error_and_partial_counts(rx, server):
     """C02: a client that disconnects mid-decode ends the request span and ``llm.token_stream`` with
     error.type=aborted and the tokens produced so far; the engine keeps serving."""
     # 2000 tokens (the server's max_model_len is 2048) keep the engine decoding for seconds after the
@@ -171,7 +172,8 @@ def test_c02_client_disconnect_mid_stream_ends_the_spans_with_error_and_partial_
     ({"prompt": "word " * 2600, "max_tokens": 4}, "prompt too long"),
     ({"prompt": "hi", "max_tokens": 4, "temperature": -1.0}, "invalid temperature"),
 ])
-def test_c03_rejected_requests_yield_an_error_span_and_the_duration_metric(rx, server, body, what):
+@pytest.mark.case("C03", "C26")
+def test_rejected_requests_yield_an_error_span_and_the_duration_metric(rx, server, body, what):
     """error.type: the exception vLLM raised in the handler (its HTTP error type when it returned one)."""
     tid = ("c03" + "0" * 29) if "long" in what else ("c03" + "1" * 29)
     r = httpx.post(server["base"] + "/v1/completions", json={"model": SERVED, **body}, timeout=60,
@@ -201,7 +203,8 @@ def test_malformed_traceparent_is_ignored_and_the_request_served_as_a_new_root(r
     assert root["parent_span_id"] == "" and re.fullmatch(r"(ot=th:[0-9a-f]+)?", root["trace_state"])
 
 
-def test_c10_concurrent_requests_keep_their_own_parents(rx, server):
+@pytest.mark.case("C10")
+def test_concurrent_requests_keep_their_own_parents(rx, server):
     def one(i: int):
         tid = f"{i + 1:032x}"
         r = httpx.post(server["base"] + "/v1/completions",

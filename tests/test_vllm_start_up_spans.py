@@ -20,7 +20,7 @@ SERVICE = "vllm-start-up-spans"
 
 @pytest.fixture(scope="module")
 def start_up_spans(tiny_model, receiver, tmp_path_factory):
-    from vllm_servers import start_server
+    from support.vllm_servers import start_server
 
     server = start_server(str(tiny_model), tmp_path_factory.mktemp("start-up-spans") / "server.log",
                           {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",

@@ -3,7 +3,7 @@ tensor parallelism, each topology started once (class-scoped, torn down before t
 zero-code (``LLM_OTEL_ENABLED=1``), exporting to the test's OTLP receiver.
 
 * ``--api-server-count 2`` (with a LoRA adapter): the ``vllm serve`` launcher
-  (tests/vllm_serve_launcher.py) starts two API servers (``ApiServer_0/1``), one engine core and
+  (tests/support/vllm_serve_launcher.py) starts two API servers (``ApiServer_0/1``), one engine core and
   one worker. Prometheus: each API server on its own port (base - index), the launcher none; the
   per-process request counts add up, with ``n=3`` (C15) and a LoRA request (C22).
 * ``--data-parallel-size 2``: two API servers (vLLM's default for DP), two engine cores
@@ -29,13 +29,13 @@ import time
 
 import pytest
 from conftest import HAS_VLLM, VLLM_ENV, record_received, wait_for_vllm_server
-from tiny_lora import ensure_tiny_lora
+from support.tiny_lora import ensure_tiny_lora
 
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")]
 
 httpx = pytest.importorskip("httpx")
 psutil = pytest.importorskip("psutil")
-LAUNCHER = os.path.join(os.path.dirname(__file__), "vllm_serve_launcher.py")
+LAUNCHER = os.path.join(os.path.dirname(__file__), "support", "vllm_serve_launcher.py")
 SERVED = "tiny"
 IDENTITY_KEYS = ("llm.process.role", "llm.process.api_server.index", "llm.process.data_parallel.rank",
                  "llm.process.tensor_parallel.rank", "llm.process.pipeline_parallel.rank")
@@ -262,7 +262,8 @@ class TestApiServers:
         assert owners[api2.prom] != owners[api2.prom - 1]
         assert owners[api2.prom + 1] not in (owners[api2.prom], owners[api2.prom - 1])  # the engine core
 
-    def test_c15_n3_usage_and_request_counts_add_up_to_what_vllm_served(self, api2):
+    @pytest.mark.case("C15")
+    def test_n3_usage_and_request_counts_add_up_to_what_vllm_served(self, api2):
         usage = [r["usage"] for r in api2.responses] + [api2.n3["usage"], api2.lora["usage"]]
         assert len(api2.n3["choices"]) == 3 and api2.n3["usage"]["completion_tokens"] == 15
         input_sum = self._scrape(api2, "llm_server_token_usage", 'gen_ai_token_type="input"')
@@ -276,7 +277,8 @@ class TestApiServers:
         requests = self._scrape(api2, "llm_server_requests")
         assert sum(requests.values()) == self.N + 2
 
-    def test_c22_lora_request_names_the_adapter_and_keeps_the_base_model(self, api2, receiver):
+    @pytest.mark.case("C22")
+    def test_lora_request_names_the_adapter_and_keeps_the_base_model(self, api2, receiver):
         assert api2.lora["model"] == "sql"
         (span,) = wait_until(lambda: [s for s in top_spans(receiver, api2) if s["name"] == "text_completion sql"]
                              or None, what="the LoRA request's span")
@@ -328,7 +330,8 @@ class TestDataParallel:
     def _points(self, receiver):
         return latest_points(receiver, "topology-dp2")
 
-    def test_c14_every_metric_point_is_attributable_to_one_process(self, dp2, receiver):
+    @pytest.mark.case("C14")
+    def test_every_metric_point_is_attributable_to_one_process(self, dp2, receiver):
         def ready():
             pts = self._points(receiver)
             served = sum(m["count"] for m in pts if m["name"] == "gen_ai.server.request.duration")

@@ -35,6 +35,7 @@ def _run_instrumented(code: str, **env_extra: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_opentelemetry_instrument_gives_a_program_that_imports_no_engine_no_providers_and_no_vllm_import():
     """A Python program that never imports vLLM, tritonclient or LightLLM, run with
     ``opentelemetry-instrument`` where llm-otel[vllm] is installed, must get no global providers
@@ -118,6 +119,7 @@ def _run_engine_child_app(tmp_path, **env_vars: str) -> subprocess.CompletedProc
     return done
 
 
+@pytest.mark.slow
 def test_an_invalid_exporter_setting_is_one_line_for_the_frontend_and_the_engine_processes_it_starts(tmp_path):
     """``OTEL_TRACES_EXPORTER=bogus`` under ``opentelemetry-instrument``: the frontend says so in one
     ERROR line at its ``import vllm`` and instruments nothing; ``LLM_OTEL_ENABLED``, set at
@@ -130,6 +132,7 @@ def test_an_invalid_exporter_setting_is_one_line_for_the_frontend_and_the_engine
     assert len(lines) == 1, "\n".join(lines)
 
 
+@pytest.mark.slow
 def test_with_llm_otel_enabled_set_by_the_user_an_invalid_exporter_setting_is_one_line_for_the_tree(tmp_path):
     """The same with ``LLM_OTEL_ENABLED=1`` set by the user (the documented zero-code form), which
     the frontend does not take back: the engine process it starts meets the same error at its
@@ -144,6 +147,7 @@ def test_with_llm_otel_enabled_set_by_the_user_an_invalid_exporter_setting_is_on
     assert "at its start" not in done.stderr and "could not instrument" not in done.stderr, done.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_an_invalid_llm_otel_setting_is_one_error_line_for_the_whole_process_tree(tmp_path):
     """``LLM_OTEL_TOKEN_EVENTS=bad`` under ``opentelemetry-instrument`` is validated at every
     Python process's start - the application, multiprocessing's resource tracker, the engine core
@@ -188,6 +192,7 @@ def test_the_bootstrap_patch_is_applied_once_and_removed_by_uninstrument():
     assert lines == ["RESULT target ran", "RESULT 0 True False", "RESULT removed True"], done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_vllm_imported_by_two_threads_at_once_is_fully_instrumented_before_it_builds_an_engine():
     """An application imports vLLM from two threads at once (a warm-up thread imports
     ``vllm.sampling_params`` while another imports ``vllm.config``). The instrumentation starts

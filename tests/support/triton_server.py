@@ -31,7 +31,7 @@ import sys
 import time
 import urllib.request
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 VENV = pathlib.Path(os.environ.get("LLM_OTEL_TRITON_VENV", ROOT / ".venv-triton"))
 
 MODEL_PY = '''

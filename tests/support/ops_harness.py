@@ -15,7 +15,7 @@ import shutil
 
 import yaml
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROMETHEUS_DIR = ROOT / "examples" / "prometheus"
 DASHBOARD_DIR = ROOT / "examples" / "grafana" / "dashboards"
 

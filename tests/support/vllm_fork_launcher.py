@@ -7,7 +7,7 @@ On a GPU host vLLM starts its engine-core and worker processes with ``fork`` by 
 puts back ``fork``, so the processes start the way they do on a GPU: the engine core forked from
 the API server, its worker forked from the engine core. Nothing else is changed.
 
-Usage: ``[opentelemetry-instrument] python tests/vllm_fork_launcher.py <api_server args>``.
+Usage: ``[opentelemetry-instrument] python tests/support/vllm_fork_launcher.py <api_server args>``.
 """
 
 import os
