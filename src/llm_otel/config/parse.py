@@ -10,7 +10,8 @@ the variable.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 __all__ = ["ConfigError", "setting", "read_fields", "read_field", "env_fields", "field_default", "read_bool",
            "read_int", "read_optional_int", "read_float", "read_optional_float", "read_choice", "read_str"]

@@ -11,10 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
-from llm_otel.config.parse import (ConfigError, read_bool, read_choice, read_field, read_fields, read_float, read_int,
-                                   read_optional_float, setting)
+from llm_otel.config.parse import (
+    read_bool,
+    read_choice,
+    read_field,
+    read_fields,
+    read_float,
+    read_int,
+    read_optional_float,
+    setting,
+)
 from llm_otel.config.signals import SignalsConfig, signals_settings
 
 __all__ = ["Settings", "traces_per_s", "otlp_max_request_bytes"]
@@ -177,7 +185,7 @@ class Settings:
     signals: SignalsConfig = dataclasses.field(default_factory=SignalsConfig)
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         """Read and validate the environment. Raises ConfigError on an invalid value."""
         env = os.environ if env is None else env
         return cls(**read_fields(cls, env), signals=signals_settings(env))

@@ -20,7 +20,8 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace

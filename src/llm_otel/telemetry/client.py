@@ -30,7 +30,8 @@ import threading
 import time
 from array import array
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from opentelemetry import trace

@@ -20,12 +20,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from llm_otel.gpu.metrics import GpuMetrics, register_gpu_metrics
-
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import metrics as M
 
@@ -80,7 +80,7 @@ class SchedulerState(NamedTuple):
 
 
 def engine_state_instruments(telemetry: Any, phase: Callable[[], str],
-                             dp_rank: int | None = None) -> tuple["EngineStateMetrics", GpuMetrics | None]:
+                             dp_rank: int | None = None) -> tuple[EngineStateMetrics, GpuMetrics | None]:
     """The engine-state instruments and the per-GPU gauges (by ``phase()``, see
     :class:`PhaseClock`) on the telemetry's meter, for the process that runs the scheduler."""
     meter = telemetry.instruments.meter

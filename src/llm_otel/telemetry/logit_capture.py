@@ -16,7 +16,8 @@ a CUDA graph is being captured (:data:`llm_otel.gpu.capture.capture_gate`).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from llm_otel.gpu.capture import capture_gate
 

@@ -172,13 +172,13 @@ class RequestRecord:
                 self.handed_s)
 
     @classmethod
-    def from_span_fields(cls, fields: tuple) -> "RequestRecord":
+    def from_span_fields(cls, fields: tuple) -> RequestRecord:
         """A record with only :data:`SPAN_FIELDS` set (from :meth:`span_fields`, in the exporter
         process): enough for :meth:`llm_otel.telemetry.spans.SpanBuilder.children`. Step arrays
         are read back with this host's ``array`` item sizes (the exporter process runs on the
         serving process's host, same interpreter)."""
         rec = cls.__new__(cls)
-        for name, value in zip(cls.SPAN_FIELDS, fields):
+        for name, value in zip(cls.SPAN_FIELDS, fields, strict=False):
             setattr(rec, name, value)
         times, counts = array("d"), array("l")
         times.frombytes(rec.step_times)
