@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
+from typing import cast
 
 from llm_otel.config.parse import (
     read_bool,
@@ -193,9 +194,9 @@ class Settings:
 
 def traces_per_s(env: Mapping[str, str] | None = None) -> float:
     """``LLM_OTEL_TRACES_PER_S`` alone (the SDK configurator's sampler factory needs only it)."""
-    return read_field(Settings, "traces_per_s", os.environ if env is None else env)
+    return cast(float, read_field(Settings, "traces_per_s", os.environ if env is None else env))  # read_float
 
 
 def otlp_max_request_bytes(env: Mapping[str, str]) -> int:
     """``LLM_OTEL_OTLP_MAX_REQUEST_BYTES`` (3 MiB), in [64 KiB, 1 GiB]."""
-    return read_field(Settings, "otlp_max_request_bytes", env)
+    return cast(int, read_field(Settings, "otlp_max_request_bytes", env))  # read_int
