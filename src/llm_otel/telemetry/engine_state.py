@@ -97,7 +97,7 @@ class EngineStateMetrics:
     def __init__(self, meter: Meter, provider: str = "vllm", dp_rank: int | None = None) -> None:
         self.provider = provider
         self.dp_rank = dp_rank  # on every point, as vLLM's own engine=<dp rank> label
-        self.attrs: dict[str, str] | None = None
+        self.attrs: dict[str, str | int] | None = None
         self._kv: float | None = None
         self._running: int | None = None
         self._waiting: int | None = None
@@ -110,7 +110,7 @@ class EngineStateMetrics:
                                             description="Prompt tokens looked up in the engine's prefix cache.")
 
         def gauge(name: str, unit: str, field: str, description: str) -> None:
-            def observe(_options: CallbackOptions):
+            def observe(_options: CallbackOptions) -> list[Observation]:
                 value = getattr(self, field)
                 return [] if value is None or self.attrs is None else [Observation(value, self.attrs)]
 

@@ -57,7 +57,7 @@ class MetricsOutlet(Protocol):
         :class:`~llm_otel.signals.Signals` (``kv_size``, ``slo_checks``)."""
         ...
 
-    def push_request(self, observations: tuple, span_context: SpanContext | None) -> None:
+    def push_request(self, observations: tuple[Any, ...], span_context: SpanContext | None) -> None:
         """One finished request's observations (:meth:`Instruments.observations
         <llm_otel.telemetry.metrics.Instruments.observations>`), recorded elsewhere by
         :meth:`~llm_otel.telemetry.metrics.Instruments.apply`; ``span_context``: the request

@@ -100,8 +100,8 @@ class RequestRecord:
         self.error_type: str | None = None
         self.error_message: str | None = None
         self.request_attributes = request_attributes or {}
-        # (sampled_token_id, sampled_logprob, top_ids[k], top_logprobs[k]) per decode step
-        self.logprob_rows: list[tuple] = []
+        # (token_ids, logprobs) per decode step: (tokens, k+1) arrays, column 0 the sampled token (on_logprobs)
+        self.logprob_rows: list[tuple[Any, Any]] = []
         self.logprob_cap = logprob_cap
         self.finished = False
         self.timing_source = "engine_steps"
@@ -161,7 +161,7 @@ class RequestRecord:
                    "step_times", "step_token_counts", "num_output_tokens", "head_token_ids", "input_tokens",
                    "cached_tokens", "finish_reason", "error_type", "error_message", "timing_source", "handed_s")
 
-    def span_fields(self, token_ids: bool) -> tuple:
+    def span_fields(self, token_ids: bool) -> tuple[Any, ...]:
         """The raw data ``llm.prompt`` / ``llm.token_stream`` are built from, as plain values that
         pickle cheaply (:data:`SPAN_FIELDS` order): the step arrays as bytes (one copy, no per-token
         objects), the head token ids only when ``token_ids`` (content capture). Called once, at finish."""
@@ -172,7 +172,7 @@ class RequestRecord:
                 self.handed_s)
 
     @classmethod
-    def from_span_fields(cls, fields: tuple) -> RequestRecord:
+    def from_span_fields(cls, fields: tuple[Any, ...]) -> RequestRecord:
         """A record with only :data:`SPAN_FIELDS` set (from :meth:`span_fields`, in the exporter
         process): enough for :meth:`llm_otel.telemetry.spans.SpanBuilder.children`. Step arrays
         are read back with this host's ``array`` item sizes (the exporter process runs on the
