@@ -17,9 +17,14 @@ from __future__ import annotations
 
 import time
 from array import array
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import Span
+
+if TYPE_CHECKING:
+    from llm_otel.config.tiers import Tier
+    from llm_otel.signals.kv import KVSpec
+    from llm_otel.telemetry.clock import EngineClock
 
 
 def mono_offset_ns() -> int:
@@ -107,13 +112,13 @@ class RequestRecord:
         self.timing_source = "engine_steps"
         self.injected_logprobs = False  # the instrumentation asked the engine for log-probs
         self.vocab_size: int | None = None  # for the entropy estimate from top-k log-probs
-        self.output_state = None  # engine object holding the completion text (content capture only)
+        self.output_state: Any = None  # engine object holding the completion text (content capture only)
         self.metric_attributes: dict[str, Any] = {}  # bounded request-class labels (llm_otel.signals)
-        self.signal_state = None  # (tier, KV spec) set by Signals.admit
+        self.signal_state: tuple[Tier | None, KVSpec | None] | None = None  # (tier, KV spec) set by Signals.admit
         # the frontend handed the request to the engine core: wall s and the frontend's monotonic s
         self.handed_s: float | None = None
         self.handed_mono: float | None = None
-        self.engine_clock = None  # telemetry.clock.EngineClock of the engine core serving it
+        self.engine_clock: EngineClock | None = None  # telemetry.clock.EngineClock of the engine core serving it
         self.choice_group: ChoiceGroup | None = None  # the request's choices when n > 1
 
     # --- hot path ---------------------------------------------------------------------------
