@@ -81,7 +81,7 @@ class Telemetry:
 
     Request lifecycle listeners (:mod:`llm_otel.listeners`): the GenAI metrics, the sampler's
     drift detector and :attr:`signals` see every request's start, steps and finish; adapters call
-    :meth:`start_request`, :meth:`on_tokens` and :meth:`finish` only.
+    :meth:`start_request`, :attr:`on_tokens` and :meth:`finish` only.
 
     Raises:
         llm_otel.config.ConfigError: (``settings`` None) an ``LLM_OTEL_*`` variable or the tier
