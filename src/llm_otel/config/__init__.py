@@ -11,10 +11,22 @@ A leaf: this package imports nothing else of llm-otel, and every other part may 
 """
 
 from llm_otel.config.classes import CLASS_DIMENSIONS, ENGINE_FIELDS, ENGINE_LORA, ENGINE_PRIORITY, parse_class_sources
-from llm_otel.config.exporters import (DEFAULT_EXPORTER, DEFAULT_OTLP_PROTOCOL, EXPORTERS, OTLP_PROTOCOLS,
-                                       PROMETHEUS_HOST, PROMETHEUS_PORT, exporter_setting, otlp_endpoint, otlp_protocol,
-                                       prometheus_base_port, prometheus_host, signal_endpoint, traces_sampler,
-                                       validate_exporter_env)
+from llm_otel.config.exporters import (
+    DEFAULT_EXPORTER,
+    DEFAULT_OTLP_PROTOCOL,
+    EXPORTERS,
+    OTLP_PROTOCOLS,
+    PROMETHEUS_HOST,
+    PROMETHEUS_PORT,
+    exporter_setting,
+    otlp_endpoint,
+    otlp_protocol,
+    prometheus_base_port,
+    prometheus_host,
+    signal_endpoint,
+    traces_sampler,
+    validate_exporter_env,
+)
 from llm_otel.config.parse import ConfigError
 from llm_otel.config.settings import Settings, otlp_max_request_bytes, traces_per_s
 from llm_otel.config.signals import HEALTH_FACTORS, SignalsConfig, signals_settings

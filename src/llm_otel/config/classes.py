@@ -5,7 +5,7 @@ class value may contain. :class:`llm_otel.signals.classes.ClassExtractor` applie
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 from llm_otel.config.parse import ConfigError
 

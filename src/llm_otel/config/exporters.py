@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from llm_otel.config.parse import ConfigError, read_choice
 

@@ -10,7 +10,8 @@ the variable.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 __all__ = ["ConfigError", "setting", "read_fields", "read_field", "env_fields", "field_default", "read_bool",
            "read_int", "read_optional_int", "read_float", "read_optional_float", "read_choice", "read_str"]
@@ -39,14 +40,14 @@ def setting(env: str | tuple[str, ...], default: Any = dataclasses.MISSING, read
     return dataclasses.field(default=default, metadata=metadata)
 
 
-def field_default(field: dataclasses.Field) -> Any:
+def field_default(field: dataclasses.Field[Any]) -> Any:
     """The default of a dataclass field (a fresh value for a ``default_factory`` field)."""
-    if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return field.default_factory()  # type: ignore[misc]
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
     return field.default
 
 
-def env_fields(cls: type) -> list[dataclasses.Field]:
+def env_fields(cls: type) -> list[dataclasses.Field[Any]]:
     """The fields of settings class ``cls`` that are read from the environment, in declaration order."""
     return [f for f in dataclasses.fields(cls) if "env" in f.metadata]
 
@@ -62,7 +63,7 @@ def read_field(cls: type, name: str, env: Mapping[str, str]) -> Any:
     return _read(next(f for f in env_fields(cls) if f.name == name), env)
 
 
-def _read(field: dataclasses.Field, env: Mapping[str, str]) -> Any:
+def _read(field: dataclasses.Field[Any], env: Mapping[str, str]) -> Any:
     meta = field.metadata
     return meta["read"](env, meta["env"], field_default(field), **meta["bounds"])
 

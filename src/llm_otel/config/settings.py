@@ -11,10 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Mapping
+from collections.abc import Mapping
+from typing import cast
 
-from llm_otel.config.parse import (ConfigError, read_bool, read_choice, read_field, read_fields, read_float, read_int,
-                                   read_optional_float, setting)
+from llm_otel.config.parse import (
+    read_bool,
+    read_choice,
+    read_field,
+    read_fields,
+    read_float,
+    read_int,
+    read_optional_float,
+    setting,
+)
 from llm_otel.config.signals import SignalsConfig, signals_settings
 
 __all__ = ["Settings", "traces_per_s", "otlp_max_request_bytes"]
@@ -177,7 +186,7 @@ class Settings:
     signals: SignalsConfig = dataclasses.field(default_factory=SignalsConfig)
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         """Read and validate the environment. Raises ConfigError on an invalid value."""
         env = os.environ if env is None else env
         return cls(**read_fields(cls, env), signals=signals_settings(env))
@@ -185,9 +194,9 @@ class Settings:
 
 def traces_per_s(env: Mapping[str, str] | None = None) -> float:
     """``LLM_OTEL_TRACES_PER_S`` alone (the SDK configurator's sampler factory needs only it)."""
-    return read_field(Settings, "traces_per_s", os.environ if env is None else env)
+    return cast(float, read_field(Settings, "traces_per_s", os.environ if env is None else env))  # read_float
 
 
 def otlp_max_request_bytes(env: Mapping[str, str]) -> int:
     """``LLM_OTEL_OTLP_MAX_REQUEST_BYTES`` (3 MiB), in [64 KiB, 1 GiB]."""
-    return read_field(Settings, "otlp_max_request_bytes", env)
+    return cast(int, read_field(Settings, "otlp_max_request_bytes", env))  # read_int

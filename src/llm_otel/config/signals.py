@@ -6,12 +6,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 from llm_otel.config.classes import CLASS_VALUE, read_class_sources
 from llm_otel.config.exporters import exporter_setting, otlp_endpoint
-from llm_otel.config.parse import (ConfigError, read_choice, read_fields, read_float, read_int, read_optional_int,
-                                   read_str, setting)
+from llm_otel.config.parse import (
+    ConfigError,
+    read_choice,
+    read_fields,
+    read_float,
+    read_int,
+    read_optional_int,
+    read_str,
+    setting,
+)
 from llm_otel.config.tiers import TIERS_VARIABLES, TierTable, tier_table
 
 __all__ = ["SignalsConfig", "HEALTH_FACTORS", "signals_settings"]
@@ -112,7 +120,7 @@ class SignalsConfig:
     exporter_endpoint: str | None = None
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "SignalsConfig":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> SignalsConfig:
         """Read and validate (:func:`signals_settings`). Raises ConfigError naming the variable (or
         the tier table line)."""
         return signals_settings(env)

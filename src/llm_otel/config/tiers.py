@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 from llm_otel.config.classes import CLASS_DIMENSIONS
 from llm_otel.config.parse import ConfigError
@@ -60,7 +60,7 @@ class TierTable:
         self.default = Tier(DEFAULT_TIER, {})
 
     @classmethod
-    def parse(cls, text: str, source: str, separator: str = "\n") -> "TierTable":
+    def parse(cls, text: str, source: str, separator: str = "\n") -> TierTable:
         """Parse rules; ``source`` names where they came from in error messages."""
         rules: list[Rule] = []
         tiers: dict[str, tuple[Tier, int]] = {}
@@ -108,7 +108,7 @@ class TierTable:
         return cls(rules)
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "TierTable | None":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> TierTable | None:
         """The table ``LLM_OTEL_TIERS_FILE`` or ``LLM_OTEL_TIERS`` defines, None when neither is set
         (:func:`tier_table`). Raises ConfigError for both set, an unreadable file or a bad line."""
         return tier_table(env)

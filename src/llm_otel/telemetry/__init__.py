@@ -20,15 +20,16 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.metrics import MeterProvider, get_meter
-from opentelemetry.trace import SpanKind, Status, StatusCode, TracerProvider
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, TracerProvider
 
 from llm_otel.config import Settings
-from llm_otel.listeners import RequestFacts, SpanNotes, token_hooks
+from llm_otel.listeners import RequestFacts, RequestListener, SpanNotes, token_hooks
 from llm_otel.sampling import Sampling, sampling_of
 from llm_otel.semconv import SCHEMA_URL
 from llm_otel.semconv import attributes as A
@@ -80,7 +81,7 @@ class Telemetry:
 
     Request lifecycle listeners (:mod:`llm_otel.listeners`): the GenAI metrics, the sampler's
     drift detector and :attr:`signals` see every request's start, steps and finish; adapters call
-    :meth:`start_request`, :meth:`on_tokens` and :meth:`finish` only.
+    :meth:`start_request`, :attr:`on_tokens` and :meth:`finish` only.
 
     Raises:
         llm_otel.config.ConfigError: (``settings`` None) an ``LLM_OTEL_*`` variable or the tier
@@ -122,7 +123,7 @@ class Telemetry:
                               metrics_outlet.instrument("kv_size"), metrics_outlet.instrument("slo_checks")))
         # lifecycle listeners (llm_otel.listeners), in the order they observe a finished request:
         # metrics, the sampler's drift detector, the serving signals
-        self._fixed_listeners = (_MetricsListener(self.instruments),) + (
+        self._fixed_listeners: tuple[Any, ...] = (_MetricsListener(self.instruments),) + (
             (self.sampling.listener,) if self.sampling is not None else ())
         self.signals = signals  # registers it (see the setter)
         self._steps: StepTracker | None = None
@@ -140,14 +141,16 @@ class Telemetry:
         self._signals = signals
         self._set_listeners(self._fixed_listeners + (signals,))
 
-    def add_listener(self, listener) -> None:
+    def add_listener(self, listener: RequestListener) -> None:
         """Register one more request-lifecycle listener (:class:`llm_otel.listeners.RequestListener`),
         called after the built-in ones. Not thread-safe against requests starting: register before
         traffic."""
         self._fixed_listeners += (listener,)
         self._set_listeners(self._fixed_listeners + (self._signals,))
 
-    def _set_listeners(self, listeners: tuple) -> None:
+    def _set_listeners(self, listeners: tuple[Any, ...]) -> None:
+        # duck-typed (llm_otel.listeners.RequestListener): a listener's on_start / on_tokens /
+        # on_finish may be None or absent, hence the filtered tuples
         self.listeners = listeners
         self._start_listeners = tuple(li for li in listeners if getattr(li, "on_start", None) is not None)
         self._finish_listeners = tuple(li for li in listeners if getattr(li, "on_finish", None) is not None)
@@ -156,14 +159,14 @@ class Telemetry:
         # normally) the adapter's call goes straight to its bound method, else to the loop below
         self.on_tokens = hooks[0] if len(hooks) == 1 else self._dispatch_tokens
 
-    def on_tokens(self, count: int, engine_mono: float) -> None:
-        """Output tokens an engine step produced (``count``; ``engine_mono``: the step's engine
-        monotonic seconds), for every listener that counts them (hot path: O(1), no allocation;
-        adapters call it once per step - or per streamed token - and from inside their hook's
-        failure guard, which reports a listener that raises). The tokens of each request go on
-        its record (``rec.on_tokens``) as before. (Replaced per instance by the listeners' own
-        bound method or :meth:`_dispatch_tokens` when listeners are registered.)"""
-        self._dispatch_tokens(count, engine_mono)
+    #: ``on_tokens(count, engine_mono)``: output tokens an engine step produced (``count``;
+    #: ``engine_mono``: the step's engine monotonic seconds), for every listener that counts them
+    #: (hot path: O(1), no allocation; adapters call it once per step - or per streamed token - and
+    #: from inside their hook's failure guard, which reports a listener that raises). The tokens of
+    #: each request go on its record (``rec.on_tokens``) as before. An instance attribute set with
+    #: the listeners (:meth:`_set_listeners`): the one counting listener's own bound method, else
+    #: :meth:`_dispatch_tokens`.
+    on_tokens: Callable[[int, float], None]
 
     def _dispatch_tokens(self, count: int, engine_mono: float) -> None:
         for hook in self._token_hooks:
@@ -172,7 +175,7 @@ class Telemetry:
             except Exception as exc:  # noqa: BLE001 - counted under that listener's key; the others still count
                 self.errors.report(getattr(getattr(hook, "__self__", None), "error_key", "telemetry.listener"), exc)
 
-    def attach_kv_source(self, source) -> None:
+    def attach_kv_source(self, source: Callable[[], tuple[int, int] | None]) -> None:
         """One engine's KV usage for the VRAM pressure level: ``source() -> (blocks held by live
         requests, blocks in the pool)`` or None (see :func:`llm_otel.signals.kv_source_for`);
         starts the signals' 1 s thread (and ``/healthz`` when configured)."""
@@ -185,7 +188,7 @@ class Telemetry:
         if self.sampling is not None:
             self.sampling.stop()
 
-    def attach_engine_load(self, source) -> bool:
+    def attach_engine_load(self, source: Callable[[], tuple[int, int] | None]) -> bool:
         """Let the adaptive sampler follow one engine's occupancy where it has no GPU utilisation:
         ``source() -> (requests held, max concurrent requests)``, or None once the engine is gone
         (see :class:`llm_otel.sampling.EngineOccupancy`). Returns False (and keeps nothing) when
@@ -266,25 +269,27 @@ class Telemetry:
     @staticmethod
     def _note(rec: RequestRecord, notes: SpanNotes) -> None:
         """Put a listener's :class:`~llm_otel.listeners.SpanNotes` on the request span."""
+        span = rec.span  # not None when recording
         if notes.request_attributes:
             rec.request_attributes.update(notes.request_attributes)
-            if rec.recording:
-                rec.span.set_attributes(notes.request_attributes)
-        if rec.recording:
+            if rec.recording and span is not None:
+                span.set_attributes(notes.request_attributes)
+        if rec.recording and span is not None:
             if notes.attributes:
-                rec.span.set_attributes(notes.attributes)
+                span.set_attributes(notes.attributes)
             for name, attributes in notes.events:
-                rec.span.add_event(name, attributes)
+                span.add_event(name, attributes)
 
     def set_completion(self, rec: RequestRecord, text: str, finish_reason: str | None) -> None:
         """Completion text on the request span as ``gen_ai.output.messages`` - only with content
         capture on, truncated to ``content_max_chars``."""
-        if not (self.settings.capture_content and rec.recording):
+        span = rec.span  # not None when recording
+        if not (self.settings.capture_content and rec.recording and span is not None):
             return
         message = {"role": "assistant", "parts": [{"type": "text", "content": self.truncate(text)}]}
         if finish_reason:
             message["finish_reason"] = finish_reason
-        rec.span.set_attribute(A.GEN_AI_OUTPUT_MESSAGES, json.dumps([message]))
+        span.set_attribute(A.GEN_AI_OUTPUT_MESSAGES, json.dumps([message]))
 
     def truncate(self, text: str) -> str:
         """Captured content cut to ``content_max_chars``."""
@@ -311,9 +316,10 @@ class Telemetry:
             return
         if not rec.recording and self.sampling_root is not None:
             with guard("telemetry.outlier", self.errors):
-                self._capture_outlier(rec, duration_s)
-        if rec.recording and self._steps is not None:
-            self._device_time(rec)
+                self._capture_outlier(rec, rec.span, duration_s)
+        steps = self._steps
+        if rec.recording and steps is not None:
+            self._device_time(rec, rec.span, steps)
         try:
             if rec.recording:
                 self.spans.emit(rec, end_ns)
@@ -328,14 +334,15 @@ class Telemetry:
         finally:
             rec.logprob_rows = []  # free the per-step arrays now, whatever holds the record
 
-    def _device_time(self, rec: RequestRecord) -> None:
-        """Device time of the steps that served the request, when they ran in this process."""
+    def _device_time(self, rec: RequestRecord, span: Span, steps: StepTracker) -> None:
+        """Device time of the steps that served the request (``span``: its request span), when they
+        ran in this process (``steps``: this process's step tracker)."""
         with guard("telemetry.device_time", self.errors):
-            acc = self._steps.request_device_time(rec.request_id)
+            acc = steps.request_device_time(rec.request_id)
             if acc is not None:
-                rec.span.set_attributes({A.LLM_REQUEST_DEVICE_TIME: acc[0], A.LLM_REQUEST_DEVICE_STEPS: acc[1]})
+                span.set_attributes({A.LLM_REQUEST_DEVICE_TIME: acc[0], A.LLM_REQUEST_DEVICE_STEPS: acc[1]})
 
-    def _capture_outlier(self, rec: RequestRecord, duration_s: float) -> None:
+    def _capture_outlier(self, rec: RequestRecord, original_span: Span, duration_s: float) -> None:
         """A request the head sampler dropped that failed or breached an SLO: record its tree as its
         own root, linked to its real trace, marked outlier (no threshold, so no count bias)."""
         st = self.settings
@@ -344,8 +351,8 @@ class Telemetry:
                 or (st.outlier_ttft_s is not None and ttft is not None and ttft > st.outlier_ttft_s)
                 or (st.outlier_e2e_s is not None and duration_s > st.outlier_e2e_s)):
             return
-        original = rec.span.get_span_context()
-        rec.span.end()
+        original = original_span.get_span_context()  # rec.span
+        original_span.end()
         attrs = {**rec.request_attributes, A.LLM_SAMPLING_REASON: "outlier"}
         span = self.tracer.start_span(f"{rec.operation} {rec.model}", context=otel_context.Context(),
                                       kind=SpanKind.INTERNAL, attributes=attrs, links=[trace.Link(original)],
@@ -408,4 +415,4 @@ class Telemetry:
     def request_context(rec: RequestRecord, parent: otel_context.Context | None = None) -> otel_context.Context:
         """``parent`` (default: the current context) with ``rec``'s request span as the current
         span: for engine work run under the request, so that what it creates is the span's child."""
-        return trace.set_span_in_context(rec.span, parent)
+        return trace.set_span_in_context(cast(Span, rec.span), parent)  # start_request's records hold a span

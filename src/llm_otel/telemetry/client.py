@@ -30,7 +30,8 @@ import threading
 import time
 from array import array
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from opentelemetry import trace
@@ -44,8 +45,10 @@ from llm_otel.telemetry.record import mono_offset_ns
 from llm_otel.telemetry.spans import _percentiles
 
 if TYPE_CHECKING:
-    from opentelemetry.metrics import Meter
-    from opentelemetry.trace import Tracer
+    from contextlib import AbstractContextManager
+
+    from opentelemetry.metrics import Histogram, Meter
+    from opentelemetry.trace import Span, Tracer
 
     from llm_otel.config import Settings
     from llm_otel.telemetry.errors import HookErrors
@@ -63,8 +66,8 @@ class ClientInstruments:
       after the first, successful streams.
     """
 
-    def __init__(self, meter) -> None:
-        def hist(name, unit, buckets, description):
+    def __init__(self, meter: Meter) -> None:
+        def hist(name: str, unit: str, buckets: tuple[float, ...], description: str) -> Histogram:
             return meter.create_histogram(name, unit=unit, description=description,
                                           explicit_bucket_boundaries_advisory=list(buckets))
 
@@ -92,7 +95,7 @@ class ClientCall:
     __slots__ = ("span", "recording", "request_id", "metric_attrs", "start_mono", "offset_ns",
                  "times", "streaming", "finished", "end_reason", "lock", "expected", "problem", "stream")
 
-    def __init__(self, span, request_id: str, metric_attrs: dict, streaming: bool,
+    def __init__(self, span: Span, request_id: str, metric_attrs: dict[str, Any], streaming: bool,
                  expected: tuple[str, ...] = (), stream: ClientStream | None = None) -> None:
         self.stream = stream  # the stream it is in flight on until it finishes, or None
         self.expected = expected
@@ -130,7 +133,7 @@ class ClientStream:
 
     __slots__ = ("span", "lock", "inflight", "requests", "closed")
 
-    def __init__(self, span) -> None:
+    def __init__(self, span: Span) -> None:
         self.span = span
         self.lock = threading.Lock()
         self.inflight: dict[str, deque[ClientCall]] = {}
@@ -232,7 +235,7 @@ class ClientCalls:
         return ClientStream(span)
 
     @staticmethod
-    def use(record: ClientCall | ClientStream):
+    def use(record: ClientCall | ClientStream) -> AbstractContextManager[Span]:
         """Context manager: ``record``'s span is current inside (never ended, nothing recorded on
         it by leaving with an exception: :meth:`finish` decides that)."""
         return trace.use_span(record.span, end_on_exit=False, record_exception=False,
@@ -244,7 +247,7 @@ class ClientCalls:
         return carrier_from_span(record.span)
 
     @classmethod
-    def headers_with_context(cls, headers: Mapping[str, Any] | None, record: ClientCall | ClientStream) -> dict:
+    def headers_with_context(cls, headers: Mapping[str, Any] | None, record: ClientCall | ClientStream) -> dict[str, Any]:
         """A new dict: the caller's ``headers`` (never modified) without any ``traceparent`` /
         ``tracestate`` key in any letter case, plus ``record``'s (:meth:`carrier`, lowercase: gRPC
         metadata requires it)."""
@@ -315,7 +318,8 @@ class ClientCalls:
     def _emit(self, call: ClientCall, end_ns: int, error: BaseException | None, error_type: str | None,
               content_free: bool) -> None:
         span = call.span
-        start_ns = span.start_time if getattr(span, "start_time", None) else call.epoch_ns(call.start_mono)
+        start_time = getattr(span, "start_time", None)  # the SDK span's (epoch ns); absent on API spans
+        start_ns = start_time if start_time else call.epoch_ns(call.start_mono)
         end_ns = max(end_ns, start_ns)
         if call.streaming:
             span.set_attribute(A.LLM_STREAM_RESPONSES, len(call.times))
@@ -333,7 +337,7 @@ class ClientCalls:
     def _token_stream(self, call: ClientCall, start_ns: int, end_ns: int, error_type: str | None) -> None:
         """``llm.token_stream``: first -> last response the client received, clamped into the call span."""
         times = np.frombuffer(call.times, dtype=np.float64)
-        clamp = lambda t: min(max(t, start_ns), end_ns)  # noqa: E731
+        clamp: Callable[[int], int] = lambda t: min(max(t, start_ns), end_ns)  # noqa: E731
         first_ns, last_ns = clamp(call.epoch_ns(times[0])), clamp(call.epoch_ns(times[-1]))
         attrs: dict[str, Any] = {
             A.LLM_STREAM_RESPONSES: len(times),

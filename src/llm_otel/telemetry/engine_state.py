@@ -20,12 +20,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from llm_otel.gpu.metrics import GpuMetrics, register_gpu_metrics
-
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import metrics as M
 
@@ -80,7 +80,7 @@ class SchedulerState(NamedTuple):
 
 
 def engine_state_instruments(telemetry: Any, phase: Callable[[], str],
-                             dp_rank: int | None = None) -> tuple["EngineStateMetrics", GpuMetrics | None]:
+                             dp_rank: int | None = None) -> tuple[EngineStateMetrics, GpuMetrics | None]:
     """The engine-state instruments and the per-GPU gauges (by ``phase()``, see
     :class:`PhaseClock`) on the telemetry's meter, for the process that runs the scheduler."""
     meter = telemetry.instruments.meter
@@ -97,7 +97,7 @@ class EngineStateMetrics:
     def __init__(self, meter: Meter, provider: str = "vllm", dp_rank: int | None = None) -> None:
         self.provider = provider
         self.dp_rank = dp_rank  # on every point, as vLLM's own engine=<dp rank> label
-        self.attrs: dict[str, str] | None = None
+        self.attrs: dict[str, str | int] | None = None
         self._kv: float | None = None
         self._running: int | None = None
         self._waiting: int | None = None
@@ -110,7 +110,7 @@ class EngineStateMetrics:
                                             description="Prompt tokens looked up in the engine's prefix cache.")
 
         def gauge(name: str, unit: str, field: str, description: str) -> None:
-            def observe(_options: CallbackOptions):
+            def observe(_options: CallbackOptions) -> list[Observation]:
                 value = getattr(self, field)
                 return [] if value is None or self.attrs is None else [Observation(value, self.attrs)]
 

@@ -16,14 +16,27 @@ a CUDA graph is being captured (:data:`llm_otel.gpu.capture.capture_gate`).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
+from opentelemetry.trace import Span
+
+from llm_otel.config import Settings
 from llm_otel.gpu.capture import capture_gate
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
+
+    from llm_otel.errors import HookErrors
+    from llm_otel.telemetry.logits import LogitStats, TorchLogitStats
+
+# ``wrapped(*args, **kwargs)``, the sampler instance, args, kwargs -> the sampler's output (wrapt's wrapper signature)
+SamplerWrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
 
 _LOW_56 = (1 << 56) - 1
 
 
-def logit_dist_chosen(ratio: float, span: Any) -> bool:
+def logit_dist_chosen(ratio: float, span: Span) -> bool:
     """Whether a sampled request whose request span is ``span`` gets logit statistics: all with
     ``ratio`` >= 1, else those whose trace id's low 56 bits (random in W3C trace ids) fall below
     ``ratio`` of their range - the same answer in every process that sees the trace."""
@@ -32,7 +45,7 @@ def logit_dist_chosen(ratio: float, span: Any) -> bool:
     return (span.get_span_context().trace_id & _LOW_56) < ratio * (1 << 56)
 
 
-def logit_top_k(settings: Any, span: Any, *, recording: bool, limit: int | None = None,
+def logit_top_k(settings: Settings, span: Span | None, *, recording: bool, limit: int | None = None,
                 user_asked: bool = False) -> int:
     """k of the logit statistics a request gets (0: none): ``LLM_OTEL_LOGPROBS_TOP_K`` (at most
     ``limit``, the engine's own cap on log-probs) for a recording request that the user asked
@@ -40,7 +53,8 @@ def logit_top_k(settings: Any, span: Any, *, recording: bool, limit: int | None 
     k = settings.logprobs_top_k if limit is None else min(settings.logprobs_top_k, limit)
     if not recording or k <= 0:
         return 0
-    return k if user_asked or logit_dist_chosen(settings.logit_dist_ratio, span) else 0
+    # a recording request has a span
+    return k if user_asked or logit_dist_chosen(settings.logit_dist_ratio, cast(Span, span)) else 0
 
 
 class StepLogits:
@@ -53,12 +67,13 @@ class StepLogits:
 
     __slots__ = ("rows", "stats", "k")
 
-    def __init__(self, rows: list[int], stats: Any, k: int) -> None:
+    def __init__(self, rows: list[int], stats: TorchLogitStats, k: int) -> None:
         self.rows = rows
         self.stats = stats
         self.k = k
 
-    def to_host(self, sampled: Any = None, sampled_rows: list[int] | None = None):
+    def to_host(self, sampled: Any = None,
+                sampled_rows: list[int] | None = None) -> tuple[LogitStats, NDArray[Any] | None]:
         """``(LogitStats, sampled log-probs (rows,) or None)`` in one transfer. ``sampled``: the
         sampler's token ids as a torch tensor, ``(n,)`` or ``(n, m)`` (column 0 is taken), whose
         rows ``sampled_rows`` (default: :attr:`rows`) are the chosen requests' tokens, in order."""
@@ -74,7 +89,8 @@ class StepLogits:
         return self.stats.to_host(picked)
 
 
-def stage_row(stats: Any, sampled_lp: Any, j: int, k: int, time_ns: int) -> tuple:
+def stage_row(stats: LogitStats, sampled_lp: NDArray[Any] | None, j: int, k: int,
+              time_ns: int) -> tuple[int, Any, Any, float, float, bool, float]:
     """Row ``j`` of host ``stats`` (:meth:`StepLogits.to_host`) as one logit row of a
     :class:`~llm_otel.telemetry.stages.StageRecord`: ``(time_ns, top_ids (k,), top_logprobs (k,),
     entropy, margin, nonfinite, sampled_logprob)``."""
@@ -99,8 +115,8 @@ def capture_rows(logits: Any, rows: list[int], k: int) -> StepLogits | None:
     return StepLogits(rows, TorchLogitStats(logits.index_select(0, index), k), k)
 
 
-def wrap_sampler(errors: Any, hook: str, before: Callable[[Any, tuple, dict], Any],
-                 after: Callable[[Any, Any, Any], Any]):
+def wrap_sampler(errors: HookErrors, hook: str, before: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any],
+                 after: Callable[[Any, Any, Any], Any]) -> SamplerWrapper:
     """A wrapt wrapper around an engine's sampler: ``before(instance, args, kwargs)`` returns a
     plan (None: nothing to capture this step) before the sampler runs, ``after(instance, plan,
     output)`` reads its output. Failures of either are counted under ``hook`` and never reach the
@@ -108,7 +124,7 @@ def wrap_sampler(errors: Any, hook: str, before: Callable[[Any, tuple, dict], An
 
     Per-step guard inline (not ``errors.guard``): this runs on every engine step."""
 
-    def wrapper(wrapped, instance, args, kwargs):
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         plan = None
         try:
             plan = before(instance, args, kwargs)

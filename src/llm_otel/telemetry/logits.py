@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
+from numpy.typing import NDArray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +169,7 @@ def _unpack(host: np.ndarray, k: int) -> LogitStats:
 
 
 def topk_logprob_stats(top_logprobs: np.ndarray, vocab_size: int | None = None
-                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                       ) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.bool_]]:
     """Entropy estimate, margin and non-finite flag from engine-returned top-k log-probs.
 
     Args:
@@ -197,12 +198,12 @@ def topk_logprob_stats(top_logprobs: np.ndarray, vocab_size: int | None = None
         head = -np.where(p > 0, p * safe, 0.0).sum(axis=1)
         rest = np.clip(1.0 - p.sum(axis=1), 0.0, 1.0)
         tail = -np.where(rest > 0, rest * np.log(np.where(rest > 0, rest, 1.0) / others), 0.0)
-    entropy = head + tail
+    entropy: NDArray[np.float64] = head + tail
     srt = -np.sort(-safe, axis=1)
     margin = srt[:, 0] - srt[:, 1] if lp.shape[1] >= 2 else np.full(len(lp), np.nan)
     entropy[nonfinite] = np.nan
     margin = np.where(nonfinite, np.nan, margin)
-    return entropy, margin, nonfinite
+    return entropy, margin, cast("NDArray[np.bool_]", nonfinite)  # any(axis=1) of a 2-d array: an array
 
 
 def perplexity(sampled_logprobs: np.ndarray) -> float:

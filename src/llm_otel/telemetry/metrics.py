@@ -17,14 +17,17 @@ from __future__ import annotations
 import logging
 import random
 import threading
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from opentelemetry import trace
-from opentelemetry.metrics import CallbackOptions, Meter, Observation
+from opentelemetry.context import Context
+from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Meter, Observation
 
 from llm_otel.errors import process_errors
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import metrics as M
-from llm_otel.telemetry.outlets import MetricsOutlet
+from llm_otel.telemetry.outlets import MetricInstrument, MetricsOutlet
 from llm_otel.telemetry.record import RequestRecord
 
 logger = logging.getLogger("llm_otel")
@@ -37,6 +40,13 @@ MAX_ATTRIBUTE_SETS = 256  # distinct per-request metric attribute sets kept (Ins
 # empty Context, which is falsy): the invalid span is never sampled. The exporter process records
 # observations without an exemplar with it too.
 NO_TRACE = trace.set_span_in_context(trace.INVALID_SPAN)
+
+# (request attributes, ``llm.server.requests`` attributes without ``error.type``, input and output
+# ``llm.server.token.usage`` attributes): see Instruments._attribute_sets
+AttributeSets = tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]
+# one finished request's observations: see Instruments.observations
+Observations = tuple[AttributeSets, bool, float, float | None, float | None, Sequence[float], float | None,
+                     float | None, int, int, str | None]
 
 
 class Instruments:
@@ -72,7 +82,8 @@ class Instruments:
         # the per-request metrics) a finished request's observations go there as one record
         self.sink = outlet.push_request if outlet is not None else None
 
-        def hist(attr: str, name: str, unit: str, buckets: tuple[float, ...], description: str):
+        def hist(attr: str, name: str, unit: str, buckets: tuple[float, ...],
+                 description: str) -> Histogram | MetricInstrument:
             if outlet is not None:  # recorded elsewhere: the outlet's stand-in for this attribute
                 return outlet.instrument(attr)
             return meter.create_histogram(name, unit=unit, description=description,
@@ -93,11 +104,11 @@ class Instruments:
                         M.LLM_SERVER_INTER_TOKEN_LATENCY_BUCKETS, "Seconds between token-producing engine steps of a request, per token.")
         self.token_rate = hist("token_rate", M.LLM_SERVER_OUTPUT_TOKEN_RATE, M.LLM_SERVER_OUTPUT_TOKEN_RATE_UNIT,
                                M.LLM_SERVER_OUTPUT_TOKEN_RATE_BUCKETS, "Output tokens per second of request duration.")
-        self.requests = outlet.instrument("requests") if outlet is not None else meter.create_counter(
+        self.requests: Counter | MetricInstrument = outlet.instrument("requests") if outlet is not None else meter.create_counter(
             M.LLM_SERVER_REQUESTS, unit=M.LLM_SERVER_REQUESTS_UNIT,
             description="Finished and rejected requests by finish reason and error.type.")
         self._error_types: set[str] = set()
-        self._attr_sets: dict[tuple, tuple[dict, dict, dict, dict]] = {}  # see _attribute_sets
+        self._attr_sets: dict[tuple[Any, ...], AttributeSets] = {}  # see _attribute_sets
         self._error_lock = threading.Lock()
         self._warned_error_types = False
 
@@ -124,12 +135,13 @@ class Instruments:
         (:meth:`observations`) with the request span's context, and :meth:`apply` records them there."""
         obs = self.observations(rec, duration_s)
         sink = self.sink
+        span = rec.span  # not None when recording
         if sink is not None:
-            sink(obs, rec.span.get_span_context() if rec.recording else None)
+            sink(obs, span.get_span_context() if rec.recording and span is not None else None)
         else:
-            self.apply(obs, trace.set_span_in_context(rec.span) if rec.recording else NO_TRACE)
+            self.apply(obs, trace.set_span_in_context(span) if rec.recording and span is not None else NO_TRACE)
 
-    def observations(self, rec: RequestRecord, duration_s: float) -> tuple:
+    def observations(self, rec: RequestRecord, duration_s: float) -> Observations:
         """One finished request's GenAI observations as one compact tuple of plain values (what
         :meth:`apply` records; pickles cheaply for the exporter process)::
 
@@ -156,7 +168,7 @@ class Instruments:
         return (sets, whole, duration_s, None, None, (), None, rec.queue_time_s(), rec.input_tokens,
                 rec.num_output_tokens, self.error_type(rec.error_type))
 
-    def apply(self, obs: tuple, ctx) -> None:
+    def apply(self, obs: Observations, ctx: Context) -> None:
         """Record one request's :meth:`observations` with ``ctx`` (the request span's context for
         exemplars, or :data:`NO_TRACE`): the same instruments, values, attributes and order in the
         serving process and in the exporter process. Token counts never carry the exemplar; of
@@ -191,7 +203,7 @@ class Instruments:
         self.tokens.record(output_tokens, output_attrs, NO_TRACE)
 
     @staticmethod
-    def points(obs: tuple) -> int:
+    def points(obs: Observations) -> int:
         """How many metric points :meth:`apply` records for ``obs`` (for drop counts)."""
         whole = obs[1]
         if obs[10] is not None:
@@ -199,12 +211,13 @@ class Instruments:
         return (3 * whole + (obs[3] is not None) + (obs[4] is not None) + len(obs[5]) + (obs[6] is not None)
                 + (obs[7] is not None) + 1)
 
-    def _attribute_sets(self, rec: RequestRecord) -> tuple[dict, dict, dict, dict]:
+    def _attribute_sets(self, rec: RequestRecord) -> AttributeSets:
         """(request attributes, ``llm.server.requests`` attributes without ``error.type``, input
         and output ``llm.server.token.usage`` attributes) of ``rec``: built once per distinct
         (operation, provider, model, response model, class labels, finish reason) and reused,
         never mutated (at most :data:`MAX_ATTRIBUTE_SETS` kept; the cache restarts when full)."""
         labels = rec.metric_attributes  # request class and tier labels, bounded by llm_otel.signals
+        key: tuple[Any, ...] | None  # None: not cached
         key = (rec.operation, rec.provider, rec.model, rec.response_model, rec.finish_reason,
                tuple(labels.items()) if labels else ())
         try:
@@ -213,7 +226,7 @@ class Instruments:
             key, sets = None, None
         if sets is not None:
             return sets
-        attrs = {
+        attrs: dict[str, Any] = {
             A.GEN_AI_OPERATION_NAME: rec.operation,
             A.GEN_AI_PROVIDER_NAME: rec.provider,
             A.GEN_AI_REQUEST_MODEL: rec.model,
@@ -233,7 +246,7 @@ class Instruments:
             self._attr_sets[key] = sets
         return sets
 
-    def _itl_gaps(self, rec: RequestRecord) -> list | tuple:
+    def _itl_gaps(self, rec: RequestRecord) -> list[float] | tuple[()]:
         """The sampled ITL observations (s per token) of the token-producing steps after the
         first: every ``itl_every``-th gap from a random offset in ``[0, itl_every)``; one SDK
         ``record`` per kept gap is the cost of this metric (docs/operations.md)."""
@@ -246,7 +259,7 @@ class Instruments:
         counts = rec.step_token_counts
         return [max(0.0, times[i] - times[i - 1]) / max(1, counts[i]) for i in range(start, n, every)]
 
-    def record_rejected(self, attrs: dict, duration_s: float, ctx=None) -> None:
+    def record_rejected(self, attrs: dict[str, Any], duration_s: float, ctx: Context | None = None) -> None:
         """A request the engine refused: ``attrs`` are operation, provider, model and ``error.type``;
         ``ctx`` the context of its (sampled) error span, for the exemplar."""
         attrs = {**attrs, A.ERROR_TYPE: self.error_type(str(attrs.get(A.ERROR_TYPE, OTHER)))}
@@ -254,14 +267,14 @@ class Instruments:
         self.duration.record(duration_s, attrs, ctx)
         self.requests.add(1, attrs, ctx)
 
-    def observe_sampling(self, tracer_provider) -> bool:
+    def observe_sampling(self, tracer_provider: object) -> bool:
         """Register ``llm_otel.sampling.probability`` for ``tracer_provider``'s sampler; returns
         False (no gauge: absent, not zero) when the sampler's probability is unknown."""
         read = sampling_probability_reader(getattr(tracer_provider, "sampler", None))
         if read is None:
             return False
 
-        def observe(_options: CallbackOptions):
+        def observe(_options: CallbackOptions) -> list[Observation]:
             try:
                 return [Observation(read())]
             except Exception as exc:  # noqa: BLE001 - a sampler that cannot say: no point this time
@@ -275,7 +288,7 @@ class Instruments:
         return True
 
 
-def sampling_probability_reader(sampler):
+def sampling_probability_reader(sampler: object) -> Callable[[], float] | None:
     """A zero-argument callable returning the probability (0-1) that ``sampler`` keeps a new root
     trace, or None when it cannot be known: llm-otel's adaptive sampler (current probability),
     ``TraceIdRatioBased`` (its rate), ``ParentBased`` (its root), ``ALWAYS_ON``/``ALWAYS_OFF``."""
@@ -283,7 +296,8 @@ def sampling_probability_reader(sampler):
 
     root = getattr(sampler, "root", None)
     if root is not None and hasattr(root, "current_probability"):
-        return root.current_probability
+        current: Callable[[], float] = root.current_probability  # AdaptiveRootSampler.current_probability
+        return current
     if isinstance(sampler, sampling.ParentBased):
         sampler = getattr(sampler, "_root", None)
     if isinstance(sampler, sampling.TraceIdRatioBased):

@@ -12,7 +12,8 @@ capabilities on the providers it is given: without outlets everything is built a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Protocol
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -56,7 +57,7 @@ class MetricsOutlet(Protocol):
         :class:`~llm_otel.signals.Signals` (``kv_size``, ``slo_checks``)."""
         ...
 
-    def push_request(self, observations: tuple, span_context: SpanContext | None) -> None:
+    def push_request(self, observations: tuple[Any, ...], span_context: SpanContext | None) -> None:
         """One finished request's observations (:meth:`Instruments.observations
         <llm_otel.telemetry.metrics.Instruments.observations>`), recorded elsewhere by
         :meth:`~llm_otel.telemetry.metrics.Instruments.apply`; ``span_context``: the request

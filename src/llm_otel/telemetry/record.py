@@ -17,9 +17,14 @@ from __future__ import annotations
 
 import time
 from array import array
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import Span
+
+if TYPE_CHECKING:
+    from llm_otel.config.tiers import Tier
+    from llm_otel.signals.kv import KVSpec
+    from llm_otel.telemetry.clock import EngineClock
 
 
 def mono_offset_ns() -> int:
@@ -100,20 +105,20 @@ class RequestRecord:
         self.error_type: str | None = None
         self.error_message: str | None = None
         self.request_attributes = request_attributes or {}
-        # (sampled_token_id, sampled_logprob, top_ids[k], top_logprobs[k]) per decode step
-        self.logprob_rows: list[tuple] = []
+        # (token_ids, logprobs) per decode step: (tokens, k+1) arrays, column 0 the sampled token (on_logprobs)
+        self.logprob_rows: list[tuple[Any, Any]] = []
         self.logprob_cap = logprob_cap
         self.finished = False
         self.timing_source = "engine_steps"
         self.injected_logprobs = False  # the instrumentation asked the engine for log-probs
         self.vocab_size: int | None = None  # for the entropy estimate from top-k log-probs
-        self.output_state = None  # engine object holding the completion text (content capture only)
+        self.output_state: Any = None  # engine object holding the completion text (content capture only)
         self.metric_attributes: dict[str, Any] = {}  # bounded request-class labels (llm_otel.signals)
-        self.signal_state = None  # (tier, KV spec) set by Signals.admit
+        self.signal_state: tuple[Tier | None, KVSpec | None] | None = None  # (tier, KV spec) set by Signals.admit
         # the frontend handed the request to the engine core: wall s and the frontend's monotonic s
         self.handed_s: float | None = None
         self.handed_mono: float | None = None
-        self.engine_clock = None  # telemetry.clock.EngineClock of the engine core serving it
+        self.engine_clock: EngineClock | None = None  # telemetry.clock.EngineClock of the engine core serving it
         self.choice_group: ChoiceGroup | None = None  # the request's choices when n > 1
 
     # --- hot path ---------------------------------------------------------------------------
@@ -161,7 +166,7 @@ class RequestRecord:
                    "step_times", "step_token_counts", "num_output_tokens", "head_token_ids", "input_tokens",
                    "cached_tokens", "finish_reason", "error_type", "error_message", "timing_source", "handed_s")
 
-    def span_fields(self, token_ids: bool) -> tuple:
+    def span_fields(self, token_ids: bool) -> tuple[Any, ...]:
         """The raw data ``llm.prompt`` / ``llm.token_stream`` are built from, as plain values that
         pickle cheaply (:data:`SPAN_FIELDS` order): the step arrays as bytes (one copy, no per-token
         objects), the head token ids only when ``token_ids`` (content capture). Called once, at finish."""
@@ -172,13 +177,13 @@ class RequestRecord:
                 self.handed_s)
 
     @classmethod
-    def from_span_fields(cls, fields: tuple) -> "RequestRecord":
+    def from_span_fields(cls, fields: tuple[Any, ...]) -> RequestRecord:
         """A record with only :data:`SPAN_FIELDS` set (from :meth:`span_fields`, in the exporter
         process): enough for :meth:`llm_otel.telemetry.spans.SpanBuilder.children`. Step arrays
         are read back with this host's ``array`` item sizes (the exporter process runs on the
         serving process's host, same interpreter)."""
         rec = cls.__new__(cls)
-        for name, value in zip(cls.SPAN_FIELDS, fields):
+        for name, value in zip(cls.SPAN_FIELDS, fields, strict=False):
             setattr(rec, name, value)
         times, counts = array("d"), array("l")
         times.frombytes(rec.step_times)

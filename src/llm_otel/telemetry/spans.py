@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol, cast
 
 import numpy as np
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+from opentelemetry.util.types import AttributeValue
 
 from llm_otel.config import Settings
 from llm_otel.semconv import attributes as A
@@ -23,7 +27,17 @@ from llm_otel.telemetry.outlets import SpanTreeOutlet
 from llm_otel.telemetry.record import RequestRecord
 
 
-def _percentiles(values) -> tuple[float, float, float, float]:
+class _TracerAndSettings(Protocol):
+    """What :func:`emit_logit_dist_for` reads of a :class:`~llm_otel.telemetry.Telemetry`."""
+
+    @property
+    def tracer(self) -> Tracer: ...
+
+    @property
+    def settings(self) -> Settings: ...
+
+
+def _percentiles(values: Sequence[float]) -> tuple[float, float, float, float]:
     """p50, p90, p99 (linear interpolation, NumPy's default method) and max of a non-empty
     sequence; sorting a few hundred floats in Python beats ``np.percentile``'s fixed overhead."""
     if len(values) > 4096:
@@ -68,22 +82,22 @@ class SpanBuilder:
                 start_ns = rec.arrival_ns
                 first_ns = min(max(rec.epoch_ns(rec.step_times[0]), start_ns), end_ns)
                 last_ns = min(max(rec.epoch_ns(rec.step_times[-1]), start_ns), end_ns)
-                self._logit_dist(rec, trace.set_span_in_context(rec.span), first_ns, last_ns)
+                self._logit_dist(rec, trace.set_span_in_context(cast(Span, rec.span)), first_ns, last_ns)
         else:
-            ctx = trace.set_span_in_context(rec.span)
-            first_ns, last_ns = self.children(rec, ctx, end_ns)
-            if first_ns is not None and rec.logprob_rows:
-                self._logit_dist(rec, ctx, first_ns, last_ns)
+            ctx = trace.set_span_in_context(cast(Span, rec.span))  # a recording request's span
+            first, last = self.children(rec, ctx, end_ns)
+            if first is not None and last is not None and rec.logprob_rows:  # both or neither
+                self._logit_dist(rec, ctx, first, last)
         self._finish_request_span(rec, end_ns)
 
-    def children(self, rec: RequestRecord, ctx, end_ns: int) -> tuple[int | None, int | None]:
+    def children(self, rec: RequestRecord, ctx: Context | None, end_ns: int) -> tuple[int | None, int | None]:
         """Create ``llm.prompt`` and (when a token came) ``llm.token_stream`` under ``ctx`` (the
         request span's Context) with this builder's tracer; ``end_ns`` >= arrival (epoch ns).
         Returns the first and last token's epoch ns, clamped into the request (None without tokens).
         Runs in the serving process, or in the exporter process on a record rebuilt from
         :meth:`RequestRecord.span_fields` (``ctx`` None there: the tracer knows the parent)."""
         start_ns = rec.arrival_ns
-        clamp = lambda t: min(max(t, start_ns), end_ns)  # noqa: E731
+        clamp: Callable[[int], int] = lambda t: min(max(t, start_ns), end_ns)  # noqa: E731
 
         first_ns = clamp(rec.epoch_ns(rec.step_times[0])) if rec.step_times else None
         last_ns = clamp(rec.epoch_ns(rec.step_times[-1])) if rec.step_times else None
@@ -91,7 +105,8 @@ class SpanBuilder:
 
         # llm.prompt: arrival -> first token (or -> end when no token came)
         prompt_end = first_ns if first_ns is not None else end_ns
-        attrs = {A.GEN_AI_USAGE_INPUT_TOKENS: rec.input_tokens, A.LLM_REQUEST_TIMING_SOURCE: rec.timing_source}
+        attrs: dict[str, AttributeValue] = {A.GEN_AI_USAGE_INPUT_TOKENS: rec.input_tokens,
+                                            A.LLM_REQUEST_TIMING_SOURCE: rec.timing_source}
         if rec.cached_tokens is not None:
             attrs[A.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = rec.cached_tokens
         if rec.preempted_mono:
@@ -116,7 +131,7 @@ class SpanBuilder:
             prompt.add_event(S.EVENT_LLM_REQUEST_QUEUED, timestamp=clamp(rec.epoch_ns(rec.queued_mono)))
         if rec.scheduled_mono is not None:
             prompt.add_event(S.EVENT_LLM_REQUEST_SCHEDULED, timestamp=clamp(rec.epoch_ns(rec.scheduled_mono)))
-        preempt_in_decode = []
+        preempt_in_decode: list[int] = []
         for t in rec.preempted_mono:
             ts = clamp(rec.epoch_ns(t))
             if first_ns is None or ts <= first_ns:
@@ -127,15 +142,15 @@ class SpanBuilder:
             prompt.set_status(Status(StatusCode.ERROR, rec.error_message or error))
         prompt.end(end_time=prompt_end)
 
-        if first_ns is not None:
+        if first_ns is not None and last_ns is not None:  # both or neither (from rec.step_times)
             self._token_stream(rec, ctx, first_ns, last_ns, preempt_in_decode)
         return first_ns, last_ns
 
-    def _token_stream(self, rec: RequestRecord, ctx, first_ns: int, last_ns: int, preempts: list[int]) -> None:
+    def _token_stream(self, rec: RequestRecord, ctx: Context | None, first_ns: int, last_ns: int, preempts: list[int]) -> None:
         st = self.settings
         times, counts = rec.step_times, rec.step_token_counts  # plain floats/ints: no NumPy per request
         ttft = (first_ns - rec.arrival_ns) / 1e9
-        attrs = {
+        attrs: dict[str, AttributeValue] = {
             A.GEN_AI_USAGE_OUTPUT_TOKENS: rec.num_output_tokens,
             A.LLM_TIME_TO_FIRST_TOKEN: ttft,
             A.LLM_REQUEST_DECODE_DURATION: (last_ns - first_ns) / 1e9,
@@ -146,7 +161,7 @@ class SpanBuilder:
         if tpot is not None:
             attrs[A.LLM_TIME_PER_OUTPUT_TOKEN] = tpot
         itl = [times[i] - times[i - 1] for i in range(1, len(times))]
-        threshold = None
+        threshold: float | None = None
         if itl:
             p50, p90, p99, mx = _percentiles(itl)
             attrs.update({A.LLM_INTER_TOKEN_LATENCY_P50: p50, A.LLM_INTER_TOKEN_LATENCY_P90: p90,
@@ -188,7 +203,7 @@ class SpanBuilder:
             span.set_status(Status(StatusCode.ERROR, rec.error_message or rec.error_type))
         span.end(end_time=last_ns)
 
-    def _logit_dist(self, rec: RequestRecord, ctx, first_ns: int, last_ns: int) -> None:
+    def _logit_dist(self, rec: RequestRecord, ctx: Context | None, first_ns: int, last_ns: int) -> None:
         width = np.asarray(rec.logprob_rows[0][0]).shape[-1]
         ids = np.concatenate([np.asarray(i).reshape(-1, width) for i, _ in rec.logprob_rows])
         lps = np.concatenate([np.asarray(lp, dtype=np.float64).reshape(-1, width) for _, lp in rec.logprob_rows])
@@ -205,8 +220,8 @@ class SpanBuilder:
                         sampled_logprobs=lps[:, 0], entropy=entropy, margin=margin, nonfinite=nonfinite)
 
     def _finish_request_span(self, rec: RequestRecord, end_ns: int) -> None:
-        span = rec.span
-        attrs = {
+        span = cast(Span, rec.span)  # emit() runs for a recording request's span only
+        attrs: dict[str, AttributeValue] = {
             A.GEN_AI_USAGE_INPUT_TOKENS: rec.input_tokens,
             A.GEN_AI_USAGE_OUTPUT_TOKENS: rec.num_output_tokens,
             A.GEN_AI_RESPONSE_MODEL: rec.response_model,
@@ -226,7 +241,8 @@ class SpanBuilder:
         span.end(end_time=end_ns)
 
 
-def add_token_events(span, token_times, start, token_ids, *, with_ids: bool, per_second: float, stamp) -> None:
+def add_token_events(span: Span, token_times: Iterable[float], start: float, token_ids: Sequence[int], *,
+                     with_ids: bool, per_second: float, stamp: Callable[[float], int]) -> None:
     """One ``llm.token`` event per time in ``token_times`` (an iterable already cut to the events
     wanted), with its index and its latency since the previous token (the first: since ``start``).
 
@@ -237,14 +253,14 @@ def add_token_events(span, token_times, start, token_ids, *, with_ids: bool, per
     """
     prev = start
     for i, t in enumerate(token_times):
-        ev = {A.LLM_TOKEN_INDEX: i, A.LLM_TOKEN_LATENCY: max(0, t - prev) / per_second}
+        ev: dict[str, AttributeValue] = {A.LLM_TOKEN_INDEX: i, A.LLM_TOKEN_LATENCY: max(0, t - prev) / per_second}
         if with_ids and i < len(token_ids):
             ev[A.LLM_TOKEN_ID] = int(token_ids[i])
         span.add_event(S.EVENT_LLM_TOKEN, ev, timestamp=stamp(t))
         prev = t
 
 
-def emit_logit_dist(tracer: Tracer, settings: Settings, parent, *, source: str, start_ns: int, end_ns: int,
+def emit_logit_dist(tracer: Tracer, settings: Settings, parent: Context | None, *, source: str, start_ns: int, end_ns: int,
                     times_ns: list[int], top_ids: np.ndarray, top_logprobs: np.ndarray,
                     sampled_logprobs: np.ndarray | None, entropy: np.ndarray, margin: np.ndarray,
                     nonfinite: np.ndarray) -> None:
@@ -257,7 +273,7 @@ def emit_logit_dist(tracer: Tracer, settings: Settings, parent, *, source: str, 
     """
     steps = len(entropy)
     finite = ~nonfinite
-    attrs = {
+    attrs: dict[str, AttributeValue] = {
         A.LLM_LOGIT_SOURCE: source,
         A.LLM_LOGIT_TOP_K: int(top_logprobs.shape[1]),
         A.LLM_LOGIT_STEPS: int(steps),
@@ -280,7 +296,7 @@ def emit_logit_dist(tracer: Tracer, settings: Settings, parent, *, source: str, 
     for i in range(min(steps, settings.logit_events, len(times_ns))):
         row = top_logprobs[i]
         order = np.argsort(-np.where(np.isnan(row), -np.inf, row), kind="stable")
-        ev = {
+        ev: dict[str, AttributeValue] = {
             A.LLM_TOKEN_INDEX: i,
             A.LLM_LOGIT_TOP_LOGPROBS: [float(v) for v in row[order]],
             A.LLM_LOGIT_ENTROPY: float(entropy[i]),
@@ -297,7 +313,7 @@ def emit_logit_dist(tracer: Tracer, settings: Settings, parent, *, source: str, 
     span.end(end_time=end_ns)
 
 
-def emit_logit_dist_for(telemetry, parent, **arrays) -> None:
+def emit_logit_dist_for(telemetry: _TracerAndSettings, parent: Context | None, **arrays: Any) -> None:
     """:func:`emit_logit_dist` on ``telemetry``'s tracer and settings: what an engine adapter
     calls (adapters never hold the tracer). ``arrays``: :func:`emit_logit_dist`'s keywords."""
     emit_logit_dist(telemetry.tracer, telemetry.settings, parent, **arrays)

@@ -102,7 +102,7 @@ class StageRecord:
         self.logprob_sum = 0.0
         self.resumed = 0
         self.logit_top_k = logit_top_k
-        self.logit_rows: list[tuple] = []
+        self.logit_rows: list[tuple[Any, ...]] = []  # logit_capture.stage_row rows
         self.finish_reason: str | None = None
         self.aborted = False
 

@@ -39,11 +39,15 @@ import dataclasses
 import itertools
 import threading
 import time
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 from opentelemetry import trace
-from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, SpanKind, TraceFlags
+from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, SpanKind, TraceFlags, Tracer
+from opentelemetry.util.types import AttributeValue
 
+from llm_otel.config import Settings
+from llm_otel.errors import HookErrors
 from llm_otel.gpu.nvtx import NvtxRanges
 from llm_otel.gpu.ring import DEFAULT_CAPACITY
 from llm_otel.gpu.timeline import DeviceTimeline
@@ -51,6 +55,20 @@ from llm_otel.semconv import attributes as A
 from llm_otel.semconv import spans as S
 
 PHASES = ("prefill", "decode", "mixed")
+
+
+class StepTelemetry(Protocol):
+    """What :class:`EngineSteps` and :class:`StepTracker` read of the
+    :class:`~llm_otel.telemetry.Telemetry` they are given (``meter`` too when it has one)."""
+
+    @property
+    def tracer(self) -> Tracer: ...
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def errors(self) -> HookErrors: ...
 
 
 class StepSpanBudget:
@@ -96,7 +114,7 @@ class EngineSteps:
         telemetry: the :class:`~llm_otel.telemetry.Telemetry` (tracer, settings).
     """
 
-    def __init__(self, telemetry: Any) -> None:
+    def __init__(self, telemetry: StepTelemetry) -> None:
         self.telemetry = telemetry
         self.budget = StepSpanBudget(telemetry.settings.step_spans_per_s)
 
@@ -203,14 +221,14 @@ class StepTracker(DeviceTimeline):
         start_thread: False for tests that drive :meth:`drain` themselves.
     """
 
-    def __init__(self, telemetry: Any, *, backend: Any = "auto", capacity: int = DEFAULT_CAPACITY, nvtx: Any = True,
+    def __init__(self, telemetry: StepTelemetry, *, backend: Any = "auto", capacity: int = DEFAULT_CAPACITY, nvtx: Any = True,
                  drain_period_s: float = 0.005, step_timeout_s: float = 10.0, calibrate_every_s: float = 10.0,
                  max_pending: int = 65536, max_requests: int = 1 << 16, start_thread: bool = True) -> None:
         self.telemetry = telemetry
         self.tracer = telemetry.tracer
         self.nvtx = nvtx if isinstance(nvtx, NvtxRanges) else NvtxRanges(enabled=bool(nvtx))
         self.max_requests = max_requests
-        self._requests: dict[str, list] = {}  # request id -> [device ns, steps], insertion-ordered
+        self._requests: dict[str, list[int]] = {}  # request id -> [device ns, steps], insertion-ordered
         self._local_ids = itertools.count(1)  # ring keys of steps begun without a step span
         super().__init__(telemetry.errors, getattr(telemetry, "meter", None), backend=backend, capacity=capacity,
                          drain_period_s=drain_period_s, step_timeout_s=step_timeout_s,
@@ -332,15 +350,16 @@ class StepTracker(DeviceTimeline):
         except Exception as exc:  # noqa: BLE001
             self.telemetry.errors.report("gpu.step.complete", exc)
 
-    def device_attributes(self, ctx: StepContext) -> dict:
+    def device_attributes(self, ctx: StepContext) -> dict[str, AttributeValue]:
         """The ``llm.engine.step.device.*`` attributes of a completed step ({} without device times)."""
         duration = ctx.device_duration_ns
-        if duration is None:
+        begin, end = ctx.device_begin_ns, ctx.device_end_ns
+        if duration is None or begin is None or end is None:  # all three or none
             return {}
         ring = self.ring
-        attrs = {
-            A.LLM_ENGINE_STEP_DEVICE_START_NS: int(ctx.device_begin_ns),
-            A.LLM_ENGINE_STEP_DEVICE_END_NS: int(ctx.device_end_ns),
+        attrs: dict[str, AttributeValue] = {
+            A.LLM_ENGINE_STEP_DEVICE_START_NS: int(begin),
+            A.LLM_ENGINE_STEP_DEVICE_END_NS: int(end),
             A.LLM_ENGINE_STEP_DEVICE_DURATION: duration / 1e9,
             A.LLM_ENGINE_STEP_DEVICE_QUEUE_DELAY: (ctx.queue_delay_ns or 0) / 1e9,
         }
@@ -356,7 +375,7 @@ def step_parent(trace_id: int, span_id: int, sampled: bool = True) -> SpanContex
                        trace_flags=TraceFlags(TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT))
 
 
-def _check_begin(request_ids: Any, parent: Any) -> tuple[tuple, str | None]:
+def _check_begin(request_ids: Any, parent: Any) -> tuple[tuple[Any, ...], str | None]:
     """``(request ids as a tuple, None)``, or ``((), what is wrong)`` for :meth:`StepTracker.begin`."""
     if request_ids is None or isinstance(request_ids, (str, bytes)):
         return (), f"request_ids must be an iterable of request ids, got {type(request_ids).__name__}"
