@@ -64,7 +64,7 @@ def main() -> None:
                       OTEL_METRIC_EXPORT_INTERVAL="600000", OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9")
     logging.getLogger("llm_otel").setLevel(logging.ERROR)  # the synthetic stamps' clock-domain line
     from llm_otel.config import Settings
-    from llm_otel.export.providers import build_providers
+    from llm_otel.process.providers import build_providers
     from llm_otel.instrumentation.vllm.adapter import VLLMAdapter
     from llm_otel.telemetry import Telemetry
 

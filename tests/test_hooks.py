@@ -417,7 +417,7 @@ def test_a_configuration_refusal_is_reported_once_per_process_tree(monkeypatch, 
 SPAWNED_BOOTSTRAP = """
     import multiprocessing
     from multiprocessing.process import BaseProcess
-    from llm_otel.instrumentation import _hooks
+    from llm_otel.process import bootstrap
 
     original = BaseProcess.__dict__["_bootstrap"]
     seen = []
@@ -433,15 +433,15 @@ SPAWNED_BOOTSTRAP = """
         seen.append(("last", process.name))
 
     for callback in (first, failing, first, last):  # first twice: added once
-        _hooks.at_spawned_bootstrap(callback)
-    _hooks.at_spawned_bootstrap(print)
-    _hooks.cancel_at_spawned_bootstrap(print)
+        bootstrap.at_spawned_bootstrap(callback)
+    bootstrap.at_spawned_bootstrap(print)
+    bootstrap.cancel_at_spawned_bootstrap(print)
     child = multiprocessing.Process(target=seen.append, args=(("target",),), name="Stage-1")
     child._parent_pid = 1  # as a spawned child's pickled Process says (its parent's pid)
     code = child._bootstrap()
     print("RESULT", code, seen, BaseProcess.__dict__["_bootstrap"] is original, "run" in child.__dict__)
-    _hooks.at_spawned_bootstrap(first)
-    _hooks.cancel_at_spawned_bootstrap(first)
+    bootstrap.at_spawned_bootstrap(first)
+    bootstrap.cancel_at_spawned_bootstrap(first)
     print("RESULT cancelled", BaseProcess.__dict__["_bootstrap"] is original)
 """
 

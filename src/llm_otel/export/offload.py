@@ -1,6 +1,6 @@
 """Span export out of the serving process: light recording spans here, SDK spans and OTLP in a
 separate exporter process (``LLM_OTEL_EXPORT_PROCESS``, default on for the process that builds
-its providers with :func:`llm_otel.export.providers.build_providers` and exports over OTLP).
+its providers with :func:`llm_otel.process.providers.build_providers` and exports over OTLP).
 
 Why: in a vLLM frontend the OpenTelemetry SDK's span machinery (attribute validation, locks, span
 processors) and the batch processor's OTLP protobuf encoding (about 80 us per span, in a thread
@@ -54,7 +54,7 @@ Guarantees:
   frontend when it starts building ``LLMEngine``/``AsyncLLM``, LightLLM's HTTP worker), so that
   its start-up overlaps the server's; a process that merely has vLLM installed starts none. It runs
   without the auto-instrumentation ``sitecustomize`` its environment would otherwise carry.
-* **Re-labels** (:func:`llm_otel.export.identity.relabel`, also after fork): a ``resource`` frame
+* **Re-labels** (:func:`llm_otel.process.identity.relabel`, also after fork): a ``resource`` frame
   goes in order with the spans (spans ended before keep the old resource); the exporter process's
   meter provider is re-labelled in place, as the serving process's is; a forked child's own
   exporter process starts with the child's resource.
@@ -343,7 +343,7 @@ class OffloadTracerProvider(trace_api.TracerProvider):
                                                           endpoint, buffer_size, env)
 
     def resource_changed(self) -> None:
-        """This provider's resource was re-labelled (:func:`llm_otel.export.identity.relabel`,
+        """This provider's resource was re-labelled (:func:`llm_otel.process.identity.relabel`,
         also after fork): spans ended from now on are exported under it (and the exporter
         process's GenAI metrics). Never raises."""
         buffer = self.buffer
@@ -362,7 +362,7 @@ class OffloadTracerProvider(trace_api.TracerProvider):
     def shutdown(self, timeout_millis: int | None = None) -> None:
         buffer, self.buffer = self.buffer, None
         if buffer is not None:
-            from llm_otel.export.lifecycle import DEFAULT_DEADLINE_S
+            from llm_otel.export.exporters import DEFAULT_DEADLINE_S
 
             buffer.flush(timeout_millis / 1000 if timeout_millis is not None else DEFAULT_DEADLINE_S, final=True)
 
@@ -1350,7 +1350,7 @@ def _exit_with_parent(parent: int) -> float:
     waits its full timeout: without this an exporter process could outlive a killed server by one
     timeout per queued frame."""
     from llm_otel.config import Settings
-    from llm_otel.export.lifecycle import DEFAULT_DEADLINE_S
+    from llm_otel.export.exporters import DEFAULT_DEADLINE_S
 
     try:
         grace = Settings.from_env().flush_deadline_s
@@ -1434,10 +1434,11 @@ class _ChildMetrics:
 
     def set_resource(self, resource) -> None:
         """The serving process's new resource: the meter provider's is re-labelled in place, as
-        :func:`llm_otel.export.identity.relabel` does in the serving process."""
+        :func:`llm_otel.process.identity.relabel` does in the serving process."""
         self.resource = resource
         if self.provider is not None:
-            from llm_otel.export.identity import _resource_of, _set_attributes
+            from llm_otel.export.resources import resource_of as _resource_of
+            from llm_otel.export.resources import set_attributes as _set_attributes
 
             current = _resource_of(self.provider)
             if current is not None:

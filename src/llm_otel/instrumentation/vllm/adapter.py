@@ -27,7 +27,7 @@ from typing import Any, Callable
 from opentelemetry.trace import SpanKind
 
 from llm_otel.errors import guard
-from llm_otel.export.ports import serving_started
+from llm_otel.process.ports import serving_started
 from llm_otel.instrumentation.vllm.carrier import CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY
 from llm_otel.instrumentation.vllm.engine_core import EngineCoreAdapter
 from llm_otel.instrumentation.vllm.fields import class_fields, kv_spec
@@ -598,7 +598,7 @@ class VLLMAdapter:
 
         def wrapper(wrapped, instance, args, kwargs):
             with guard(hook, self.telemetry.errors) as g:
-                from llm_otel.export.lifecycle import wait_flushed
+                from llm_otel.process.lifecycle import wait_flushed
 
                 procs = kwargs.pop("procs", args[0] if args else None)
                 timeout = kwargs.pop("timeout", args[1] if len(args) > 1 else None)
@@ -620,7 +620,7 @@ class VLLMAdapter:
         same time)."""
 
         def wrapper(wrapped, instance, args, kwargs):
-            from llm_otel.export.lifecycle import begin_shutdown
+            from llm_otel.process.lifecycle import begin_shutdown
 
             begin_shutdown()
             return wrapped(*args, **kwargs)
