@@ -179,25 +179,12 @@ def configuration_refused(engine: str, exc: BaseException) -> None:
 
 def telemetry_on_first_use(kwargs: dict[str, Any], scope: str):
     """The :class:`llm_otel.telemetry.Telemetry` of an instrumentor whose library this process has
-    just imported (called from its post-import hook, not from ``instrument()``).
+    just imported, on providers built now where needed: the process runtime's recipe
+    (:func:`llm_otel.process.providers.telemetry_on_first_use`). Raises
+    :class:`llm_otel.config.ConfigError` for an invalid exporter setting."""
+    from llm_otel.process.providers import telemetry_on_first_use as on_first_use
 
-    ``kwargs`` are ``instrument()``'s: ``settings`` (already validated there), ``tracer_provider``/
-    ``meter_provider`` (the application's: used as given) and ``sampling`` (the adaptive sampler's
-    parts from ``llm_otel.instrument()``). Without providers the global ones are used, installed
-    from the ``OTEL_*`` environment now when the process has none
-    (:func:`llm_otel.process.providers.ensure_providers`). Building them here and not at ``instrument()``
-    matters under ``opentelemetry-instrument``, which runs every installed instrumentor in every
-    process: a process that never imports the library (a vLLM engine-core or worker process, a
-    tool the application starts) gets no global providers and no exporter process from it.
-    Raises :class:`llm_otel.config.ConfigError` for an invalid exporter setting."""
-    from llm_otel.process.providers import ensure_providers
-    from llm_otel.telemetry import Telemetry
-
-    tracer_provider, meter_provider = kwargs.get("tracer_provider"), kwargs.get("meter_provider")
-    sampling = kwargs.get("sampling")
-    if tracer_provider is None and meter_provider is None:
-        sampling = ensure_providers(kwargs["settings"]) or sampling
-    return Telemetry(tracer_provider, meter_provider, kwargs["settings"], scope=scope, sampling=sampling)
+    return on_first_use(kwargs, scope)
 
 
 def flush_after_later_exit_handlers() -> None:

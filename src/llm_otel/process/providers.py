@@ -1,8 +1,9 @@
 """The one recipe for this process's tracer and meter providers.
 
 Every caller that needs llm-otel's own providers builds them here: ``llm_otel.instrument()`` (the
-face) and the engine instrumentors' first use (:class:`llm_otel.instrumentation._hooks.ImportHooked`,
-vLLM's frontend activation) through :func:`ensure_providers`, which installs them as the global
+face) and the engine instrumentors' first use (:class:`llm_otel.instrumentation._hooks.ImportHooked`
+through :func:`telemetry_on_first_use`, which also builds the core's ``Telemetry`` on them; vLLM's
+frontend activation) through :func:`ensure_providers`, which installs them as the global
 providers where the application has none; vLLM's engine-core and worker processes through
 :func:`engine_process_providers` (called by the vLLM plugin, at a spawned child's bootstrap or at
 activation); LightLLM's processes get theirs from :func:`ensure_providers` at the first hooked
@@ -31,7 +32,7 @@ import os
 import sys
 import threading
 import weakref
-from typing import Mapping
+from typing import Any, Mapping
 
 from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider
@@ -91,6 +92,28 @@ def ensure_providers(settings: Settings) -> Sampling | None:
         else:
             meter_provider.shutdown()
         return _installed_sampling
+
+
+def telemetry_on_first_use(kwargs: dict[str, Any], scope: str):
+    """The :class:`llm_otel.telemetry.Telemetry` of an instrumentor whose library this process has
+    just imported (called from its post-import hook, not from ``instrument()``).
+
+    ``kwargs`` are ``instrument()``'s: ``settings`` (already validated there), ``tracer_provider``/
+    ``meter_provider`` (the application's: used as given) and ``sampling`` (the adaptive sampler's
+    parts from ``llm_otel.instrument()``). Without providers the global ones are used, installed
+    from the ``OTEL_*`` environment now when the process has none
+    (:func:`ensure_providers`). Building them here and not at ``instrument()``
+    matters under ``opentelemetry-instrument``, which runs every installed instrumentor in every
+    process: a process that never imports the library (a vLLM engine-core or worker process, a
+    tool the application starts) gets no global providers and no exporter process from it.
+    Raises :class:`llm_otel.config.ConfigError` for an invalid exporter setting."""
+    from llm_otel.telemetry import Telemetry
+
+    tracer_provider, meter_provider = kwargs.get("tracer_provider"), kwargs.get("meter_provider")
+    sampling = kwargs.get("sampling")
+    if tracer_provider is None and meter_provider is None:
+        sampling = ensure_providers(kwargs["settings"]) or sampling
+    return Telemetry(tracer_provider, meter_provider, kwargs["settings"], scope=scope, sampling=sampling)
 
 
 def global_where_none(tracer_provider) -> bool:
