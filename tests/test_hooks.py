@@ -462,3 +462,37 @@ def test_at_spawned_bootstrap_runs_each_callback_once_before_the_target():
     assert lines == ["RESULT 0 [('first', 'Stage-1', True, True), ('last', 'Stage-1'), ('target',)] True False",
                      "RESULT cancelled True"], done.stdout + done.stderr
     assert "boom" in done.stderr and "instrumentation.process_bootstrap" in done.stderr, done.stderr
+
+
+FORKED_BOOTSTRAP = """
+    import multiprocessing, os, sys
+    from llm_otel.process import bootstrap
+
+    seen = []
+    bootstrap.at_forked_bootstrap(lambda: seen.append(("first", multiprocessing.current_process().name)))
+    bootstrap.at_forked_bootstrap(lambda: seen.append(("second", os.getpid() != parent)))
+    parent = os.getpid()
+
+    def target(out):
+        with open(out, "w") as f:
+            f.write(repr(seen))
+
+    ctx = multiprocessing.get_context("fork")
+    child = ctx.Process(target=target, args=(sys.argv[1],), name="Stage-2")
+    child.start()
+    child.join()
+    print("RESULT", child.exitcode, open(sys.argv[1]).read(), seen)
+"""
+
+
+def test_at_forked_bootstrap_runs_each_callback_in_a_forked_child_before_the_target(tmp_path):
+    """A child multiprocessing forks runs the callbacks, in order, once it is named and before its
+    target; the parent runs none."""
+    import subprocess
+    import textwrap
+
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(FORKED_BOOTSTRAP), str(tmp_path / "seen")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT")]
+    assert lines == ["RESULT 0 [('first', 'Stage-2'), ('second', True)] []"], done.stdout + done.stderr

@@ -238,3 +238,19 @@ def test_a_forked_child_that_learns_its_own_role_gets_an_instance_id_of_that_rol
     relabelled, own, child = data.split("|")
     assert relabelled == f"pod-7d9f/frontend.{child}"
     assert own == f"pod-7d9f/engine_core.dp1.{child}"
+
+
+def test_the_identity_providers_get_is_the_engine_adapters_reading_else_the_generic_one(monkeypatch):
+    """process/ knows no engine: an adapter reports how to read its process (vLLM's reader is
+    registered when llm_otel.instrumentation.vllm.process is imported); without one, role, the
+    multiprocessing name (none for MainProcess) and Ray are what any process can tell."""
+    from llm_otel.instrumentation.vllm import process as vllm_reader  # noqa: F401 - registers vLLM's
+
+    assert identity._READER == [vllm_process_identity]
+    monkeypatch.setattr(identity, "_READER", [])
+    got = identity.current_process_identity(env={})
+    assert got["llm.process.role"] == "frontend" and got["llm.process.ray"] is False
+    assert "llm.process.name" not in got and got["process.pid"] == os.getpid()
+    assert identity.current_process_identity("router", env={})["llm.process.role"] == "router"
+    identity.read_identity_with(lambda role, env: {"llm.process.role": role or "engine"})
+    assert identity.current_process_identity("worker", env={}) == {"llm.process.role": "worker"}
