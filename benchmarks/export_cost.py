@@ -2,7 +2,7 @@
 OTLP encoding in its thread) vs by the exporter process (``LLM_OTEL_EXPORT_PROCESS``, default).
 
 Each mode runs in a fresh interpreter (``--mode`` internal) with providers built exactly as
-``llm_otel.instrument()`` builds them (:func:`llm_otel.export.providers.build_providers`, 100 %
+``llm_otel.instrument()`` builds them (:func:`llm_otel.process.providers.build_providers`, 100 %
 sampling), exporting over OTLP/gRPC to a real receiver in another process (its decoding is not
 counted). A request is ``start_request`` + 64 tokens + ``finish``: request span, ``llm.prompt``,
 ``llm.token_stream`` with events, and the GenAI metrics (recorded here in both modes; ``--no-metrics``
@@ -46,7 +46,7 @@ def run_mode(mode: str, requests: int) -> dict:
 
     from llm_otel.config import Settings
     from llm_otel.export.offload import request_outlets
-    from llm_otel.export.providers import build_providers
+    from llm_otel.process.providers import build_providers
     from llm_otel.telemetry import Telemetry
 
     tp, mp = build_providers(Settings.from_env(), shutdown_on_exit=False)

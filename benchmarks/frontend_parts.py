@@ -85,7 +85,7 @@ def main() -> None:
     os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = "http://127.0.0.1:9"  # nothing is sent: the writer is held
     from llm_otel.config import Settings
     from llm_otel.export.offload import request_outlets
-    from llm_otel.export.providers import build_providers
+    from llm_otel.process.providers import build_providers
     from llm_otel.telemetry import Telemetry
 
     tp, mp = build_providers(Settings.from_env(), shutdown_on_exit=False)

@@ -65,7 +65,7 @@ def main() -> None:
     logging.getLogger("llm_otel").setLevel(logging.ERROR)  # the synthetic stamps' clock-domain line
     from llm_otel.config import Settings
     from llm_otel.export.offload import request_outlets
-    from llm_otel.export.providers import build_providers
+    from llm_otel.process.providers import build_providers
     from llm_otel.instrumentation.vllm.adapter import VLLMAdapter
     from llm_otel.telemetry import Telemetry
 

@@ -55,7 +55,8 @@ def test_settings_are_frozen():
 ])
 def test_unknown_exporter_names_raise_naming_the_variable_and_the_accepted_values(name, raw, accepted):
     from llm_otel.config import validate_exporter_env
-    from llm_otel.export.providers import build_providers, exporter_choice
+    from llm_otel.export.providers import exporter_choice
+    from llm_otel.process.providers import build_providers
 
     signal = name.split("_")[1]
     for check in (lambda: exporter_choice({name: raw}, signal), lambda: validate_exporter_env({name: raw}),
@@ -79,7 +80,7 @@ def test_exporter_choice_accepts_the_known_names_and_single_exporter_lists(raw, 
 @pytest.mark.parametrize("endpoint", [{}, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}])
 def test_invalid_otlp_protocol_raises_with_or_without_an_endpoint(name, endpoint):
     from llm_otel.config import otlp_protocol, validate_exporter_env
-    from llm_otel.export.providers import build_providers
+    from llm_otel.process.providers import build_providers
 
     env = {**endpoint, name: "grpcc"}
     with pytest.raises(ConfigError, match=name):

@@ -95,12 +95,8 @@ _VLLM_ALLOWED = {
     ("vllm/__init__.py", "get_tracer_provider()"): 2,
     # the request span's kind (SERVER or INTERNAL), a value passed to Telemetry.start_request
     ("vllm/adapter.py", "from opentelemetry.trace import SpanKind"): 1,
-    # plugin.py builds the providers of vLLM's engine-core and worker processes (export setup)
-    ("vllm/plugin.py", "from opentelemetry.sdk.metrics import MeterProvider"): 1,
-    ("vllm/plugin.py", "from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader"): 1,
-    ("vllm/plugin.py", "from opentelemetry.sdk.resources import Resource"): 1,
-    ("vllm/plugin.py", "from opentelemetry.sdk.trace import TracerProvider"): 1,
-    ("vllm/plugin.py", "from opentelemetry.sdk.trace.export import BatchSpanProcessor"): 1,
+    # (the providers of vLLM's engine-core and worker processes are built by the process runtime's
+    # one recipe, llm_otel.process.providers.engine_process_providers: plugin.py builds none)
     # StepTracker.end(ctx): the core's step API, not Span.end
     ("vllm/worker.py", "end()"): 1,
 }

@@ -18,7 +18,7 @@ from support.otlp_receiver import OTLPReceiver
 
 from llm_otel.config import Settings
 from llm_otel.export.exporters import ProcessSpanExporter
-from llm_otel.export.providers import build_providers
+from llm_otel.process.providers import build_providers
 
 
 def _closed_port() -> int:

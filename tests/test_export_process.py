@@ -27,7 +27,9 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from llm_otel.config import Settings
 from llm_otel.export.offload import BACKLOG, DOWN, OffloadTracerProvider, RemoteInstrument, request_outlets
-from llm_otel.export.providers import build_providers, span_exporter_from_env
+from llm_otel.export import offload
+from llm_otel.export.providers import span_exporter_from_env
+from llm_otel.process.providers import build_providers
 from llm_otel.sampling import UtilizationPolicy, adaptive_sampler
 from llm_otel.semconv import metrics as M
 from llm_otel.telemetry import Telemetry
@@ -221,7 +223,7 @@ def test_the_final_flush_delivers_what_is_buffered_and_ends_the_exporter_process
 FORK_APP = """
     import os, sys, time
     from llm_otel.config import Settings
-    from llm_otel.export.providers import build_providers
+    from llm_otel.process.providers import build_providers
     tp, mp = build_providers(Settings(console="off", adaptive_sampling="off"), shutdown_on_exit=False)
     tp.get_tracer("t").start_span("parent-before-fork").end()
     assert tp.force_flush(30000)
@@ -285,7 +287,7 @@ def test_the_exporter_process_exits_when_its_serving_process_is_killed(receiver,
     script = textwrap.dedent("""
         import time
         from llm_otel.config import Settings
-        from llm_otel.export.providers import build_providers
+        from llm_otel.process.providers import build_providers
         tp, _ = build_providers(Settings(console="off", adaptive_sampling="off"), shutdown_on_exit=False)
         tp.get_tracer("t").start_span("x").end()
         tp.force_flush(30000)
@@ -315,7 +317,7 @@ def test_the_exporter_process_exits_when_its_serving_process_is_killed(receiver,
 BLACK_HOLE_APP = """
     import signal, sys, time
     from llm_otel.config import Settings
-    from llm_otel.export.providers import build_providers
+    from llm_otel.process.providers import build_providers
     tp, _ = build_providers(Settings(console="off", adaptive_sampling="off"), shutdown_on_exit=False)
     tracer = tp.get_tracer("t")
     for i in range(30000):  # more frames than the pipe holds: the writer thread blocks in a write

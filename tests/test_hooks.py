@@ -418,7 +418,7 @@ def test_a_configuration_refusal_is_reported_once_per_process_tree(monkeypatch, 
 SPAWNED_BOOTSTRAP = """
     import multiprocessing
     from multiprocessing.process import BaseProcess
-    from llm_otel.instrumentation import _hooks
+    from llm_otel.process import bootstrap
 
     original = BaseProcess.__dict__["_bootstrap"]
     seen = []
@@ -434,15 +434,15 @@ SPAWNED_BOOTSTRAP = """
         seen.append(("last", process.name))
 
     for callback in (first, failing, first, last):  # first twice: added once
-        _hooks.at_spawned_bootstrap(callback)
-    _hooks.at_spawned_bootstrap(print)
-    _hooks.cancel_at_spawned_bootstrap(print)
+        bootstrap.at_spawned_bootstrap(callback)
+    bootstrap.at_spawned_bootstrap(print)
+    bootstrap.cancel_at_spawned_bootstrap(print)
     child = multiprocessing.Process(target=seen.append, args=(("target",),), name="Stage-1")
     child._parent_pid = 1  # as a spawned child's pickled Process says (its parent's pid)
     code = child._bootstrap()
     print("RESULT", code, seen, BaseProcess.__dict__["_bootstrap"] is original, "run" in child.__dict__)
-    _hooks.at_spawned_bootstrap(first)
-    _hooks.cancel_at_spawned_bootstrap(first)
+    bootstrap.at_spawned_bootstrap(first)
+    bootstrap.cancel_at_spawned_bootstrap(first)
     print("RESULT cancelled", BaseProcess.__dict__["_bootstrap"] is original)
 """
 
@@ -463,3 +463,37 @@ def test_at_spawned_bootstrap_runs_each_callback_once_before_the_target():
     assert lines == ["RESULT 0 [('first', 'Stage-1', True, True), ('last', 'Stage-1'), ('target',)] True False",
                      "RESULT cancelled True"], done.stdout + done.stderr
     assert "boom" in done.stderr and "instrumentation.process_bootstrap" in done.stderr, done.stderr
+
+
+FORKED_BOOTSTRAP = """
+    import multiprocessing, os, sys
+    from llm_otel.process import bootstrap
+
+    seen = []
+    bootstrap.at_forked_bootstrap(lambda: seen.append(("first", multiprocessing.current_process().name)))
+    bootstrap.at_forked_bootstrap(lambda: seen.append(("second", os.getpid() != parent)))
+    parent = os.getpid()
+
+    def target(out):
+        with open(out, "w") as f:
+            f.write(repr(seen))
+
+    ctx = multiprocessing.get_context("fork")
+    child = ctx.Process(target=target, args=(sys.argv[1],), name="Stage-2")
+    child.start()
+    child.join()
+    print("RESULT", child.exitcode, open(sys.argv[1]).read(), seen)
+"""
+
+
+def test_at_forked_bootstrap_runs_each_callback_in_a_forked_child_before_the_target(tmp_path):
+    """A child multiprocessing forks runs the callbacks, in order, once it is named and before its
+    target; the parent runs none."""
+    import subprocess
+    import textwrap
+
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(FORKED_BOOTSTRAP), str(tmp_path / "seen")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT")]
+    assert lines == ["RESULT 0 [('first', 'Stage-2'), ('second', True)] []"], done.stdout + done.stderr

@@ -1,4 +1,4 @@
-"""Process identity (issue 16, llm_otel.export.identity): every process of a vLLM topology gets a
+"""Process identity (issue 16, llm_otel.process.identity; vLLM's reader llm_otel.instrumentation.vllm.process): every process of a vLLM topology gets a
 resource that tells it apart. The children here are started the way vLLM starts its own
 (``multiprocessing`` ``Process(name=..., kwargs=...)``, vllm/v1/engine/utils.py:284 for engine
 cores, vllm/v1/executor/multiproc_executor.py:745 for workers, vllm/v1/utils.py:248 for API
@@ -14,8 +14,10 @@ import types
 
 import pytest
 
-from llm_otel.export import identity
-from llm_otel.export.identity import inherited_instance_id, process_identity, vllm_process_identity
+from llm_otel.instrumentation.vllm import process as vllm_process
+from llm_otel.instrumentation.vllm.process import vllm_process_identity
+from llm_otel.process import identity
+from llm_otel.process.identity import inherited_instance_id, process_identity
 
 
 def _identity_of_child(name: str, kwargs: dict, method: str = "fork", env: dict | None = None) -> dict:
@@ -122,7 +124,7 @@ def test_unreadable_worker_config_leaves_ranks_out_with_one_log_line(caplog):
     # the child logs; here the same path in-process (its log line is ours to read)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="llm_otel"):
-        got = identity._worker_ranks(1, None, why := [])
+        got = vllm_process._worker_ranks(1, None, why := [])
     assert got == (None, None, None) and why == ["no vllm_config.parallel_config"]
 
 
@@ -140,7 +142,7 @@ def test_ray_style_worker_found_through_vllms_worker_wrapper(monkeypatch):
     ``WorkerWrapperBase`` calling ``load_general_plugins`` from ``init_worker``."""
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-    monkeypatch.setattr(identity, "in_ray_worker", lambda: True)  # tests/test_ray.py: the real detection
+    monkeypatch.setattr(vllm_process, "in_ray_worker", lambda: True)  # tests/test_ray.py: the real detection
 
     class Probe(WorkerWrapperBase):
         def init_worker(self, all_kwargs):  # same locals as vLLM's (kwargs = all_kwargs[self.rpc_rank])
@@ -158,7 +160,7 @@ def test_ray_style_worker_found_through_vllms_worker_wrapper(monkeypatch):
 def test_ray_style_engine_core_found_through_vllms_engine_core(monkeypatch):
     from vllm.v1.engine.core import EngineCore
 
-    monkeypatch.setattr(identity, "in_ray_worker", lambda: True)
+    monkeypatch.setattr(vllm_process, "in_ray_worker", lambda: True)
 
     class Probe(EngineCore):
         def __init__(self, vllm_config):  # EngineCore.__init__ loads the plugins first thing
@@ -170,12 +172,12 @@ def test_ray_style_engine_core_found_through_vllms_engine_core(monkeypatch):
     got = Probe(config).got
     assert got["llm.process.role"] == "engine_core" and got["llm.process.data_parallel.rank"] == 1
     assert got["llm.process.name"] == "DPEngineCoreActor_DP1"
-    monkeypatch.setattr(identity, "in_ray_worker", lambda: False)  # an engine core inside the frontend
+    monkeypatch.setattr(vllm_process, "in_ray_worker", lambda: False)  # an engine core inside the frontend
     assert Probe(config).got["llm.process.role"] == "frontend"
 
 
 def test_identity_never_raises(monkeypatch, caplog):
-    monkeypatch.setattr(identity, "_vllm_process_identity", lambda *a: 1 / 0)
+    monkeypatch.setattr(vllm_process, "_vllm_process_identity", lambda *a: 1 / 0)
     with caplog.at_level(logging.WARNING, logger="llm_otel"):
         got = vllm_process_identity("worker", env={})
     assert got["llm.process.role"] == "worker" and got["process.pid"] == os.getpid()
@@ -217,7 +219,7 @@ def test_a_forked_child_that_learns_its_own_role_gets_an_instance_id_of_that_rol
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
 
-    from llm_otel.export import identity
+    from llm_otel.process import identity
 
     monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.instance.id=pod-7d9f")
     provider = TracerProvider(resource=Resource.create(identity.process_identity("frontend")))
@@ -237,3 +239,19 @@ def test_a_forked_child_that_learns_its_own_role_gets_an_instance_id_of_that_rol
     relabelled, own, child = data.split("|")
     assert relabelled == f"pod-7d9f/frontend.{child}"
     assert own == f"pod-7d9f/engine_core.dp1.{child}"
+
+
+def test_the_identity_providers_get_is_the_engine_adapters_reading_else_the_generic_one(monkeypatch):
+    """process/ knows no engine: an adapter reports how to read its process (vLLM's reader is
+    registered when llm_otel.instrumentation.vllm.process is imported); without one, role, the
+    multiprocessing name (none for MainProcess) and Ray are what any process can tell."""
+    from llm_otel.instrumentation.vllm import process as vllm_reader  # noqa: F401 - registers vLLM's
+
+    assert identity._READER == [vllm_process_identity]
+    monkeypatch.setattr(identity, "_READER", [])
+    got = identity.current_process_identity(env={})
+    assert got["llm.process.role"] == "frontend" and got["llm.process.ray"] is False
+    assert "llm.process.name" not in got and got["process.pid"] == os.getpid()
+    assert identity.current_process_identity("router", env={})["llm.process.role"] == "router"
+    identity.read_identity_with(lambda role, env: {"llm.process.role": role or "engine"})
+    assert identity.current_process_identity("worker", env={}) == {"llm.process.role": "worker"}

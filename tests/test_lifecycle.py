@@ -20,7 +20,7 @@ from conftest import record_received
 from llm_otel.config import Settings
 from llm_otel.export.exporters import ProcessSpanExporter, estimate_span_bytes
 from llm_otel.export.offload import request_outlets
-from llm_otel.export.providers import build_providers
+from llm_otel.process.providers import build_providers
 from llm_otel.telemetry import Telemetry
 
 
@@ -264,7 +264,7 @@ def test_a_process_that_may_be_killed_at_its_deadline_reports_before_it(tmp_path
     final flush, which it may never reach), and marks itself done for the process waiting on it."""
     import logging
 
-    from llm_otel.export.lifecycle import FLUSH_DIR_ENV, ProcessLifecycle
+    from llm_otel.process.lifecycle import FLUSH_DIR_ENV, ProcessLifecycle
 
     hole = _BlackHole()
     monkeypatch.setenv(FLUSH_DIR_ENV, str(tmp_path))
@@ -273,7 +273,7 @@ def test_a_process_that_may_be_killed_at_its_deadline_reports_before_it(tmp_path
         tp, mp = build_providers(settings, env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{hole.port}",
                                                 "OTEL_METRICS_EXPORTER": "none"}, shutdown_on_exit=False)
         life = ProcessLifecycle("engine_core", deadline_s=0.5)
-        from llm_otel._setup import exporters_of
+        from llm_otel.process.providers import exporters_of
 
         life.add(tp, mp, exporters_of(tp))
         tp.get_tracer("t").start_span("last-step").end()
@@ -314,7 +314,7 @@ def test_a_large_prompt_and_completion_are_both_shortened_and_keep_their_structu
 
 
 def test_flush_directory_is_never_taken_from_a_users_variable(tmp_path, monkeypatch):
-    from llm_otel.export import lifecycle as L
+    from llm_otel.process import lifecycle as L
 
     monkeypatch.setenv(L.FLUSH_DIR_ENV, str(tmp_path))  # not one llm-otel made
     monkeypatch.setattr(L, "_owned_dir", None)

@@ -177,7 +177,7 @@ def test_request_span_tree_spans_three_processes_and_covers_the_request(main_run
     # one process each: HTTP worker (this test's child), router (its child), model-infer worker (grandchild)
     pids = {name: tree[name]["resource"]["process.pid"] for name in ("request", "llm.router.request", "llm.infer.request")}
     assert len(set(pids.values())) == 3
-    # and each process's resource has its own service.instance.id (export/identity.py)
+    # and each process's resource has its own service.instance.id (process/identity.py)
     instances = {tree[name]["resource"]["service.instance.id"] for name in ("request", "llm.router.request",
                                                                            "llm.infer.request")}
     assert len(instances) == 3
@@ -412,7 +412,7 @@ def test_token_ids_stay_out_of_spans_without_content_capture(runs):
         assert all("llm.token.latency" in e["attributes"] for e in events), layout
 
 
-# --- process identity: each LightLLM process says which one it is (export/identity.py) --------
+# --- process identity: each LightLLM process says which one it is (process/identity.py) --------
 ROUTER_TARGET = "lightllm.server.router.manager:start_router_process"
 WORKER_TARGET = "lightllm.server.router.model_infer.model_rpc:_init_env"
 IDENTITY = ("llm.process.role", "process.pid", "service.instance.id", "llm.process.name",

@@ -1,5 +1,5 @@
 """The exporter process (:mod:`llm_otel.export.offload`) together with process identity
-(:mod:`llm_otel.export.identity`), the start policy and what it inherits.
+(:mod:`llm_otel.process.identity`), the start policy and what it inherits.
 
 Real components: the exporter process exports over OTLP/gRPC to the in-process receiver
 (tests/support/otlp_receiver.py); processes under ``opentelemetry-instrument`` are real interpreters
@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from llm_otel.config import Settings
 from llm_otel.export.offload import ENCODING, OffloadTracerProvider, prewarm
-from llm_otel.export.providers import build_providers
+from llm_otel.process.providers import build_providers
 from llm_otel.semconv import metrics as M
 
 AUTO = os.path.join("opentelemetry", "instrumentation", "auto_instrumentation")
@@ -58,9 +58,9 @@ def _exporter_children(pid: int) -> list[int]:
 RELABEL_APP = """
     import os
     from llm_otel.config import Settings
-    from llm_otel.export.identity import relabel
+    from llm_otel.process.identity import relabel
     from llm_otel.export.offload import prewarm, request_outlets
-    from llm_otel.export.providers import build_providers
+    from llm_otel.process.providers import build_providers
     from llm_otel.telemetry import Telemetry
 
     settings = Settings(console="off", adaptive_sampling="off")

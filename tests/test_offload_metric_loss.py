@@ -13,7 +13,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from llm_otel.config import Settings
 from llm_otel.export.offload import OffloadTracerProvider, RemoteInstrument, request_outlets
-from llm_otel.export.providers import build_providers
+from llm_otel.process.providers import build_providers
 from llm_otel.semconv import metrics as M
 from llm_otel.telemetry import Telemetry
 

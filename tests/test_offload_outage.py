@@ -14,7 +14,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from llm_otel.config import Settings
-from llm_otel.export.providers import build_providers
+from llm_otel.process.providers import build_providers
 from llm_otel.semconv import metrics as M
 
 

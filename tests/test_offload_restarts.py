@@ -10,7 +10,7 @@ import sys
 import time
 
 from llm_otel.config import Settings
-from llm_otel.export.providers import build_providers
+from llm_otel.process.providers import build_providers
 
 
 def test_an_exporter_process_that_keeps_dying_is_one_outage_in_the_log(receiver, caplog, monkeypatch):

@@ -468,7 +468,7 @@ def test_exemplars_survive_repeated_scrapes_of_either_format(prom_telemetry):
 
 
 def test_prometheus_port_per_process_role():
-    from llm_otel.export.prometheus import prometheus_port
+    from llm_otel.process.ports import prometheus_port
 
     env = {"OTEL_EXPORTER_PROMETHEUS_PORT": "9500"}
     assert prometheus_port(env, "frontend") == 9500
@@ -488,7 +488,7 @@ def _free_port() -> int:
 
 
 def test_build_providers_serves_prometheus_when_asked():
-    from llm_otel.export.providers import build_providers
+    from llm_otel.process.providers import build_providers
 
     port = _free_port()
     env = {"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_PORT": str(port),
@@ -504,7 +504,7 @@ def test_build_providers_serves_prometheus_when_asked():
 
 
 def test_busy_port_is_logged_and_leaves_metrics_unexposed(caplog):
-    from llm_otel.export.prometheus import prometheus_reader
+    from llm_otel.process.ports import prometheus_reader
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,4 +1,4 @@
-"""Ports of a serving topology (issue 16, llm_otel.export.ports): one Prometheus and /healthz port
+"""Ports of a serving topology (issue 16, llm_otel.process.ports): one Prometheus and /healthz port
 per request-serving process, none for processes that serve no requests, collisions reported by
 ``llm-otel doctor``."""
 
@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from llm_otel.export import ports
+from llm_otel.process import ports
 
 
 @pytest.fixture(autouse=True)
@@ -73,7 +73,7 @@ def test_deferred_prometheus_reader_binds_its_api_server_port_when_serving(monke
 
     import httpx
 
-    from llm_otel.export.prometheus import prometheus_reader
+    from llm_otel.process.ports import prometheus_reader
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

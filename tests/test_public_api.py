@@ -347,7 +347,7 @@ ENGINE_PROCESS_APP = """
     time.sleep(1.0)
     kids = [c for c in psutil.Process().children() if "llm_otel.export.offload" in " ".join(c.cmdline())]
     print("RESULT", type(trace.get_tracer_provider()).__name__, len(kids), flush=True)
-    from llm_otel.export.lifecycle import lifecycle
+    from llm_otel.process.lifecycle import lifecycle
     lifecycle().flush()  # what the engine process's orderly exit does
 """
 

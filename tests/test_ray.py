@@ -12,7 +12,8 @@ import types
 
 import pytest
 
-from llm_otel.export import identity
+from llm_otel.instrumentation.vllm import process as vllm_process
+from llm_otel.process import identity
 from llm_otel.instrumentation.vllm.ray_handoff import PREFIXES_ENV, hand_off_environment, restore_environment
 
 
@@ -60,7 +61,7 @@ def test_ray_worker_detected_from_rays_global_worker(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray._private", private)
     monkeypatch.setitem(sys.modules, "ray._private.worker", worker)
     assert identity.in_ray_worker() is True
-    assert identity.vllm_process_identity("frontend", env={})["llm.process.ray"] is True
+    assert vllm_process.vllm_process_identity("frontend", env={})["llm.process.ray"] is True
     worker.global_worker.mode = 0
     assert identity.in_ray_worker() is False
 
@@ -73,7 +74,7 @@ def test_not_a_ray_worker_without_ray(monkeypatch):
 def _actor_report():
     import os
 
-    from llm_otel.export.identity import vllm_process_identity
+    from llm_otel.instrumentation.vllm.process import vllm_process_identity
 
     return vllm_process_identity("frontend", env=os.environ), {k: v for k, v in os.environ.items()
                                                                  if k.startswith(("OTEL_", "LLM_OTEL_"))}

@@ -256,7 +256,7 @@ def test_otel_traces_sampler_entry_point(monkeypatch):
     """The SDK configurator (opentelemetry-instrument with a distro) and llm-otel's own providers."""
     from opentelemetry.sdk._configuration import _import_sampler
 
-    from llm_otel.export.providers import build_providers
+    from llm_otel.process.providers import build_providers
 
     monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.05,0.5")
     sampler = _import_sampler("llm_otel_adaptive")
@@ -269,7 +269,7 @@ def test_otel_traces_sampler_entry_point(monkeypatch):
 def test_utilization_gauge_and_providers_use_the_sampler_when_forced(monkeypatch):
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-    from llm_otel.export.providers import build_providers, register_utilization_gauge
+    from llm_otel.process.providers import build_providers, register_utilization_gauge
 
     tp, mp = build_providers(Settings(adaptive_sampling="on", console="off"), env={})
     assert tp.sampler.get_description().startswith("ComposableParentThreshold")
@@ -418,7 +418,7 @@ def test_engine_occupancy_is_the_fullest_engines_batch_capped_and_drops_gone_or_
 
 
 def test_without_nvml_the_default_sampler_follows_engine_occupancy_and_telemetry_attaches_engines():
-    from llm_otel.export.providers import build_providers
+    from llm_otel.process.providers import build_providers
 
     tp, mp = build_providers(Settings(console="off"), env={})  # auto, on a machine without a GPU
     poller = tp.sampler.root.poller
@@ -456,7 +456,7 @@ def test_without_nvml_the_default_sampler_follows_engine_occupancy_and_telemetry
 def test_the_occupancy_poller_stops_with_its_tracer_provider():
     import gc
 
-    from llm_otel.export.providers import build_providers
+    from llm_otel.process.providers import build_providers
 
     tp, mp = build_providers(Settings(console="off"), env={})
     poller = tp.sampler.root.poller

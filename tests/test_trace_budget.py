@@ -195,7 +195,7 @@ def test_a_lower_policy_probability_is_reported_as_head():
 
 
 def test_traces_per_s_setting_default_off_and_bad_values():
-    from llm_otel.export.providers import build_providers
+    from llm_otel.process.providers import build_providers
 
     assert Settings().traces_per_s == 10.0 and Settings.from_env({}).traces_per_s == 10.0
     assert Settings.from_env({"LLM_OTEL_TRACES_PER_S": "2.5"}).traces_per_s == 2.5

@@ -32,7 +32,7 @@ APP = """
         load_general_plugins()  # what vLLM's API server does before building its engine client
         from vllm.v1.engine.output_processor import OutputProcessor
         from llm_otel.instrumentation.vllm import VLLMInstrumentor
-        from llm_otel.export.identity import tracked_identity
+        from llm_otel.process.identity import tracked_identity
         inst = VLLMInstrumentor()
         ident = tracked_identity() or {}
         queue.put({"name": multiprocessing.current_process().name, "role": inst.role,

@@ -54,7 +54,7 @@ def instrument(tracer_provider: Any = None, meter_provider: Any = None, *, engin
             ``OTEL_EXPORTER_OTLP*_PROTOCOL``) are checked when llm-otel creates the providers.
         ValueError: ``engines`` names an engine llm-otel does not know.
     """
-    from llm_otel._setup import ensure_providers
+    from llm_otel.process.providers import ensure_providers
     from llm_otel.config import ConfigError, Settings, validate_exporter_env
 
     if isinstance(engines, str):

@@ -78,21 +78,21 @@ def run_demo_command(prompts: int, max_tokens: int, model_dir: str | None) -> in
 
 def _doctor_prometheus(env: Mapping[str, str], settings: Settings, say: _Say, api_servers: int = 1, dp_size: int = 1,
                        serve_port: int | None = None) -> bool:
-    """The ports each serving process would listen on (llm_otel.export.ports: Prometheus with
+    """The ports each serving process would listen on (llm_otel.process.ports: Prometheus with
     OTEL_METRICS_EXPORTER=prometheus, /healthz with LLM_OTEL_HEALTH_PORT) for ``api_servers`` API
     servers and ``dp_size`` engine cores: the scheme, collisions, ports already taken. False when
     some process's metrics or health endpoint could not be served."""
     import socket
 
     from llm_otel.config import ConfigError, prometheus_host
-    from llm_otel.export.ports import scheme
+    from llm_otel.process.ports import scheme
     from llm_otel.export.providers import exporter_choice
 
     base = None
     host = "localhost"
     if exporter_choice(env, "METRICS") == "prometheus":
         try:
-            from llm_otel.export.prometheus import prometheus_port
+            from llm_otel.process.ports import prometheus_port
         except ImportError as exc:
             say("FAIL", f"OTEL_METRICS_EXPORTER=prometheus needs opentelemetry-exporter-prometheus "
                         f"(pip install 'llm-otel[prometheus]'): {exc}")

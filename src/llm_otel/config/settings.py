@@ -133,7 +133,7 @@ class Settings:
             of traces and metrics may take on an orderly exit (SIGTERM of the API server, engine
             shutdown, interpreter exit), counted from when the process learned it is shutting
             down; what is not delivered by then is dropped with one warning
-            (:mod:`llm_otel.export.lifecycle`). The vLLM frontend gives its engine processes this
+            (:mod:`llm_otel.process.lifecycle`). The vLLM frontend gives its engine processes this
             long, plus one second, to exit before vLLM kills them.
         otlp_max_request_bytes: ``LLM_OTEL_OTLP_MAX_REQUEST_BYTES`` (3145728, 3 MiB). Upper bound
             of one OTLP span export request from exporters llm-otel builds; larger batches are

@@ -78,7 +78,8 @@ def run_demo(prompts: int = 4, max_tokens: int = 24, model_dir: str | None = Non
     from llm_otel.config import Settings
     from llm_otel.demo.tiny_model import ensure_tiny_model
     from llm_otel.export.console import ConsoleMetricsSummary, ConsoleTreeExporter
-    from llm_otel.export.providers import SystemRandomIdGenerator, build_providers
+    from llm_otel.export.providers import SystemRandomIdGenerator
+    from llm_otel.process.providers import build_providers
 
     settings = Settings.from_env()
     otlp = bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))

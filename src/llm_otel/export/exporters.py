@@ -20,7 +20,7 @@ from the ``OTEL_*`` environment (``export/providers.py``):
   batch of 512 spans rejected (CASES.md C17).
 * **Accounting.** Spans and metric exports that failed, and those still in flight when a final
   flush gave up, are counted (:attr:`ProcessSpanExporter.failed`, ``.in_flight``) for the one log
-  line the lifecycle writes at exit (:mod:`llm_otel.export.lifecycle`); lost spans also go to the
+  line the lifecycle writes at exit (:mod:`llm_otel.process.lifecycle`); lost spans also go to the
   counter ``llm_otel.spans.dropped`` and one log line per outage (:mod:`llm_otel.export.drops`).
 """
 
@@ -44,6 +44,10 @@ from llm_otel.export.drops import DropCounter
 from llm_otel.semconv import attributes as A
 
 logger = logging.getLogger("llm_otel")
+
+# how long a final flush may take when LLM_OTEL_FLUSH_DEADLINE_S is not read (its default): the
+# process lifecycle (llm_otel.process.lifecycle) and the exporter process bound their exit with it
+DEFAULT_DEADLINE_S: float = Settings().flush_deadline_s
 
 DEFAULT_MAX_REQUEST_BYTES: int = Settings().otlp_max_request_bytes  # LLM_OTEL_OTLP_MAX_REQUEST_BYTES's default
 # captured GenAI messages: JSON lists of {"role", "parts": [{"type", "content"}]}

@@ -19,7 +19,7 @@ several API servers
 ==============================  ==========================================  ============================
 
 The scheme, and when a vLLM frontend binds its port (once it serves requests), are
-:mod:`llm_otel.export.ports`'s.
+:mod:`llm_otel.process.ports`'s (it hands the port to :func:`prometheus_reader`).
 
 Exemplars: the upstream exporter (``opentelemetry-exporter-prometheus``) drops them; the reader
 here attaches each histogram bucket's SDK exemplar (``trace_id``, ``span_id`` labels) to that
@@ -30,7 +30,7 @@ and runs with ``--enable-feature=exemplar-storage``.
 Each process serves its own ``prometheus_client`` registry (not the global one vLLM's API server
 exposes on ``/metrics``). A port already in use is logged once and metrics stay unexposed in that
 process; the engine is unaffected. Importing this module needs ``opentelemetry-exporter-prometheus``
-(``pip install 'llm-otel[prometheus]'``); :func:`llm_otel.export.providers.prometheus_reader_from_env`
+(``pip install 'llm-otel[prometheus]'``); :func:`llm_otel.process.ports.prometheus_reader_from_env`
 reports its absence instead.
 """
 
@@ -38,15 +38,13 @@ from __future__ import annotations
 
 import bisect
 import logging
-import multiprocessing
-import re
 import threading
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader  # opentelemetry-exporter-prometheus
 from prometheus_client import CollectorRegistry, start_http_server
 
-from llm_otel.config import PROMETHEUS_HOST, PROMETHEUS_PORT, prometheus_base_port, prometheus_host
+from llm_otel.config import PROMETHEUS_HOST, PROMETHEUS_PORT, prometheus_host
 from llm_otel.errors import process_errors
 
 logger = logging.getLogger("llm_otel")
@@ -55,30 +53,13 @@ DEFAULT_PORT = PROMETHEUS_PORT  # OpenTelemetry's default for OTEL_EXPORTER_PROM
 DEFAULT_HOST = PROMETHEUS_HOST
 
 
-def prometheus_port(env: Mapping[str, str], role: str, process_name: str | None = None) -> int | None:
-    """The port a process of ``role`` (``frontend``/``engine_core``/``worker``) serves on, or None
-    (workers); ``process_name`` defaults to this process's multiprocessing name (``ApiServer_<i>``,
-    ``EngineCore_DP<r>``). Raises ConfigError for a bad ``OTEL_EXPORTER_PROMETHEUS_PORT``."""
-    from llm_otel.export.ports import api_server_index, engine_core_port, frontend_port
-
-    base = prometheus_base_port(env)
-    name = process_name if process_name is not None else multiprocessing.current_process().name
-    if role == "frontend":
-        return frontend_port(base, api_server_index(name))
-    if role == "engine_core":
-        match = re.search(r"_DP(\d+)$", name)
-        return engine_core_port(base, int(match.group(1)) if match else 0)
-    return None
-
-
-def prometheus_reader(env: Mapping[str, str], role: str):
-    """This process's metric reader with its endpoint started, or None (worker role, or the port is
-    busy: logged). A vLLM frontend's endpoint starts once it serves requests
-    (:func:`llm_otel.export.ports.when_serving`); until then the reader collects
-    nothing. Raises ConfigError for a bad port variable."""
-    from llm_otel.export.ports import when_serving
-
-    port = prometheus_port(env, role)
+def prometheus_reader(env: Mapping[str, str], role: str, port: int | None,
+                      defer: Callable[[Callable[[], bool]], bool | None] | None = None):
+    """A metric reader serving this process's metrics on ``port`` (from
+    :func:`llm_otel.process.ports.prometheus_port`), or None (no port: a worker; or the port is
+    busy: logged). ``defer``: how to start the endpoint later (a vLLM frontend binds once it serves
+    requests, :func:`llm_otel.process.ports.when_serving`: it returns None while it waits, and until
+    then the reader collects nothing); None starts it now. ``role`` names the process in log lines."""
     if port is None:
         return None
     host = prometheus_host(env)
@@ -95,7 +76,7 @@ def prometheus_reader(env: Mapping[str, str], role: str):
         logger.info("llm-otel: Prometheus metrics of this %s process on http://%s:%d/metrics", role, host, port)
         return True
 
-    started = when_serving(start) if role == "frontend" else start()
+    started = defer(start) if defer is not None else start()
     return None if started is False else reader  # None: deferred until this process serves
 
 

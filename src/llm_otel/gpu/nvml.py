@@ -152,7 +152,7 @@ class UtilizationPoller:
         name = getattr(self.source, "thread_name", "llm-otel-gpu-poller")
         self._thread = threading.Thread(target=loop, name=name, daemon=True)
         self._thread.start()
-        from llm_otel.export.lifecycle import restart_in_fork_child
+        from llm_otel.process.forks import restart_in_fork_child  # a leaf: imports nothing of llm_otel
 
         restart_in_fork_child(self)
         return self

@@ -8,12 +8,12 @@ import importlib.util
 import logging
 import os
 import threading
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import wrapt
 
 from llm_otel.config import ConfigError
-from llm_otel.errors import guard, process_errors
+from llm_otel.errors import process_errors
 
 logger = logging.getLogger("llm_otel")
 
@@ -147,68 +147,6 @@ def remove_hooks(applied: list[AppliedHook]) -> None:
     applied.clear()
 
 
-_bootstrap_callbacks: list[Callable[[Any], None]] = []
-_bootstrap_original: Any = None  # multiprocessing's own BaseProcess._bootstrap while ours is installed
-
-
-def at_spawned_bootstrap(callback: Callable[[Any], None]) -> None:
-    """In a child that multiprocessing spawned, where ``opentelemetry-instrument`` runs before the
-    child knows what it is: call ``callback(process)`` once, when multiprocessing runs the
-    ``Process`` object its parent pickled (``spawn._main`` -> ``Process._bootstrap`` -> ``run()``),
-    after ``_bootstrap`` made it the current process with its parent known and before ``run()``
-    calls the target: its name, target and arguments tell the process's role. (A spawned child
-    runs none of multiprocessing's after-fork hooks, so this patches ``BaseProcess._bootstrap`` of
-    this interpreter; the patch removes itself at its first call.) A callback already registered is
-    not added again; a failing one is counted and logged once (site
-    ``instrumentation.process_bootstrap``); never raises."""
-    global _bootstrap_original
-    from multiprocessing.process import BaseProcess
-
-    if callback in _bootstrap_callbacks:
-        return
-    _bootstrap_callbacks.append(callback)
-    if _bootstrap_original is not None:
-        return
-    original = _bootstrap_original = BaseProcess.__dict__["_bootstrap"]
-
-    def _bootstrap(self, *args, **kwargs):
-        callbacks = list(_bootstrap_callbacks)
-        _remove_bootstrap_patch()
-        run = self.run
-
-        def _run():
-            self.__dict__.pop("run", None)
-            for call in callbacks:
-                with guard("instrumentation.process_bootstrap",
-                           message="could not label or set up this process at its start"):
-                    call(self)
-            return run()
-
-        self.run = _run
-        return original(self, *args, **kwargs)
-
-    BaseProcess._bootstrap = _bootstrap
-
-
-def cancel_at_spawned_bootstrap(callback: Callable[[Any], None]) -> None:
-    """Undo :func:`at_spawned_bootstrap` for ``callback`` if the bootstrap has not run yet
-    (``uninstrument()``); the patch goes with the last callback."""
-    if callback in _bootstrap_callbacks:
-        _bootstrap_callbacks.remove(callback)
-    if not _bootstrap_callbacks:
-        _remove_bootstrap_patch()
-
-
-def _remove_bootstrap_patch() -> None:
-    global _bootstrap_original
-    from multiprocessing.process import BaseProcess
-
-    _bootstrap_callbacks.clear()
-    if _bootstrap_original is not None:
-        BaseProcess._bootstrap = _bootstrap_original
-        _bootstrap_original = None
-
-
 _CONFIG_ERROR_LOGGED = [False]
 # the invalid setting this process reported, inherited by the processes it starts (vLLM's engine
 # processes, multiprocessing's resource tracker: under opentelemetry-instrument each validates
@@ -241,35 +179,20 @@ def configuration_refused(engine: str, exc: BaseException) -> None:
 
 def telemetry_on_first_use(kwargs: dict[str, Any], scope: str):
     """The :class:`llm_otel.telemetry.Telemetry` of an instrumentor whose library this process has
-    just imported (called from its post-import hook, not from ``instrument()``).
+    just imported, on providers built now where needed: the process runtime's recipe
+    (:func:`llm_otel.process.providers.telemetry_on_first_use`). Raises
+    :class:`llm_otel.config.ConfigError` for an invalid exporter setting."""
+    from llm_otel.process.providers import telemetry_on_first_use as on_first_use
 
-    ``kwargs`` are ``instrument()``'s: ``settings`` (already validated there), ``tracer_provider``/
-    ``meter_provider`` (the application's: used as given) and ``sampling`` (the adaptive sampler's
-    parts from ``llm_otel.instrument()``). Without providers the global ones are used, installed
-    from the ``OTEL_*`` environment now when the process has none
-    (:func:`llm_otel._setup.ensure_providers`). Building them here and not at ``instrument()``
-    matters under ``opentelemetry-instrument``, which runs every installed instrumentor in every
-    process: a process that never imports the library (a vLLM engine-core or worker process, a
-    tool the application starts) gets no global providers and no exporter process from it.
-    Raises :class:`llm_otel.config.ConfigError` for an invalid exporter setting."""
-    from llm_otel._setup import ensure_providers
-    from llm_otel.export.offload import request_outlets
-    from llm_otel.telemetry import Telemetry
-
-    tracer_provider, meter_provider = kwargs.get("tracer_provider"), kwargs.get("meter_provider")
-    sampling = kwargs.get("sampling")
-    if tracer_provider is None and meter_provider is None:
-        sampling = ensure_providers(kwargs["settings"]) or sampling
-    return Telemetry(tracer_provider, meter_provider, kwargs["settings"], scope=scope, sampling=sampling,
-                     outlets=request_outlets(tracer_provider, meter_provider))
+    return on_first_use(kwargs, scope)
 
 
 def flush_after_later_exit_handlers() -> None:
-    """Create this process's lifecycle now (:mod:`llm_otel.export.lifecycle`), at ``instrument()``,
+    """Create this process's lifecycle now (:mod:`llm_otel.process.lifecycle`), at ``instrument()``,
     though the providers it flushes come at the first import of the engine: ``atexit`` runs its
     handlers last-registered first, so the final flush registered now runs after the exit handlers
     the application registers later - spans those make (a Triton call at exit) are still flushed."""
-    from llm_otel.export.lifecycle import lifecycle
+    from llm_otel.process.lifecycle import lifecycle
 
     lifecycle()
 

@@ -1,6 +1,6 @@
 """The serving-signal service: instruments, per-request observations and the 1 s thread.
 
-:class:`Signals` is a listener of the core's request lifecycle (:mod:`llm_otel.telemetry.lifecycle`):
+:class:`Signals` is a listener of the core's request lifecycle (:mod:`llm_otel.listeners`):
 :meth:`Signals.on_start` classifies and admits a request, :meth:`Signals.on_tokens` counts output
 tokens per engine step, :meth:`Signals.on_finish` checks the tier's SLOs; they return what belongs
 on the request span and the core puts it there. Formulas, units and sources: docs/signals.md.
@@ -72,6 +72,10 @@ class Signals:
         self.config = cfg = config or SignalsConfig.from_env()
         self.tiers = cfg.tiers
         self.poller = poller
+        # the /healthz port of this process from the configured base: the base itself, unless the
+        # engine's adapter says otherwise at wiring (a vLLM API server i listens on base - i,
+        # llm_otel.process.ports.frontend_port)
+        self.health_port_for: Callable[[int], int] = lambda base: base
         self._collapsed = meter.create_counter(
             M.LLM_OTEL_REQUEST_CLASS_COLLAPSED, unit=M.LLM_OTEL_REQUEST_CLASS_COLLAPSED_UNIT,
             description="Request-class values replaced by 'other'.")
@@ -261,13 +265,11 @@ class Signals:
                 self._own_poller = True
             self._thread = threading.Thread(target=self._loop, name="llm-otel-signals", daemon=True)
             self._thread.start()
-            from llm_otel.export.lifecycle import restart_in_fork_child
+            from llm_otel.process.forks import restart_in_fork_child  # a leaf: imports nothing of llm_otel
 
             restart_in_fork_child(self)
         if self.config.health_port is not None and self.health_server is None:
-            from llm_otel.export.ports import api_server_index, frontend_port
-
-            port = frontend_port(self.config.health_port, api_server_index())  # API server i: base - i
+            port = self.health_port_for(self.config.health_port)  # vLLM's API server i: base - i
             try:
                 self.health_server = HealthServer(self.report, port, self.config.health_host,
                                                   self.config.health_min_score).start()

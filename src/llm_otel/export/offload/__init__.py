@@ -54,7 +54,7 @@ Guarantees:
   frontend when it starts building ``LLMEngine``/``AsyncLLM``, LightLLM's HTTP worker), so that
   its start-up overlaps the server's; a process that merely has vLLM installed starts none. It runs
   without the auto-instrumentation ``sitecustomize`` its environment would otherwise carry.
-* **Re-labels** (:func:`llm_otel.export.identity.relabel`, also after fork): a ``resource`` frame
+* **Re-labels** (:func:`llm_otel.process.identity.relabel`, also after fork): a ``resource`` frame
   goes in order with the spans (spans ended before keep the old resource); the exporter process's
   meter provider is re-labelled in place, as the serving process's is; a forked child's own
   exporter process starts with the child's resource.

@@ -227,7 +227,7 @@ class OffloadTracerProvider(trace_api.TracerProvider):
         self.metrics_with = None
 
     def resource_changed(self) -> None:
-        """This provider's resource was re-labelled (:func:`llm_otel.export.identity.relabel`,
+        """This provider's resource was re-labelled (:func:`llm_otel.process.identity.relabel`,
         also after fork): spans ended from now on are exported under it (and the exporter
         process's GenAI metrics). Never raises."""
         buffer = self.buffer

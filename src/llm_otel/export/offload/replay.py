@@ -214,7 +214,7 @@ class ChildMetrics:
 
     def set_resource(self, resource) -> None:
         """The serving process's new resource: the meter provider's is re-labelled in place, as
-        :func:`llm_otel.export.identity.relabel` does in the serving process."""
+        :func:`llm_otel.process.identity.relabel` does in the serving process."""
         self.resource = resource
         if self.provider is not None:
             current = getattr(getattr(self.provider, "_sdk_config", None), "resource", None)

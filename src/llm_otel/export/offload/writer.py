@@ -19,6 +19,7 @@ from typing import Mapping
 
 from opentelemetry import trace as trace_api
 
+from llm_otel.config import Settings
 from llm_otel.errors import guard, process_errors
 from llm_otel.export.drops import DropCounter
 from llm_otel.export.offload.frames import (REQUEST_POINTS, clean_record, encode, metric_points, metric_weight,
@@ -28,10 +29,10 @@ from llm_otel.semconv import metrics as M
 
 logger = logging.getLogger("llm_otel")
 
-DEFAULT_BUFFER = 8192
-# LLM_OTEL_FLUSH_DEADLINE_S's default (llm_otel.config.Settings.flush_deadline_s): a shutdown
+# LLM_OTEL_EXPORT_PROCESS_BUFFER's default; LLM_OTEL_FLUSH_DEADLINE_S's default: a shutdown
 # without a timeout, and the exporter process when it cannot read the setting
-DEFAULT_DEADLINE_S = 2.0
+DEFAULT_BUFFER: int = Settings().export_process_buffer
+DEFAULT_DEADLINE_S: float = Settings().flush_deadline_s
 _BATCH = 512            # records per frame
 _INTERVAL_S = 0.2       # the writer sends at least this often when something is buffered
 _RESPAWN_S = 5.0        # at most one exporter-process start per this many seconds

@@ -1,4 +1,4 @@
-"""Which LightLLM process this is: role and ranks for its resource (``llm_otel.export.identity``).
+"""Which LightLLM process this is: role and ranks for its resource (``llm_otel.process.identity``).
 
 LightLLM's launcher (``python -m lightllm.server.api_server``) sets the ``spawn`` start method and
 starts every stage with ``multiprocessing.Process(target=<start function>, args=...)`` without a
@@ -43,12 +43,12 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import multiprocessing.util
 import os
 import sys
 from typing import Any
 
 from llm_otel.errors import process_errors
+from llm_otel.process.bootstrap import at_forked_bootstrap, at_spawned_bootstrap
 
 logger = logging.getLogger("llm_otel")
 
@@ -143,7 +143,7 @@ def classify(proc: Any = None, argv: list[str] | None = None) -> tuple[str, dict
 
 
 def relabel_this_process(role: str | None = None, **extra: Any) -> None:
-    """Re-label this process's resource (:func:`llm_otel.export.identity.relabel`) as what
+    """Re-label this process's resource (:func:`llm_otel.process.identity.relabel`) as what
     :func:`classify` finds, or as ``role``/``extra`` when given. Never raises."""
     try:
         if role is None:
@@ -151,7 +151,7 @@ def relabel_this_process(role: str | None = None, **extra: Any) -> None:
             if found is None:
                 return
             role, extra = found
-        from llm_otel.export.identity import relabel
+        from llm_otel.process.identity import relabel
 
         _found.clear()
         _found[os.getpid()] = (role, dict(extra))
@@ -196,11 +196,6 @@ def is_master_worker() -> bool | None:
     return made[1].get("master")
 
 
-class _Anchor:
-    """multiprocessing's after-fork registry holds its objects weakly: this module keeps one."""
-
-
-_ANCHOR = _Anchor()
 _installed = False
 
 
@@ -215,12 +210,10 @@ def install() -> None:
     try:
         relabel_this_process()
         if "--multiprocessing-fork" in sys.argv:  # a spawned child, before it knows its target
-            from llm_otel.instrumentation._hooks import at_spawned_bootstrap
-
             at_spawned_bootstrap(_relabel_as)
         # a child started with fork: multiprocessing's after-fork hooks run in its bootstrap
         # (spawn's SpawnProcess._after_fork runs none of them)
-        multiprocessing.util.register_after_fork(_ANCHOR, lambda _anchor: relabel_this_process())
+        at_forked_bootstrap(relabel_this_process)
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=_after_os_fork)
     except Exception as exc:  # noqa: BLE001
@@ -229,7 +222,7 @@ def install() -> None:
 
 
 def _relabel_as(process: Any) -> None:
-    """At a spawned child's bootstrap (:func:`~llm_otel.instrumentation._hooks.at_spawned_bootstrap`):
+    """At a spawned child's bootstrap (:func:`~llm_otel.process.bootstrap.at_spawned_bootstrap`):
     re-label as what the ``Process`` object its parent pickled says, before the target runs."""
     found = classify(process)
     if found is not None:

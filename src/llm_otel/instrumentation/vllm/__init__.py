@@ -147,7 +147,7 @@ class VLLMInstrumentor(BaseInstrumentor):
                                     "could not instrument vLLM in this process; it runs uninstrumented")
 
     def _activate(self, **kwargs: Any) -> None:
-        from llm_otel._setup import ensure_providers
+        from llm_otel.process.providers import ensure_providers
         from llm_otel.export.offload import request_outlets
         from llm_otel.instrumentation.vllm import plugin
 
@@ -168,7 +168,7 @@ class VLLMInstrumentor(BaseInstrumentor):
         if role == "frontend":  # where requests start: the head-sampling probability applies here
             from opentelemetry import trace
 
-            from llm_otel.export.ports import when_serving
+            from llm_otel.process.ports import when_serving
 
             def observe_sampling() -> bool:  # once this process serves (vllm serve's launcher never does)
                 with guard("sampling.probability", telemetry.errors):
@@ -186,7 +186,7 @@ class VLLMInstrumentor(BaseInstrumentor):
             provider = tracer_provider or trace.get_tracer_provider()
             self.adapter.before_first_engine = lambda: prewarm(provider)
         if role == "frontend":
-            from llm_otel.export.lifecycle import create_flush_dir, lifecycle
+            from llm_otel.process.lifecycle import create_flush_dir, lifecycle
 
             lifecycle(role).before_flush(self._fail_in_flight_at_exit)  # never finished by vLLM
             create_flush_dir()  # the engine processes started from here say when they flushed

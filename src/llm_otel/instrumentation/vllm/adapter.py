@@ -25,7 +25,7 @@ from typing import Any, Callable
 from opentelemetry.trace import SpanKind
 
 from llm_otel.errors import guard
-from llm_otel.export.ports import serving_started
+from llm_otel.process.ports import serving_started
 from llm_otel.instrumentation.vllm.engine_core import EngineCoreAdapter
 from llm_otel.instrumentation.vllm.fields import class_fields, kv_spec
 from llm_otel.instrumentation.vllm.inbound import ENGINE_CARRIER, INBOUND, OPERATION, Inbound, traced_handler

@@ -57,7 +57,7 @@ class EngineCoreAdapter:
         """Engine-state and GPU instruments, created on first use: only in the process that runs
         the scheduler (vLLM's engine core, or the frontend when the core runs in-process)."""
         if self.state_metrics is None:
-            from llm_otel.export.identity import vllm_dp_rank
+            from llm_otel.instrumentation.vllm.process import vllm_dp_rank
 
             self.state_metrics, self.gpu_metrics = engine_state_instruments(
                 self.telemetry, self.phase_clock.phase, dp_rank=vllm_dp_rank())

@@ -12,19 +12,23 @@ In the engine-core and worker processes the providers come from the ``OTEL_*`` e
 OTLP export, flushed at exit; resource attribute ``llm.process.role``); without an OTLP endpoint
 their spans are dropped - the frontend's console shows the request trees. With
 ``OTEL_METRICS_EXPORTER=prometheus`` the engine core serves its metrics on its own port
-(:mod:`llm_otel.export.prometheus`).
+(:mod:`llm_otel.process.ports`). The providers come from the process runtime's one recipe
+(:func:`llm_otel.process.providers.engine_process_providers`); this module tells it what vLLM
+knows: which process this is (:mod:`llm_otel.instrumentation.vllm.process`), when a spawned or
+forked child starts (:mod:`llm_otel.process.bootstrap`), what to complete before the final flush.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
-import multiprocessing.util
 import os
 import sys
 
 from llm_otel.config import ConfigError
 from llm_otel.errors import process_errors
+from llm_otel.instrumentation.vllm.process import engine_process_role, vllm_api_server_index, vllm_stack_role
+from llm_otel.process.bootstrap import at_forked_bootstrap, at_spawned_bootstrap, cancel_at_spawned_bootstrap
 
 logger = logging.getLogger("llm_otel")
 ENABLE_ENV = "LLM_OTEL_ENABLED"
@@ -38,9 +42,7 @@ def process_role() -> str:
         return "engine_core"
     if "Worker" in name:
         return "worker"
-    from llm_otel.export.identity import vllm_stack_role  # a Ray actor: vLLM's object loading us says
-
-    return vllm_stack_role() or "frontend"
+    return vllm_stack_role() or "frontend"  # a Ray actor: vLLM's object loading us says
 
 
 def unnamed_spawned_child() -> bool:
@@ -75,7 +77,7 @@ def register() -> None:
 
         frontend = process_role() == "frontend"
         if frontend:
-            from llm_otel.export.ports import defer_frontend_endpoints
+            from llm_otel.process.ports import defer_frontend_endpoints
 
             defer_frontend_endpoints()  # vLLM's launcher may only start API servers: bind when serving
         inst = VLLMInstrumentor()
@@ -85,17 +87,18 @@ def register() -> None:
             # instrument() would skip as already instrumented: no request spans at all)
             inst._activate(**inst._pending)
             if frontend:  # its providers were built before multiprocessing named it
-                from llm_otel.export.identity import relabel, vllm_api_server_index
+                from llm_otel.process.identity import relabel
 
                 name = multiprocessing.current_process().name
                 relabel("frontend", process_name=name, api_server_index=vllm_api_server_index(name))
         elif frontend:
-            import llm_otel
-
-            llm_otel.instrument(engines=["vllm"])  # no-op if the application already did
+            _instrument_frontend(inst)  # no-op if the application already did
             inst.apply_missing_hooks()  # vLLM imported by two threads at once as `import vllm` activated us
         elif not inst.is_instrumented_by_opentelemetry:
             inst.instrument()
+        if frontend and inst.adapter is not None:
+            # API server i serves /healthz on base - i (llm_otel.process.ports), read when it starts
+            inst.adapter.telemetry.signals.health_port_for = _health_port
     except ConfigError as exc:  # one ERROR line per process tree (the frontend usually said it first)
         from llm_otel.instrumentation._hooks import configuration_refused
 
@@ -105,58 +108,45 @@ def register() -> None:
                                 "could not instrument this vLLM process; it runs uninstrumented")
 
 
-def engine_process_providers(role: str):
-    """Tracer and meter providers for an engine-core or worker process, from the ``OTEL_*``
-    environment, with resource attribute ``llm.process.role``; the tracer provider becomes the
-    global one when the process has none (vLLM's own start-up spans use it). They are flushed by
-    this process's lifecycle (:mod:`llm_otel.export.lifecycle`) on every orderly exit - the end of
-    the multiprocessing child, under ``spawn`` or ``fork`` - within ``LLM_OTEL_FLUSH_DEADLINE_S``,
-    after the worker's pending logit statistics and step device timings are completed."""
-    from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+def _health_port(base: int) -> int:
+    """The ``/healthz`` port of this vLLM frontend: ``base - i`` for API server *i*."""
+    from llm_otel.process.ports import frontend_port
 
-    from llm_otel.export.lifecycle import lifecycle
-    from llm_otel.export.providers import (
-        SystemRandomIdGenerator,
-        metric_exporter_from_env,
-        prometheus_reader_from_env,
-        span_exporter_from_env,
-    )
-    from llm_otel.export.identity import vllm_process_identity
+    return frontend_port(base, vllm_api_server_index() or 0)
+
+
+def _instrument_frontend(inst) -> None:
+    """What ``llm_otel.instrument(engines=["vllm"])`` does in a vLLM frontend (the plugin does not
+    import the public face): settings validated from the environment (ConfigError raised), global
+    providers from the environment where the process has none, then the instrumentor - unless it
+    is instrumented already (the application called ``instrument()``: its providers stay the only
+    ones)."""
+    from llm_otel.config import Settings
+    from llm_otel.process.providers import ensure_providers
+
+    settings = Settings.from_env()
+    if inst.is_instrumented_by_opentelemetry:
+        return
+    sampling = None if unnamed_spawned_child() else ensure_providers(settings)
+    inst.instrument(tracer_provider=None, meter_provider=None, settings=settings, sampling=sampling)
+
+
+def engine_process_providers(role: str):
+    """Tracer and meter providers for an engine-core or worker process
+    (:func:`llm_otel.process.providers.engine_process_providers`: from the ``OTEL_*`` environment,
+    resource attribute ``llm.process.role``, the global tracer provider when the process has none -
+    vLLM's own start-up spans use it - flushed by this process's lifecycle on every orderly exit,
+    the end of the multiprocessing child under ``spawn`` or ``fork``, within
+    ``LLM_OTEL_FLUSH_DEADLINE_S``), after the worker's pending logit statistics and step device
+    timings are completed. Built once per process and role."""
+    from llm_otel.process.providers import engine_process_providers as build
 
     made = _engine_providers.get((os.getpid(), role))
     if made is not None:  # built at this spawned child's bootstrap (providers_at_bootstrap)
         return made
-    resource = Resource.create(vllm_process_identity(role))  # role, pid, host, ranks, instance id
-    tracer_provider = TracerProvider(resource=resource, id_generator=SystemRandomIdGenerator(), shutdown_on_exit=False)
-    exporter = span_exporter_from_env()
-    if exporter is not None:
-        tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
-    metric_exporter = metric_exporter_from_env()
-    readers = [PeriodicExportingMetricReader(metric_exporter)] if metric_exporter is not None else []
-    if metric_exporter is None:
-        try:
-            prometheus = prometheus_reader_from_env(role=role)  # engine core: port + 1 + DP rank
-        except Exception as exc:  # noqa: BLE001 - a bad port must not stop the engine process
-            process_errors().report("instrumentation.vllm.plugin.prometheus", exc,
-                                    f"no Prometheus endpoint in this {role} process")
-            prometheus = None
-        if prometheus is not None:
-            readers.append(prometheus)
-    meter_provider = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False)
-    if exporter is not None:
-        exporter.bind(meter_provider)  # its lost spans count in llm_otel.spans.dropped
-    life = lifecycle(role)
-    life.add(tracer_provider, meter_provider, exporters=(exporter, metric_exporter))
-    from llm_otel._setup import global_where_none
-
-    # vLLM's own start-up spans (vllm/tracing: "EngineCoreProc init", "Executor init", "Load model",
-    # ...) use the global provider: exported in process, with this role. In a spawned child this
-    # runs at its bootstrap (providers_at_bootstrap), before the outermost of them start
-    global_where_none(tracer_provider)
+    # in a spawned child this runs at its bootstrap (providers_at_bootstrap), before the outermost
+    # of vLLM's start-up spans start
+    tracer_provider, meter_provider, life = build(role)
     life.before_flush(_complete_pending, early=True)  # the model steps are over once shutdown began
     logger.debug("llm-otel: instrumenting vLLM %s process (pid %d)", role, os.getpid())
     _engine_providers[(os.getpid(), role)] = (tracer_provider, meter_provider)
@@ -169,29 +159,22 @@ _engine_providers: dict[tuple[int, str], tuple] = {}  # (pid, role) -> this proc
 def providers_at_bootstrap() -> None:
     """In a child multiprocessing spawned (``opentelemetry-instrument`` runs before it is named):
     build the engine-core or worker providers when multiprocessing runs the child
-    (:func:`~llm_otel.instrumentation._hooks.at_spawned_bootstrap`), so that vLLM's outermost
+    (:func:`~llm_otel.process.bootstrap.at_spawned_bootstrap`), so that vLLM's outermost
     start-up spans ("EngineCoreProc init", "Worker init"), which start before vLLM loads its
     plugins, are recorded and exported in process with the engine's role. The plugin's activation
     later uses the same providers. Only with llm-otel enabled and for vLLM's engine processes'
     names; once however often this is called; never raises. An invalid exporter setting is left
     to the plugin's activation to report (one line per process tree)."""
-    from llm_otel.instrumentation._hooks import at_spawned_bootstrap
-
     at_spawned_bootstrap(_providers_for)
 
 
 def remove_bootstrap_patch() -> None:
     """Undo :func:`providers_at_bootstrap` if the child has not bootstrapped yet (``uninstrument()``)."""
-    from llm_otel.instrumentation._hooks import cancel_at_spawned_bootstrap
-
     cancel_at_spawned_bootstrap(_providers_for)
 
 
 def _providers_for(process) -> None:
-    from llm_otel.export.identity import _ENGINE_CORE_RE, _WORKER_RE
-
-    name = process.name
-    role = "engine_core" if _ENGINE_CORE_RE.match(name) else "worker" if _WORKER_RE.match(name) else None
+    role = engine_process_role(process.name)
     if role is not None and enabled():
         try:
             engine_process_providers(role)
@@ -214,14 +197,7 @@ def _complete_pending() -> None:
 
 
 # --- fork ---------------------------------------------------------------------------------------
-class _ForkHook:
-    """Anchor for multiprocessing's after-fork registry (it holds objects weakly)."""
-
-
-_FORK_HOOK = _ForkHook()
-
-
-def _after_multiprocessing_fork(_anchor: object) -> None:
+def _after_multiprocessing_fork() -> None:
     """In a process vLLM started with ``fork`` (engine core, worker): the frontend's (or engine
     core's) instrumentation came along - its hooks, its providers, its exporters' channels - and
     vLLM's plugin loader will not run again here (its once-per-process flag came along too). Give
@@ -236,7 +212,8 @@ def _after_multiprocessing_fork(_anchor: object) -> None:
         inst = VLLMInstrumentor()
         if not inst.is_instrumented_by_opentelemetry or getattr(inst, "role", None) == role:
             return
-        from llm_otel.export import exporters, lifecycle
+        from llm_otel.export import exporters
+        from llm_otel.process import lifecycle
 
         exporters.disown_inherited()  # the parent exports its own spans and points
         lifecycle.lifecycle(role).forget()
@@ -248,4 +225,4 @@ def _after_multiprocessing_fork(_anchor: object) -> None:
                                 "could not set up this forked vLLM process; it runs uninstrumented")
 
 
-multiprocessing.util.register_after_fork(_FORK_HOOK, _after_multiprocessing_fork)
+at_forked_bootstrap(_after_multiprocessing_fork)

@@ -9,7 +9,7 @@ to its Ray actors (``vllm.ray.ray_env.get_env_vars_to_copy``: engine-core actors
 variables with the prefixes in ``VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY`` among them.
 :func:`hand_off_environment` adds ``OTEL_`` and ``LLM_OTEL_`` there when llm-otel instruments a
 vLLM frontend, so the actors instrument themselves with the same configuration; their role and
-ranks come from :mod:`llm_otel.export.identity` (the vLLM object loading the plugins).
+ranks come from :mod:`llm_otel.instrumentation.vllm.process` (the vLLM object loading the plugins).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def flush_before_kill(telemetry: Telemetry, hook: str):
 
     def wrapper(wrapped, instance, args, kwargs):
         with guard(hook, telemetry.errors) as g:
-            from llm_otel.export.lifecycle import wait_flushed
+            from llm_otel.process.lifecycle import wait_flushed
 
             procs = kwargs.pop("procs", args[0] if args else None)
             timeout = kwargs.pop("timeout", args[1] if len(args) > 1 else None)
@@ -52,7 +52,7 @@ def flush_at_exit(hook: str):
     same time)."""
 
     def wrapper(wrapped, instance, args, kwargs):
-        from llm_otel.export.lifecycle import begin_shutdown
+        from llm_otel.process.lifecycle import begin_shutdown
 
         begin_shutdown()
         return wrapped(*args, **kwargs)

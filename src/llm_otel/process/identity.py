@@ -5,8 +5,12 @@ worker per tensor/pipeline-parallel rank, possibly Ray actors on other hosts). T
 stays apart in a backend when each process's resource says which process it is: two engine cores
 exporting cumulative series under the same resource corrupt each other (CASES.md C14).
 
-:func:`process_identity` builds the attributes from what the caller knows (any engine);
-:func:`vllm_process_identity` reads them from vLLM's own objects in this process:
+:func:`process_identity` builds the attributes from what the caller knows (any engine). Engines
+know their processes, this module does not: an engine adapter reports how to read the identity of
+the process it runs in (:func:`read_identity_with`; vLLM's reader,
+:mod:`llm_otel.instrumentation.vllm.process`, reads the attributes below from vLLM's own objects)
+and the providers built here afterwards use it (:func:`current_process_identity`; without one,
+:func:`generic_process_identity`: role, process name, Ray). For vLLM:
 
 ==========================================  =============================================================
 attribute                                   where it comes from
@@ -28,14 +32,6 @@ attribute                                   where it comes from
                                             global worker in worker mode)
 ==========================================  =============================================================
 
-vLLM starts its children with ``multiprocessing`` (``spawn`` on CPU, ``fork`` or ``spawn`` on GPU):
-the child's :func:`multiprocessing.current_process` is the ``Process`` object its parent built,
-target keyword arguments included, so the engine core's ``dp_rank`` and the worker's ``rank`` and
-``vllm_config`` are read from there before vLLM has initialised its process groups (the
-``vllm.general_plugins`` entry point runs that early). Ray actors are not ``multiprocessing``
-children; their identity comes from the vLLM object that loads the plugins (``EngineCore`` /
-``WorkerWrapperBase``), found on the calling stack, which holds the same configuration.
-
 Processes that learn what they are after their providers exist (a LightLLM child spawned under
 ``opentelemetry-instrument``: ``sitecustomize`` builds the providers before multiprocessing has
 unpickled the function the child will run; a gunicorn worker forked from its master) keep their
@@ -54,27 +50,21 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import re
 import socket
 import sys
 import uuid
 import weakref
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from llm_otel.errors import process_errors
+from llm_otel.export.resources import resource_of as _resource_of
+from llm_otel.export.resources import set_attributes as _set_attributes
 from llm_otel.semconv import attributes as A
 
 logger = logging.getLogger("llm_otel")
 
 # the instance id of this process, made once per pid (a forked child gets its own)
 _INSTANCE_IDS: dict[int, str] = {}
-_IDENTITIES: dict[int, dict[str, Any]] = {}  # the last vLLM identity made in this pid
-_API_SERVER_RE = re.compile(r"^ApiServer_(\d+)$")
-_ENGINE_CORE_RE = re.compile(r"^(?:EngineCore|DPEngineCoreActor)(?:_DP(\d+))?$")
-_WORKER_RE = re.compile(r"^VllmWorker-(\d+)$")
-# frames searched for the vLLM object that loads the plugins (EngineCore.__init__ ->
-# load_general_plugins -> plugin.register -> ... -> here)
-_STACK_DEPTH = 24
 
 
 def inherited_instance_id(env: Mapping[str, str] | None = None) -> str | None:
@@ -156,11 +146,6 @@ _TRACKED: list[weakref.ref] = []
 _FORK_HOOKS = [0]  # after-fork re-label hooks registered (track); the newest one acts
 
 
-def _resource_of(provider):
-    sdk_config = getattr(provider, "_sdk_config", None)  # MeterProvider
-    return getattr(sdk_config, "resource", None) if sdk_config is not None else getattr(provider, "resource", None)
-
-
 def _tracked() -> list:
     """The distinct current resources of the live tracked providers."""
     providers = [r() for r in _TRACKED]
@@ -197,16 +182,6 @@ def tracked_identity() -> dict[str, Any] | None:
     return None
 
 
-def _set_attributes(resource, attrs: Mapping[str, Any]) -> None:
-    # The SDK's Resource is immutable by API; its attributes live in one BoundedAttributes that
-    # every tracer, span and metric reader reads through the same Resource object, so replacing it
-    # re-labels them all (opentelemetry-sdk 1.42: Resource.__init__ / .attributes). Only this
-    # process's copy changes (after fork) or nothing has used it yet (a spawned child's bootstrap).
-    from opentelemetry.attributes import BoundedAttributes
-
-    resource._attributes = BoundedAttributes(attributes=dict(attrs), immutable=True)
-
-
 def relabel(role: str, *, process_name: str | None = None, api_server_index: int | None = None,
             dp_rank: int | None = None, tp_rank: int | None = None, pp_rank: int | None = None,
             ray: bool | None = None) -> dict[str, Any] | None:
@@ -234,7 +209,7 @@ def relabel(role: str, *, process_name: str | None = None, api_server_index: int
                      made.get(A.SERVICE_INSTANCE_ID))
         return made
     except Exception as exc:  # noqa: BLE001 - identity must never stop the engine process
-        process_errors().report("export.identity.relabel", exc,
+        process_errors().report("process.identity.relabel", exc,
                                 f"could not re-label this process's resource as {role}")
         return None
 
@@ -262,160 +237,36 @@ def in_ray_worker() -> bool:
         return False
 
 
-def _vllm_object_on_stack() -> tuple[str, Any, dict] | None:
-    """(``"engine_core"`` | ``"worker"``, the object, its frame's locals) for the vLLM
-    ``EngineCore`` or ``WorkerWrapperBase`` whose method called us (``EngineCore.__init__`` /
-    ``WorkerWrapperBase.init_worker`` -> ``load_general_plugins``), else None."""
-    frame = sys._getframe(1)
-    for _ in range(_STACK_DEPTH):
-        frame = frame.f_back
-        if frame is None:
-            return None
-        local = frame.f_locals
-        owner = local.get("self")
-        if owner is None:
-            continue
-        for cls in type(owner).__mro__:
-            if cls.__module__ == "vllm.v1.engine.core" and cls.__name__ == "EngineCore":
-                return "engine_core", owner, local
-            if cls.__module__ == "vllm.v1.worker.worker_base" and cls.__name__ == "WorkerWrapperBase":
-                return "worker", owner, local
-    return None
+# --- the identity of this process for providers built here ------------------------------------
+# reader(role, env) -> identity attributes: set by an engine adapter that can tell more than the
+# generic reading below (vLLM: API-server index, DP/TP/PP ranks read from its process objects,
+# llm_otel.instrumentation.vllm.process); the newest one registered is used
+_READER: list[Callable[[str | None, Mapping[str, str] | None], dict[str, Any]]] = []
 
 
-def vllm_api_server_index(process_name: str | None = None) -> int | None:
-    """*i* of a vLLM API server process ``ApiServer_<i>`` (this process when ``process_name`` is
-    None); None for any other process."""
-    name = multiprocessing.current_process().name if process_name is None else process_name
-    match = _API_SERVER_RE.match(name)
-    return int(match.group(1)) if match else None
+def read_identity_with(reader: Callable[[str | None, Mapping[str, str] | None], dict[str, Any]]) -> None:
+    """An engine adapter reports how to read this process's identity (``reader(role, env)`` returns
+    :func:`process_identity`'s attributes; it must never raise). Used by
+    :func:`current_process_identity` from now on, i.e. by every provider built afterwards."""
+    _READER[:] = [reader]
 
 
-def _int(value: Any) -> int | None:
-    try:
-        return None if value is None or isinstance(value, bool) else int(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def _worker_ranks(rank: int | None, vllm_config: Any, why: list[str]) -> tuple[int | None, int | None, int | None]:
-    """(dp, tp, pp) rank of a worker from its global rank within its engine and vLLM's
-    ``ParallelConfig`` (ranks are laid out PP-major, then PCP, then TP: ``vllm.distributed.
-    parallel_state.initialize_model_parallel``)."""
-    parallel = getattr(vllm_config, "parallel_config", None)
-    if parallel is None:
-        why.append("no vllm_config.parallel_config")
-        return None, None, None
-    # data_parallel_index: vLLM's DP rank even for dense models, whose independent engines each
-    # run with data_parallel_rank 0 in their process groups (vllm/config/parallel.py)
-    dp = _int(getattr(parallel, "data_parallel_index", None))
-    if dp is None:
-        dp = _int(getattr(parallel, "data_parallel_rank", None))
-    tp_size = _int(getattr(parallel, "tensor_parallel_size", None))
-    pcp_size = _int(getattr(parallel, "prefill_context_parallel_size", 1)) or 1
-    if rank is None or not tp_size:
-        why.append("worker rank or tensor_parallel_size unreadable")
-        return dp, None, None
-    return dp, rank % tp_size, rank // (tp_size * pcp_size)
-
-
-def vllm_dp_rank() -> int | None:
-    """This process's data-parallel rank as its resource gives it (the identity made for its
-    providers, else read now); None when unknown. vLLM labels its own metrics ``engine=<rank>``."""
-    made = _IDENTITIES.get(os.getpid())
-    if made is None:
-        made = vllm_process_identity()
-    return made.get(A.LLM_PROCESS_DATA_PARALLEL_RANK)
-
-
-def vllm_process_identity(role: str | None = None, env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Resource attributes of this vLLM process (see the module table).
-
-    ``role``: the caller's view of the role (``plugin.process_role()``); when the process is
-    recognised as a vLLM engine core or worker, that wins (a Ray actor's multiprocessing name says
-    nothing). Unreadable indices are left out with one ``info`` log line. Never raises."""
-    try:
-        made = _vllm_process_identity(role, env)
-        _IDENTITIES.clear()
-        _IDENTITIES[os.getpid()] = made
-        return made
-    except Exception as exc:  # noqa: BLE001 - identity must never stop the engine process
-        process_errors().report("export.identity.vllm", exc, "process identity incomplete; only role and pid are set")
-        return process_identity(role or "frontend", env=env)
+def generic_process_identity(role: str | None = None, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """What any process can tell about itself: ``role`` (default ``frontend``), its multiprocessing
+    name (none for ``MainProcess``), whether it is a Ray worker, pid, host and instance id."""
+    name = multiprocessing.current_process().name
+    return process_identity(role or "frontend", process_name=None if name == "MainProcess" else name,
+                            ray=in_ray_worker(), env=env)
 
 
 def current_process_identity(role: str | None = None, env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The identity of this process for providers built from the environment: vLLM's indices where
-    this is a vLLM process (:func:`vllm_process_identity`), else ``role`` (default ``frontend``),
-    pid, host and instance id. Never raises."""
-    return vllm_process_identity(role, env)
-
-
-def vllm_stack_role() -> str | None:
-    """In a Ray actor (whose process name says nothing): ``engine_core`` / ``worker`` when a vLLM
-    ``EngineCore`` / ``WorkerWrapperBase`` up the calling stack is loading the plugins; else None."""
-    if not in_ray_worker():  # elsewhere the process name tells (an in-process engine core is the frontend's)
-        return None
+    """The identity of this process for providers built from the environment: what the engine
+    adapter's reader finds (:func:`read_identity_with`; vLLM's indices in a vLLM process), else
+    :func:`generic_process_identity`. Never raises."""
+    if _READER:
+        return _READER[0](role, env)
     try:
-        found = _vllm_object_on_stack()
-    except Exception:  # noqa: BLE001 - silent: feature probe: no vLLM object on the stack
-        return None
-    return found[0] if found is not None else None
-
-
-def _vllm_process_identity(role: str | None, env: Mapping[str, str] | None) -> dict[str, Any]:
-    proc = multiprocessing.current_process()
-    name = proc.name
-    kwargs = getattr(proc, "_kwargs", None) or {}  # the Process's target kwargs, as its parent built it
-    ray = in_ray_worker()
-    why: list[str] = []
-    api = dp = tp = pp = None
-    match_api = _API_SERVER_RE.match(name)
-    match_core = _ENGINE_CORE_RE.match(name)
-    match_worker = _WORKER_RE.match(name)
-    # a Ray actor is no multiprocessing child: the vLLM object loading the plugins says what it is.
-    # Only there - an engine core vLLM runs inside the frontend's process is part of the frontend
-    found = None if (match_api or match_core or match_worker or not ray) else _vllm_object_on_stack()
-    if match_api:
-        role = "frontend"
-        api = int(match_api.group(1))
-    elif match_core:
-        role = "engine_core"
-        dp = _int(kwargs.get("dp_rank"))
-        if dp is None:
-            dp = _int(match_core.group(1)) if match_core.group(1) else 0
-    elif match_worker:
-        role = "worker"
-        dp, tp, pp = _worker_ranks(_int(kwargs.get("rank", match_worker.group(1))), kwargs.get("vllm_config"), why)
-    elif found is not None:  # a Ray actor: an engine core or a worker
-        role, owner, local = found
-        config = getattr(owner, "vllm_config", None)
-        parallel = getattr(config, "parallel_config", None)
-        if role == "engine_core":
-            # EngineCoreActorMixin sets data_parallel_index before EngineCore.__init__ loads plugins
-            dp = _int(getattr(parallel, "data_parallel_index", None))
-            if dp is None:
-                dp = _int(getattr(parallel, "data_parallel_rank", None))
-            if dp is None:
-                why.append("no data-parallel rank on the engine core's parallel_config")
-            if ray:
-                name = f"DPEngineCoreActor_DP{dp}" if dp is not None else "DPEngineCoreActor"
-        else:
-            # init_worker's kwargs hold the rank the executor finally assigned (Ray re-sorts its
-            # actors by node after creating them); global_rank otherwise
-            worker_kwargs = local.get("kwargs")
-            rank = _int(worker_kwargs.get("rank")) if isinstance(worker_kwargs, dict) else None
-            if rank is None:
-                rank = _int(getattr(owner, "global_rank", getattr(owner, "rpc_rank", None)))
-            dp, tp, pp = _worker_ranks(rank, config, why)
-            if ray:
-                name = "RayWorkerWrapper"
-    else:
-        role = role or "frontend"
-        if role != "frontend":
-            why.append(f"process {name!r} is not one vLLM names")
-    if why:
-        logger.info("llm-otel: some indices of this vLLM %s process are left out of its resource: %s",
-                    role, "; ".join(why))
-    return process_identity(role, process_name=None if name == "MainProcess" else name, api_server_index=api,
-                            dp_rank=dp, tp_rank=tp, pp_rank=pp, ray=ray, env=env)
+        return generic_process_identity(role, env)
+    except Exception as exc:  # noqa: BLE001 - identity must never stop the engine process
+        process_errors().report("process.identity.generic", exc, "process identity incomplete; only role and pid are set")
+        return process_identity(role or "frontend", env=env)

@@ -24,10 +24,12 @@ learns that it is going away (vLLM's engine core and workers when their shutdown
 processes of one server flush concurrently rather than one after the other, and each marks when it
 is done (:func:`wait_flushed`: the vLLM frontend waits for that, not for the slower teardown).
 
-Fork: components that own threads register :func:`on_fork_child` callbacks (pollers, the signals
-thread), so that an application that forks after ``instrument()`` (gunicorn ``--preload``, Celery
-prefork) has them running in each child; exporters rebuild their channels themselves
-(:mod:`llm_otel.export.exporters`); ids are reseeded (:mod:`llm_otel.export.providers`).
+Fork: components that own threads register themselves (:func:`restart_in_fork_child`: pollers,
+the signals thread) or :func:`on_fork_child` callbacks, so that an application that forks after
+``instrument()`` (gunicorn ``--preload``, Celery prefork) has them running in each child (the
+registry is :mod:`llm_otel.process.forks`, a leaf the GPU and signals parts import); exporters
+rebuild their channels themselves (:mod:`llm_otel.export.exporters`); ids are reseeded
+(:mod:`llm_otel.export.providers`).
 """
 
 from __future__ import annotations
@@ -40,19 +42,20 @@ import os
 import sys
 import threading
 import time
-import weakref
 from typing import Callable
 
-from llm_otel.errors import guard
+from llm_otel.errors import guard, process_errors
+from llm_otel.export.exporters import DEFAULT_DEADLINE_S
+from llm_otel.process.forks import on_fork_child, report_failures_with, restart_in_fork_child
+
+__all__ = ["ProcessLifecycle", "lifecycle", "begin_shutdown", "create_flush_dir", "mark_started", "wait_flushed",
+           "on_fork_child", "restart_in_fork_child", "DEFAULT_DEADLINE_S", "FLUSH_DIR_ENV"]
 
 logger = logging.getLogger("llm_otel")
 
-DEFAULT_DEADLINE_S = 2.0
 
 _lock = threading.Lock()
 _current: "ProcessLifecycle | None" = None
-_fork_callbacks: list[Callable[[], None]] = []
-_restartable: "weakref.WeakSet" = weakref.WeakSet()
 
 
 class ProcessLifecycle:
@@ -144,7 +147,7 @@ class ProcessLifecycle:
         for callback, is_early in self._before:
             if (early and not is_early) or (not early and is_early and self._early_done):
                 continue
-            with guard("export.lifecycle.before_flush", message="completing pending telemetry at exit failed"):
+            with guard("process.lifecycle.before_flush", message="completing pending telemetry at exit failed"):
                 callback()  # never raises out of an exit path
 
     def _early_flush(self) -> None:
@@ -162,7 +165,7 @@ class ProcessLifecycle:
     def _force_flush(self) -> None:
         ms = max(1, int(self.deadline_s * 1000))
         for provider in self.tracer_providers + self.meter_providers:
-            with guard("export.lifecycle.early_flush", message="early flush failed"):
+            with guard("process.lifecycle.early_flush", message="early flush failed"):
                 if provider.force_flush(ms) is False and getattr(provider, "buffer", None) is not None:
                     self._early_incomplete = True
 
@@ -231,7 +234,7 @@ class ProcessLifecycle:
         # traces first: each span processor exports what it holds (bounded by its own timeout)
         for provider in self.tracer_providers:
             processors = getattr(getattr(provider, "_active_span_processor", None), "_span_processors", None)
-            with guard("export.lifecycle.shutdown", message="tracer provider shutdown failed"):
+            with guard("process.lifecycle.shutdown", message="tracer provider shutdown failed"):
                 if processors is None:
                     if getattr(provider, "buffer", None) is not None:  # spans in an exporter process
                         provider.shutdown(timeout_millis=self._remaining_ms())
@@ -246,7 +249,7 @@ class ProcessLifecycle:
                         processor.shutdown()
                 provider._active_span_processor._span_processors = ()  # noqa: SLF001 - done; no 2nd export
         for provider in self.meter_providers:
-            with guard("export.lifecycle.shutdown", message="meter provider shutdown failed"):
+            with guard("process.lifecycle.shutdown", message="meter provider shutdown failed"):
                 provider.shutdown(timeout_millis=self._remaining_ms())
 
     def _snapshot_failures(self) -> None:
@@ -314,7 +317,7 @@ def lifecycle(role: str | None = None, deadline_s: float | None = None) -> Proce
 def begin_shutdown() -> None:
     """Start this process's flush deadline and an early background flush (no-op without providers
     built by llm-otel). Never raises."""
-    with guard("export.lifecycle.begin", message="beginning this process's shutdown flush failed"):
+    with guard("process.lifecycle.begin", message="beginning this process's shutdown flush failed"):
         if _current is not None:
             _current.begin()
 
@@ -418,30 +421,12 @@ def _flushed(directory: str | None, pid: int) -> bool:
     return os.path.exists(os.path.join(directory, f"{pid}.flushed"))
 
 
-def on_fork_child(callback: Callable[[], None]) -> None:
-    """Call ``callback()`` in every child forked from this process (``os.fork``, ``multiprocessing``
-    with ``fork``), after the id generators are reseeded: restart threads, re-open resources.
-    Exceptions are logged, never raised into the application."""
-    _fork_callbacks.append(callback)
-
-
-def restart_in_fork_child(component) -> None:
-    """Call ``component._restart_after_fork()`` in every child forked from this process, for as
-    long as ``component`` lives (held weakly): a poller or tick thread started here runs in the
-    child too."""
-    _restartable.add(component)
-
-
 def _after_fork_in_child() -> None:
     global _lock
     _lock = threading.Lock()  # another thread may have held it at the moment of the fork
-    for component in list(_restartable):
-        with guard("export.lifecycle.after_fork", message=f"restarting {type(component).__name__} after fork failed"):
-            component._restart_after_fork()
-    for callback in list(_fork_callbacks):
-        with guard("export.lifecycle.after_fork", message="re-initialising after fork failed"):
-            callback()
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+# a restart that fails in a forked child (llm_otel.process.forks) is counted like any other failure
+report_failures_with(lambda site, exc, message: process_errors().report(site, exc, message))

@@ -33,10 +33,21 @@ command line, before it knows whether it will serve or only start API servers. E
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
+import os
+import re
 import threading
-from typing import Callable
+from typing import Callable, Mapping
 
+from llm_otel.config import prometheus_base_port
 from llm_otel.errors import guard
+
+logger = logging.getLogger("llm_otel")
+# the process names of the topology above (vLLM's multiprocessing names: API server i, the engine
+# core of data-parallel rank r); the engine's adapter reads its identity from the same names
+_API_SERVER_RE = re.compile(r"^ApiServer_(\d+)$")
+_DP_RE = re.compile(r"_DP(\d+)$")
 
 _lock = threading.Lock()
 _defer_frontend = False
@@ -46,10 +57,11 @@ _serving = False
 
 def api_server_index(process_name: str | None = None) -> int:
     """This frontend's index among vLLM's API servers: *i* in the process name ``ApiServer_<i>``
-    (``vllm.v1.utils.APIServerProcessManager``), 0 for any other process."""
-    from llm_otel.export.identity import vllm_api_server_index
-
-    return vllm_api_server_index(process_name) or 0
+    (``vllm.v1.utils.APIServerProcessManager``; this process when ``process_name`` is None), 0 for
+    any other process."""
+    name = multiprocessing.current_process().name if process_name is None else process_name
+    match = _API_SERVER_RE.match(name)
+    return int(match.group(1)) if match else 0
 
 
 def frontend_port(base: int, index: int) -> int:
@@ -125,8 +137,52 @@ def serving_started() -> None:
         pending = list(_pending)
         _pending.clear()
     for start in pending:
-        with guard("export.ports.start", message="an endpoint of this process could not start"):
+        with guard("process.ports.start", message="an endpoint of this process could not start"):
             start()  # an endpoint must never stop the engine
+
+
+def prometheus_port(env: Mapping[str, str], role: str, process_name: str | None = None) -> int | None:
+    """The Prometheus port a process of ``role`` (``frontend``/``engine_core``/``worker``) serves on,
+    or None (workers); ``process_name`` defaults to this process's multiprocessing name
+    (``ApiServer_<i>``, ``EngineCore_DP<r>``). Raises ConfigError for a bad
+    ``OTEL_EXPORTER_PROMETHEUS_PORT``."""
+    base = prometheus_base_port(env)
+    name = process_name if process_name is not None else multiprocessing.current_process().name
+    if role == "frontend":
+        return frontend_port(base, api_server_index(name))
+    if role == "engine_core":
+        match = _DP_RE.search(name)
+        return engine_core_port(base, int(match.group(1)) if match else 0)
+    return None
+
+
+def prometheus_reader(env: Mapping[str, str], role: str):
+    """This process's Prometheus metric reader with its endpoint started on its port
+    (:func:`prometheus_port`), or None (worker role, or the port is busy: logged). A vLLM
+    frontend's endpoint starts once it serves requests (:func:`when_serving`); until then the
+    reader collects nothing. Raises ConfigError for a bad port variable; needs
+    opentelemetry-exporter-prometheus (:mod:`llm_otel.export.prometheus`)."""
+    from llm_otel.export.prometheus import prometheus_reader as reader_on
+
+    return reader_on(env, role, prometheus_port(env, role), when_serving if role == "frontend" else None)
+
+
+def prometheus_reader_from_env(env: Mapping[str, str] | None = None, role: str = "frontend"):
+    """The Prometheus metric reader (endpoint started) when ``OTEL_METRICS_EXPORTER=prometheus``,
+    else None; None with one warning when opentelemetry-exporter-prometheus is not installed.
+    Raises ConfigError for a bad ``OTEL_EXPORTER_PROMETHEUS_PORT``."""
+    from llm_otel.export.providers import exporter_choice
+
+    env = os.environ if env is None else env
+    if exporter_choice(env, "METRICS") != "prometheus":
+        return None
+    try:
+        import llm_otel.export.prometheus  # noqa: F401 - needs opentelemetry-exporter-prometheus
+    except ImportError as exc:
+        logger.warning("llm-otel: OTEL_METRICS_EXPORTER=prometheus needs opentelemetry-exporter-prometheus "
+                       "(pip install 'llm-otel[prometheus]'): %s; metrics are not exported", exc)
+        return None
+    return prometheus_reader(env, role)
 
 
 def _reset_for_tests() -> None:
