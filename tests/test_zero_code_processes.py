@@ -163,16 +163,16 @@ def test_an_invalid_llm_otel_setting_is_one_error_line_for_the_whole_process_tre
 BOOTSTRAP_TWICE = """
     import multiprocessing
     from multiprocessing.process import BaseProcess
-    from llm_otel.instrumentation.vllm import plugin
+    from llm_otel.instrumentation.vllm import engine_processes
 
     original = BaseProcess.__dict__["_bootstrap"]
-    plugin.providers_at_bootstrap()
-    plugin.providers_at_bootstrap()  # a second instrument() in a child not yet bootstrapped
+    engine_processes.providers_at_bootstrap()
+    engine_processes.providers_at_bootstrap()  # a second instrument() in a child not yet bootstrapped
     child = multiprocessing.Process(target=print, args=("RESULT target ran",), name="EngineCore")
     code = child._bootstrap()  # what spawn's child does with the Process its parent pickled
     print("RESULT", code, BaseProcess.__dict__["_bootstrap"] is original, "run" in child.__dict__)
-    plugin.providers_at_bootstrap()
-    plugin.remove_bootstrap_patch()  # uninstrument() before the bootstrap
+    engine_processes.providers_at_bootstrap()
+    engine_processes.remove_bootstrap_patch()  # uninstrument() before the bootstrap
     print("RESULT removed", BaseProcess.__dict__["_bootstrap"] is original)
 """
 

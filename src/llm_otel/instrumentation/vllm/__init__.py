@@ -52,6 +52,7 @@ from llm_otel.errors import guard, process_errors
 from llm_otel.instrumentation._hooks import (AppliedHook, _resolve, apply_hooks, configuration_refused,
                                              flush_after_later_exit_handlers, library_missing, remove_hooks)
 from llm_otel.instrumentation.vllm.adapter import VLLMAdapter
+from llm_otel.instrumentation.vllm.engine_processes import BEFORE_FINAL_FLUSH
 from llm_otel.instrumentation.vllm.hooks import HOOKS
 from llm_otel.instrumentation.vllm.package import _instruments, _instruments_any
 from llm_otel.instrumentation.vllm.ray_handoff import hand_off_environment, restore_environment
@@ -85,17 +86,17 @@ class VLLMInstrumentor(BaseInstrumentor):
         return get_dependency_conflicts(_instruments, _instruments_any)
 
     def _instrument(self, **kwargs: Any) -> None:
-        from llm_otel.instrumentation.vllm import plugin
+        from llm_otel.instrumentation.vllm import engine_processes
 
         if library_missing("vllm", "vLLM"):
             return
         if kwargs.get("tracer_provider") is None and kwargs.get("meter_provider") is None \
-                and plugin.unnamed_spawned_child():
+                and engine_processes.unnamed_spawned_child():
             # `opentelemetry-instrument` runs in vLLM's spawned engine processes before they know
             # which one they are; the vllm.general_plugins entry point activates this later, the
             # engine processes' providers come when multiprocessing bootstraps the child
             self._pending = kwargs
-            plugin.providers_at_bootstrap()
+            engine_processes.providers_at_bootstrap()
             return
         if "vllm" not in sys.modules:
             # a process that has not imported vLLM may never do (under opentelemetry-instrument:
@@ -122,10 +123,10 @@ class VLLMInstrumentor(BaseInstrumentor):
         (engine core and workers, API servers of ``vllm serve``, a vLLM child of an application
         that does not import vLLM itself) inherit it and instrument themselves through the
         ``vllm.general_plugins`` entry point. ``uninstrument()`` removes it again."""
-        from llm_otel.instrumentation.vllm import plugin
+        from llm_otel.instrumentation.vllm import engine_processes
 
-        if plugin.ENABLE_ENV not in os.environ:
-            os.environ[plugin.ENABLE_ENV] = "1"
+        if engine_processes.ENABLE_ENV not in os.environ:
+            os.environ[engine_processes.ENABLE_ENV] = "1"
             self._set_enable_env = True
 
     def _on_vllm_import(self, _module) -> None:
@@ -137,9 +138,9 @@ class VLLMInstrumentor(BaseInstrumentor):
             self._activate(**kwargs)
         except ConfigError as exc:
             if self._set_enable_env:  # nothing runs here: the vLLM processes started from here stay silent
-                from llm_otel.instrumentation.vllm import plugin
+                from llm_otel.instrumentation.vllm import engine_processes
 
-                os.environ.pop(plugin.ENABLE_ENV, None)
+                os.environ.pop(engine_processes.ENABLE_ENV, None)
                 self._set_enable_env = False
             configuration_refused("vLLM", exc)
         except Exception as exc:  # noqa: BLE001 - inside the application's `import vllm`
@@ -149,19 +150,19 @@ class VLLMInstrumentor(BaseInstrumentor):
     def _activate(self, **kwargs: Any) -> None:
         from llm_otel.process.providers import ensure_providers
         from llm_otel.export.offload import request_outlets
-        from llm_otel.instrumentation.vllm import plugin
+        from llm_otel.instrumentation.vllm import engine_processes
 
         self._pending = None
         settings = kwargs.get("settings") or Settings.from_env()
         tracer_provider = kwargs.get("tracer_provider")
         meter_provider = kwargs.get("meter_provider")
         sampling = kwargs.get("sampling")  # the adaptive sampler's parts, from instrument()
-        role = self.role = plugin.process_role()
+        role = self.role = engine_processes.process_role()
         if tracer_provider is None and meter_provider is None:
             if role == "frontend":
                 sampling = ensure_providers(settings) or sampling
             else:
-                tracer_provider, meter_provider = plugin.engine_process_providers(role)
+                tracer_provider, meter_provider = engine_processes.engine_process_providers(role)
                 sampling = None  # engine processes sample as their parent decided (SDK default)
         telemetry = Telemetry(tracer_provider, meter_provider, settings, scope=__name__, sampling=sampling,
                               outlets=request_outlets(tracer_provider, meter_provider))
@@ -203,7 +204,7 @@ class VLLMInstrumentor(BaseInstrumentor):
         returns how many. When ``import vllm`` activated the instrumentation while another thread
         was still importing vLLM's modules, Python hands the hooks' nested imports a partially
         initialised module and those targets are reported missing: vLLM's plugin loader calls this
-        (:func:`plugin.register`) before vLLM builds the objects we hook. Targets still missing
+        (:func:`.plugin.register`) before vLLM builds the objects we hook. Targets still missing
         stay skipped (their warning was given); never raises."""
         if self.adapter is None:
             return 0
@@ -244,11 +245,11 @@ class VLLMInstrumentor(BaseInstrumentor):
         self._is_instrumented_by_opentelemetry = False
 
     def _uninstrument(self, **kwargs: Any) -> None:
-        from llm_otel.instrumentation.vllm import plugin
+        from llm_otel.instrumentation.vllm import engine_processes
 
         remove_hooks(self._applied)
         self._applied = []
-        plugin.remove_bootstrap_patch()  # a spawned child not yet bootstrapped builds no providers
+        engine_processes.remove_bootstrap_patch()  # a spawned child not yet bootstrapped builds no providers
         if self.adapter is not None:
             self.adapter.telemetry.signals.stop()  # its thread and /healthz end with the hooks
         self.adapter = None
@@ -256,5 +257,20 @@ class VLLMInstrumentor(BaseInstrumentor):
         restore_environment(getattr(self, "_ray_env_previous", None))
         self._ray_env_previous = None
         if self._set_enable_env:
-            os.environ.pop(plugin.ENABLE_ENV, None)
+            os.environ.pop(engine_processes.ENABLE_ENV, None)
             self._set_enable_env = False
+
+
+def _complete_pending() -> None:
+    """Before the final flush of an engine process: the worker's buffered logit statistics become
+    spans, device records still in flight complete their step spans."""
+    adapter = VLLMInstrumentor().adapter
+    if adapter is None:
+        return
+    adapter.worker.flush(0.0)
+    steps = adapter.telemetry.steps_if_started
+    if steps is not None:
+        steps.close()
+
+
+BEFORE_FINAL_FLUSH.append(_complete_pending)
