@@ -34,9 +34,10 @@ _original_on_end = SynchronousMultiSpanProcessor.on_end
 def _recording_on_end(self, span):
     try:
         scope = span.instrumentation_scope.name if span.instrumentation_scope else ""
-        SPAN_LOG.add(scope, span.name, dict(span.attributes or {}),
-                     [(e.name, dict(e.attributes or {})) for e in span.events])
-    except Exception as exc:  # pragma: no cover - the check must never hide a test's own result
+        SPAN_LOG.add(
+            scope, span.name, dict(span.attributes or {}), [(e.name, dict(e.attributes or {})) for e in span.events]
+        )
+    except Exception as exc:  # noqa: BLE001  # pragma: no cover - the check must never hide a test's own result
         print(f"semconv live check could not record a span: {exc}", file=sys.stderr)
     return _original_on_end(self, span)
 
@@ -47,8 +48,7 @@ SynchronousMultiSpanProcessor.on_end = _recording_on_end
 def record_received(spans: list[dict]) -> None:
     """Feed spans decoded by the OTLP receiver (other processes) into the live check."""
     for s in spans:
-        SPAN_LOG.add(s["scope_name"], s["name"], s["attributes"],
-                     [(e["name"], e["attributes"]) for e in s["events"]])
+        SPAN_LOG.add(s["scope_name"], s["name"], s["attributes"], [(e["name"], e["attributes"]) for e in s["events"]])
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -57,8 +57,10 @@ def pytest_sessionfinish(session, exitstatus):
     problems = check(SPAN_LOG, load_registry())
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     write = reporter.write_line if reporter else print
-    write(f"semconv live check: {SPAN_LOG.count} llm-otel spans emitted, {len(SPAN_LOG.seen)} distinct shapes, "
-          f"{len(problems)} problem(s)")
+    write(
+        f"semconv live check: {SPAN_LOG.count} llm-otel spans emitted, {len(SPAN_LOG.seen)} distinct shapes, "
+        f"{len(problems)} problem(s)"
+    )
     for p in problems:
         write(f"semconv live check FAILED: {p}")
     if problems:
@@ -80,7 +82,7 @@ class Captured:
     def metric_points(self, name: str) -> list:
         data = self.metrics.get_metrics_data()
         out = []
-        for rm in (data.resource_metrics if data else []):
+        for rm in data.resource_metrics if data else []:
             for sm in rm.scope_metrics:
                 for m in sm.metrics:
                     if m.name == name:
@@ -133,8 +135,11 @@ class Engine:
         self.receiver.clear()
 
 
-ENGINE_PROCESS_ENV = {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_BSP_SCHEDULE_DELAY": "200",
-                      "OTEL_SERVICE_NAME": "llm-otel-tests"}
+ENGINE_PROCESS_ENV = {
+    "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+    "OTEL_BSP_SCHEDULE_DELAY": "200",
+    "OTEL_SERVICE_NAME": "llm-otel-tests",
+}
 
 
 @contextlib.contextmanager
@@ -169,16 +174,20 @@ def engine(tiny_model, receiver):
     from llm_otel.instrumentation.vllm import VLLMInstrumentor
 
     cap = make_captured()
-    cap.tracer_provider.add_span_processor(BatchSpanProcessor(GrpcExporter(endpoint=receiver.grpc_endpoint, insecure=True)))
+    cap.tracer_provider.add_span_processor(
+        BatchSpanProcessor(GrpcExporter(endpoint=receiver.grpc_endpoint, insecure=True))
+    )
     cap.tracer_provider.add_span_processor(BatchSpanProcessor(HttpExporter(endpoint=receiver.http_traces_url)))
     inst = VLLMInstrumentor()
-    inst.instrument(tracer_provider=cap.tracer_provider, meter_provider=cap.meter_provider,
-                    settings=Settings(logit_dist_ratio=1.0))
+    inst.instrument(
+        tracer_provider=cap.tracer_provider, meter_provider=cap.meter_provider, settings=Settings(logit_dist_ratio=1.0)
+    )
     from vllm import LLM
 
     with environ(LLM_OTEL_ENABLED="1", OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint, **ENGINE_PROCESS_ENV):
-        llm = LLM(model=str(tiny_model), dtype="float32", max_model_len=512, seed=0, block_size=32,
-                  enable_prefix_caching=True)
+        llm = LLM(
+            model=str(tiny_model), dtype="float32", max_model_len=512, seed=0, block_size=32, enable_prefix_caching=True
+        )
     yield Engine(llm, cap, inst, receiver, str(tiny_model))
     cap.tracer_provider.force_flush()
     inst.uninstrument()

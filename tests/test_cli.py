@@ -14,18 +14,20 @@ import llm_otel
 SRC_PACKAGE = pathlib.Path(llm_otel.__file__).resolve().parent
 
 
-def run_cli(args: list[str], *, block: tuple[str, ...] = (), pythonpath: str | None = None,
-            cwd: str | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str], *, block: tuple[str, ...] = (), pythonpath: str | None = None, cwd: str | None = None
+) -> subprocess.CompletedProcess:
     """Run ``llm_otel.cli.main(args)`` in a fresh interpreter where the modules in ``block`` cannot be
     imported (``sys.modules[name] = None`` is how Python marks a module as absent)."""
-    code = ("import sys\n"
-            + "".join(f"sys.modules[{name!r}] = None\n" for name in block)
-            + f"from llm_otel.cli import main\nsys.exit(main({args!r}))\n")
+    code = (
+        "import sys\n"
+        + "".join(f"sys.modules[{name!r}] = None\n" for name in block)
+        + f"from llm_otel.cli import main\nsys.exit(main({args!r}))\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=cwd,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
 
 
 def assert_one_clean_line(done: subprocess.CompletedProcess) -> str:
@@ -55,8 +57,13 @@ def installed_copy(tmp_path: pathlib.Path) -> pathlib.Path:
 
 def test_semconv_check_on_an_installed_package_says_it_needs_a_source_checkout(tmp_path):
     site = installed_copy(tmp_path)
-    probe = subprocess.run([sys.executable, "-c", "import llm_otel; print(llm_otel.__file__)"], text=True,
-                           capture_output=True, env={**os.environ, "PYTHONPATH": str(site)}, cwd=tmp_path)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import llm_otel; print(llm_otel.__file__)"],
+        text=True,
+        capture_output=True,
+        env={**os.environ, "PYTHONPATH": str(site)},
+        cwd=tmp_path,
+    )
     assert probe.stdout.strip() == str(site / "llm_otel" / "__init__.py")  # the copy, not the checkout
     for block in ((), ("yaml",)):  # with and without PyYAML: the missing registry is what to say
         done = run_cli(["semconv-check"], block=block, pythonpath=str(site), cwd=str(tmp_path))

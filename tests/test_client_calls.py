@@ -26,9 +26,14 @@ def by_name(cap, name: str) -> list:
 def test_streamed_call_builds_token_stream_from_the_response_times():
     cap = make_captured()
     calls = calls_of(cap)
-    call = calls.start(operation="text_completion", model="m", server=SERVER,
-                       attributes={"llm.triton.client": "grpc", "gen_ai.request.max_tokens": 5},
-                       request_id="r1", streaming=True)
+    call = calls.start(
+        operation="text_completion",
+        model="m",
+        server=SERVER,
+        attributes={"llm.triton.client": "grpc", "gen_ai.request.max_tokens": 5},
+        request_id="r1",
+        streaming=True,
+    )
     offsets = [0.1, 0.15, 0.3, 0.32, 0.5]  # seconds after the call started
     for dt in offsets:
         call.on_response(call.start_mono + dt)
@@ -37,8 +42,11 @@ def test_streamed_call_builds_token_stream_from_the_response_times():
     (span,) = by_name(cap, "text_completion m")
     assert span.kind is SpanKind.CLIENT and span.status.status_code is StatusCode.UNSET
     a = span.attributes
-    assert (a["gen_ai.provider.name"], a["gen_ai.request.model"], a["gen_ai.operation.name"]) == \
-        ("triton", "m", "text_completion")
+    assert (a["gen_ai.provider.name"], a["gen_ai.request.model"], a["gen_ai.operation.name"]) == (
+        "triton",
+        "m",
+        "text_completion",
+    )
     assert a["llm.request.id"] == "r1" and a["gen_ai.request.stream"] is True and a["server.port"] == 8001
     assert a["llm.stream.responses"] == 5 and a["llm.stream.end"] == "final_flag"
     (ts,) = by_name(cap, "llm.token_stream")
@@ -51,8 +59,7 @@ def test_streamed_call_builds_token_stream_from_the_response_times():
     assert ts.attributes["llm.stream.response_gap.max"] == pytest.approx(gaps.max())
     # the first LLM_OTEL_TOKEN_EVENTS (4) responses are events; the rest are counted
     assert [e.attributes["llm.stream.response.index"] for e in ts.events] == [0, 1, 2, 3]
-    assert [e.attributes["llm.stream.response.gap"] for e in ts.events] == \
-        pytest.approx([0.1, 0.05, 0.15, 0.02])
+    assert [e.attributes["llm.stream.response.gap"] for e in ts.events] == pytest.approx([0.1, 0.05, 0.15, 0.02])
     assert ts.attributes["llm.token.events.dropped"] == 1
 
     def points(name):
@@ -60,8 +67,12 @@ def test_streamed_call_builds_token_stream_from_the_response_times():
 
     (duration,) = points("gen_ai.client.operation.duration")
     assert duration.count == 1 and duration.sum == pytest.approx(0.5)
-    assert duration.attributes == {"gen_ai.operation.name": "text_completion", "gen_ai.provider.name": "triton",
-                                   "gen_ai.request.model": "m", **SERVER}
+    assert duration.attributes == {
+        "gen_ai.operation.name": "text_completion",
+        "gen_ai.provider.name": "triton",
+        "gen_ai.request.model": "m",
+        **SERVER,
+    }
     (first,) = points("gen_ai.client.operation.time_to_first_chunk")
     assert first.count == 1 and first.sum == pytest.approx(0.1)
     (per_chunk,) = points("gen_ai.client.operation.time_per_output_chunk")
@@ -69,8 +80,11 @@ def test_streamed_call_builds_token_stream_from_the_response_times():
 
 
 def test_error_message_goes_on_the_span_only_with_content_capture_or_when_content_free():
-    for capture, content_free, expected in ((False, False, "500"), (False, True, "no outputs"),
-                                            (True, False, "no outputs")):
+    for capture, content_free, expected in (
+        (False, False, "500"),
+        (False, True, "no outputs"),
+        (True, False, "no outputs"),
+    ):
         cap = make_captured(Settings.from_env({"OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT": str(capture)}))
         calls = calls_of(cap)
         call = calls.start(operation="infer", model="m", server={}, attributes={})
@@ -88,8 +102,9 @@ def test_cancelled_call_and_stream_record_the_type_without_an_error_status():
     cap = make_captured()
     calls = calls_of(cap)
     stream = calls.start_stream("llm.triton.stream", {"llm.triton.client": "grpc"})
-    call = calls.start(operation="text_completion", model="m", server={}, attributes={}, request_id="r",
-                       streaming=True, stream=stream)
+    call = calls.start(
+        operation="text_completion", model="m", server={}, attributes={}, request_id="r", streaming=True, stream=stream
+    )
     call.on_response()
     calls.finish(call, error=RuntimeError("stopped"), error_type=CANCELLED, end_reason="cancelled")
     calls.end_stream(stream, {"llm.triton.stream.requests": 1}, error_type="UNAVAILABLE", cancelled=True)
@@ -126,8 +141,9 @@ def test_stream_requests_parent_on_the_caller_else_the_stream_and_always_link_it
         assert s.attributes["llm.stream.end"] == "stream_end" and s.attributes["llm.stream.responses"] == 0
     assert carrier["traceparent"] == f"00-{b.context.trace_id:032x}-{b.context.span_id:016x}-01"
     assert stream_span.status.status_code is StatusCode.ERROR and stream_span.attributes["error.type"] == "UNAVAILABLE"
-    (point,) = [p for p in cap.metric_points("gen_ai.client.operation.duration")
-                if p.attributes["gen_ai.request.model"] == "a"]
+    (point,) = [
+        p for p in cap.metric_points("gen_ai.client.operation.duration") if p.attributes["gen_ai.request.model"] == "a"
+    ]
     assert point.count == 1
 
 
@@ -140,8 +156,9 @@ def test_requests_on_a_stream_are_matched_by_id_until_they_finish():
     stream = calls.start_stream("llm.triton.stream", {})
 
     def start(rid):
-        return calls.start(operation="infer", model="m", server={}, attributes={}, request_id=rid,
-                           streaming=True, stream=stream)
+        return calls.start(
+            operation="infer", model="m", server={}, attributes={}, request_id=rid, streaming=True, stream=stream
+        )
 
     only = start("a")
     assert stream.lookup("a") is only and stream.lookup("unknown") is only  # the only one in flight

@@ -24,15 +24,26 @@ def fmono(wall_s: float) -> float:
     return wall_s - OFFSET_NS / 1e9
 
 
-def run(cap, shift_s: float, *, frontend_s=0.004, input_wait_s=2.0, queue_s=0.003, prefill_s=0.040,
-        itl_s=0.010, tokens=4, transit_s=0.0005):
+def run(
+    cap,
+    shift_s: float,
+    *,
+    frontend_s=0.004,
+    input_wait_s=2.0,
+    queue_s=0.003,
+    prefill_s=0.040,
+    itl_s=0.010,
+    tokens=4,
+    transit_s=0.0005,
+):
     """One request: handed over ``frontend_s`` after arrival, QUEUED by the engine ``input_wait_s``
     later (it was inside a long step), then queue, prefill and decode; engine stamps on a clock
     ``shift_s`` ahead of the frontend's, outputs read ``transit_s`` after the engine stamped them.
     Returns (record, spans by name)."""
     clock = EngineClock()
-    rec = cap.telemetry.start_request("r1", operation="text_completion", provider="vllm", model="tiny",
-                                      arrival_s=ARRIVAL, input_tokens=5)
+    rec = cap.telemetry.start_request(
+        "r1", operation="text_completion", provider="vllm", model="tiny", arrival_s=ARRIVAL, input_tokens=5
+    )
     rec.mono_offset_ns = OFFSET_NS
     rec.engine_clock = clock
     handed = ARRIVAL + frontend_s

@@ -15,7 +15,8 @@ import dataclasses
 import math
 import pathlib
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import pytest
 
@@ -27,9 +28,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SRC = ROOT / "src" / "llm_otel"
 #: modules whose docstrings are a manual listing variables with their defaults
-MANUALS = [SRC / "config" / "settings.py", SRC / "config" / "signals.py",
-           SRC / "instrumentation" / "vllm" / "__init__.py", SRC / "instrumentation" / "lightllm" / "__init__.py",
-           SRC / "instrumentation" / "triton" / "__init__.py", SRC / "export" / "prometheus.py"]
+MANUALS = [
+    SRC / "config" / "settings.py",
+    SRC / "config" / "signals.py",
+    SRC / "instrumentation" / "vllm" / "__init__.py",
+    SRC / "instrumentation" / "lightllm" / "__init__.py",
+    SRC / "instrumentation" / "triton" / "__init__.py",
+    SRC / "export" / "prometheus.py",
+]
 
 
 def declared() -> dict[str, Any]:
@@ -41,14 +47,16 @@ def declared() -> dict[str, Any]:
             for name in (names,) if isinstance(names, str) else names:
                 assert name not in out, f"{name} is read by two settings"
                 out[name] = field_default(field)
-    out.update({
-        "OTEL_TRACES_EXPORTER": exporters.DEFAULT_EXPORTER,
-        "OTEL_METRICS_EXPORTER": exporters.DEFAULT_EXPORTER,
-        "OTEL_EXPORTER_OTLP_PROTOCOL": exporters.DEFAULT_OTLP_PROTOCOL,
-        "OTEL_EXPORTER_OTLP_ENDPOINT": None,
-        "OTEL_EXPORTER_PROMETHEUS_PORT": exporters.PROMETHEUS_PORT,
-        "OTEL_EXPORTER_PROMETHEUS_HOST": exporters.PROMETHEUS_HOST,
-    })
+    out.update(
+        {
+            "OTEL_TRACES_EXPORTER": exporters.DEFAULT_EXPORTER,
+            "OTEL_METRICS_EXPORTER": exporters.DEFAULT_EXPORTER,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": exporters.DEFAULT_OTLP_PROTOCOL,
+            "OTEL_EXPORTER_OTLP_ENDPOINT": None,
+            "OTEL_EXPORTER_PROMETHEUS_PORT": exporters.PROMETHEUS_PORT,
+            "OTEL_EXPORTER_PROMETHEUS_HOST": exporters.PROMETHEUS_HOST,
+        }
+    )
     return out
 
 
@@ -160,19 +168,26 @@ def test_every_setting_has_a_documented_default():
 
 def test_documented_table_defaults_equal_the_declared_defaults():
     known = declared()
-    wrong = [f"{file}:{line} {name}: documented {value!r}, declared {known[name]!r}"
-             for file, line, names, values in table_rows() for name, value in zip(names, values)
-             if name in known and not matches(value, known[name])]
+    wrong = [
+        f"{file}:{line} {name}: documented {value!r}, declared {known[name]!r}"
+        for file, line, names, values in table_rows()
+        for name, value in zip(names, values)
+        if name in known and not matches(value, known[name])
+    ]
     assert not wrong, "\n".join(wrong)
 
 
 def test_documented_defaults_in_prose_and_docstrings_equal_the_declared_defaults():
     known = declared()
-    checked = [(file, line, name, stated)
-               for file, line, names, stated in mentions() for name in names if name in known]
+    checked = [
+        (file, line, name, stated) for file, line, names, stated in mentions() for name in names if name in known
+    ]
     assert len(checked) >= 40, checked  # the check sees the mentions it is meant to see
-    wrong = [f"{file}:{line} {name}: documented {stated!r}, declared {known[name]!r}"
-             for file, line, name, stated in checked if not matches(stated, known[name])]
+    wrong = [
+        f"{file}:{line} {name}: documented {stated!r}, declared {known[name]!r}"
+        for file, line, name, stated in checked
+        if not matches(stated, known[name])
+    ]
     assert not wrong, "\n".join(wrong)
 
 
@@ -184,14 +199,28 @@ def test_the_checks_see_each_kind_of_table_row():
     assert ("OTEL_EXPORTER_PROMETHEUS_HOST", "`localhost`") in rows
 
 
-@pytest.mark.parametrize("text, default, expected", [
-    ("`4096`", 4096, True), ("`4.0`", 4.0, True), ("30 s", 30.0, True), ("2", 2.0, True), ("0.80", 0.8, True),
-    ("`3145728`", 3 * 1024 * 1024, True), ("3 MiB", 3 * 1024 * 1024, True),
-    ("default ``localhost``", "localhost", True), ("`true`", True, True), ("unset", None, True),
-    ("`auto`", "auto", True),
-    ("latency=0.4,errors=0.3,gpu=0.2,uptime=0.1", {"latency": 0.4, "errors": 0.3, "gpu": 0.2, "uptime": 0.1}, True),
-    ("on", True, True), ("8", 4096, False), ("`false`", True, False), ("0", None, False), ("`tree`", "auto", False),
-])
+@pytest.mark.parametrize(
+    "text, default, expected",
+    [
+        ("`4096`", 4096, True),
+        ("`4.0`", 4.0, True),
+        ("30 s", 30.0, True),
+        ("2", 2.0, True),
+        ("0.80", 0.8, True),
+        ("`3145728`", 3 * 1024 * 1024, True),
+        ("3 MiB", 3 * 1024 * 1024, True),
+        ("default ``localhost``", "localhost", True),
+        ("`true`", True, True),
+        ("unset", None, True),
+        ("`auto`", "auto", True),
+        ("latency=0.4,errors=0.3,gpu=0.2,uptime=0.1", {"latency": 0.4, "errors": 0.3, "gpu": 0.2, "uptime": 0.1}, True),
+        ("on", True, True),
+        ("8", 4096, False),
+        ("`false`", True, False),
+        ("0", None, False),
+        ("`tree`", "auto", False),
+    ],
+)
 def test_matches_reads_the_documented_forms(text, default, expected):
     assert matches(text, default) is expected
 

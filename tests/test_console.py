@@ -14,8 +14,9 @@ def test_tree_is_printed_when_the_root_ends_with_children_indented():
     cap = make_captured()
     out = io.StringIO()
     cap.tracer_provider.add_span_processor(SimpleSpanProcessor(ConsoleTreeExporter(out)))
-    rec = cap.telemetry.start_request("r", operation="chat", provider="vllm", model="m", arrival_s=1000.0,
-                                      input_tokens=3)
+    rec = cap.telemetry.start_request(
+        "r", operation="chat", provider="vllm", model="m", arrival_s=1000.0, input_tokens=3
+    )
     rec.mono_offset_ns = 0
     rec.on_tokens([1], 1000.02)
     rec.on_tokens([2], 1000.03)
@@ -57,5 +58,7 @@ def test_metrics_summary_tells_apart_points_that_differ_in_any_attribute():
     hist.record(10, {"gen_ai.operation.name": "chat", "llm.kv_cache.phase": "admission", "gen_ai.request.model": "m"})
     hist.record(30, {"gen_ai.operation.name": "chat", "llm.kv_cache.phase": "finish", "gen_ai.request.model": "m"})
     lines = [line.split()[0] for line in format_metrics(reader.get_metrics_data()).splitlines()[1:]]
-    assert sorted(lines) == ["llm.server.request.kv_cache.size{op=chat,phase=admission}",
-                             "llm.server.request.kv_cache.size{op=chat,phase=finish}"]
+    assert sorted(lines) == [
+        "llm.server.request.kv_cache.size{op=chat,phase=admission}",
+        "llm.server.request.kv_cache.size{op=chat,phase=finish}",
+    ]

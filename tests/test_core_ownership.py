@@ -15,14 +15,32 @@ INSTRUMENTATION = pathlib.Path(llm_otel.__file__).parent / "instrumentation"
 # the tracer / meter themselves (``telemetry.tracer``, ``self.meter``)
 _HANDLES = frozenset({"tracer", "meter", "tracer_provider", "meter_provider"})
 # OpenTelemetry API calls that make tracers, meters, spans or instruments, or change a span
-_CALLS = frozenset({
-    "get_tracer", "get_meter", "get_tracer_provider", "get_meter_provider",
-    "start_span", "start_as_current_span", "use_span",
-    "create_histogram", "create_counter", "create_up_down_counter", "create_gauge",
-    "create_observable_gauge", "create_observable_counter", "create_observable_up_down_counter",
-    "set_attribute", "set_attributes", "set_status", "add_event", "add_link", "record_exception",
-    "update_name", "end",
-})
+_CALLS = frozenset(
+    {
+        "get_tracer",
+        "get_meter",
+        "get_tracer_provider",
+        "get_meter_provider",
+        "start_span",
+        "start_as_current_span",
+        "use_span",
+        "create_histogram",
+        "create_counter",
+        "create_up_down_counter",
+        "create_gauge",
+        "create_observable_gauge",
+        "create_observable_counter",
+        "create_observable_up_down_counter",
+        "set_attribute",
+        "set_attributes",
+        "set_status",
+        "add_event",
+        "add_link",
+        "record_exception",
+        "update_name",
+        "end",
+    }
+)
 # modules whose import would let an adapter do the above under another name
 _MODULES = ("opentelemetry.trace", "opentelemetry.metrics", "opentelemetry.sdk")
 
@@ -42,8 +60,9 @@ def otel_uses(source: str, filename: str = "<string>") -> list[str]:
                 what = f"{name}()"
         elif isinstance(node, ast.ImportFrom):
             module = node.module or ""
-            if module.startswith(_MODULES) or (module == "opentelemetry"
-                                                and {a.name for a in node.names} & {"trace", "metrics"}):
+            if module.startswith(_MODULES) or (
+                module == "opentelemetry" and {a.name for a in node.names} & {"trace", "metrics"}
+            ):
                 what = f"from {module} import {', '.join(a.name for a in node.names)}"
         elif isinstance(node, ast.Import):
             bad = [a.name for a in node.names if a.name.startswith(_MODULES)]
@@ -55,26 +74,42 @@ def otel_uses(source: str, filename: str = "<string>") -> list[str]:
 
 
 def package_uses(package: pathlib.Path) -> list[str]:
-    return [use for path in sorted(package.rglob("*.py"))
-            for use in otel_uses(path.read_text(), str(path.relative_to(package.parent)))]
+    return [
+        use
+        for path in sorted(package.rglob("*.py"))
+        for use in otel_uses(path.read_text(), str(path.relative_to(package.parent)))
+    ]
 
 
 def test_the_check_finds_tracer_and_meter_use():
     """The checker itself: each way an adapter could build a span or instrument is reported."""
-    source = "\n".join([
+    source = "\n".join(
+        [
+            "from opentelemetry import trace",
+            "from opentelemetry.metrics import get_meter",
+            "import opentelemetry.trace.propagation",
+            "span = self.tracer.start_span('x')",
+            "m = get_meter('x').create_histogram('h')",
+            "with trace.use_span(span): pass",
+            "span.set_status(s); span.add_event('e'); span.end()",
+            "self.telemetry.meter",
+        ]
+    )
+    uses = otel_uses(source)
+    for what in (
         "from opentelemetry import trace",
         "from opentelemetry.metrics import get_meter",
         "import opentelemetry.trace.propagation",
-        "span = self.tracer.start_span('x')",
-        "m = get_meter('x').create_histogram('h')",
-        "with trace.use_span(span): pass",
-        "span.set_status(s); span.add_event('e'); span.end()",
-        "self.telemetry.meter",
-    ])
-    uses = otel_uses(source)
-    for what in ("from opentelemetry import trace", "from opentelemetry.metrics import get_meter",
-                 "import opentelemetry.trace.propagation", ".tracer", "start_span()", "get_meter()",
-                 "create_histogram()", "use_span()", "set_status()", "add_event()", "end()", ".meter"):
+        ".tracer",
+        "start_span()",
+        "get_meter()",
+        "create_histogram()",
+        "use_span()",
+        "set_status()",
+        "add_event()",
+        "end()",
+        ".meter",
+    ):
         assert any(u.endswith(f": {what}") for u in uses), (what, uses)
     assert otel_uses("self.calls.finish(call, error=exc)\nstate.add(call)\n") == []
 
@@ -129,13 +164,19 @@ def test_vllm_and_lightllm_adapters_never_build_step_spans():
         filename, _, what = use.split(":", 2)
         uses[(filename, what.strip())] = uses.get((filename, what.strip()), 0) + 1
     assert uses == _VLLM_ALLOWED
-    names = [n for package in ("vllm", "lightllm") for path in sorted((INSTRUMENTATION / package).rglob("*.py"))
-             for n in step_span_names(path.read_text(), str(path.relative_to(INSTRUMENTATION)))]
+    names = [
+        n
+        for package in ("vllm", "lightllm")
+        for path in sorted((INSTRUMENTATION / package).rglob("*.py"))
+        for n in step_span_names(path.read_text(), str(path.relative_to(INSTRUMENTATION)))
+    ]
     assert names == []
     # and the core does name them: the check looks for the right names
     steps = INSTRUMENTATION.parent / "telemetry" / "steps.py"
-    assert {n.rsplit(": ", 1)[1] for n in step_span_names(steps.read_text())} == {"LLM_ENGINE_STEP",
-                                                                                   "LLM_ENGINE_STEP_DEVICE"}
+    assert {n.rsplit(": ", 1)[1] for n in step_span_names(steps.read_text())} == {
+        "LLM_ENGINE_STEP",
+        "LLM_ENGINE_STEP_DEVICE",
+    }
 
 
 # Uses of the OpenTelemetry API under instrumentation/lightllm/ that are not the span model, each
@@ -164,13 +205,20 @@ def test_lightllm_adapter_builds_no_request_or_stage_spans():
         uses[(filename, what.strip())] = uses.get((filename, what.strip()), 0) + 1
     assert uses == _LIGHTLLM_ALLOWED
     # what the adapter did before (the router and the worker building their own spans), the check finds
-    before = "\n".join([
-        "class RouterAdapter:",
-        "    def _released(self, rid, facts):",
-        "        span = self.telemetry.tracer.start_span(S.LLM_ROUTER_REQUEST, context=st.parent)",
-        "        span.add_event(S.EVENT_LLM_REQUEST_QUEUED, timestamp=st.queued_ns)",
-        "        span.set_status(Status(StatusCode.ERROR, 'aborted'))",
-        "        span.end(end_time=end_ns)",
-    ])
+    before = "\n".join(
+        [
+            "class RouterAdapter:",
+            "    def _released(self, rid, facts):",
+            "        span = self.telemetry.tracer.start_span(S.LLM_ROUTER_REQUEST, context=st.parent)",
+            "        span.add_event(S.EVENT_LLM_REQUEST_QUEUED, timestamp=st.queued_ns)",
+            "        span.set_status(Status(StatusCode.ERROR, 'aborted'))",
+            "        span.end(end_time=end_ns)",
+        ]
+    )
     assert sorted(u.split(": ", 1)[1] for u in otel_uses(before)) == [
-        ".tracer", "add_event()", "end()", "set_status()", "start_span()"]
+        ".tracer",
+        "add_event()",
+        "end()",
+        "set_status()",
+        "start_span()",
+    ]

@@ -17,10 +17,18 @@ pytestmark = [pytest.mark.engine, pytest.mark.skipif(not HAS_VLLM, reason="vLLM 
 def test_demo_exports_its_trace_and_metrics_over_otlp_and_flushes_at_exit(receiver):
     receiver.clear()
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    env.update(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.http_endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
-               OTEL_SERVICE_NAME="llm-otel-demo-test")
-    done = subprocess.run([sys.executable, "-m", "llm_otel.cli", "demo", "--prompts", "2", "--max-tokens", "6"],
-                          env=env, capture_output=True, text=True, timeout=900)
+    env.update(
+        OTEL_EXPORTER_OTLP_ENDPOINT=receiver.http_endpoint,
+        OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+        OTEL_SERVICE_NAME="llm-otel-demo-test",
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "llm_otel.cli", "demo", "--prompts", "2", "--max-tokens", "6"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     match = re.search(r"look up trace ([0-9a-f]{32})", done.stdout)
     assert match, done.stdout
@@ -37,6 +45,9 @@ def test_demo_exports_its_trace_and_metrics_over_otlp_and_flushes_at_exit(receiv
             assert s["parent_span_id"] == root["span_id"]
             assert s["attributes"]["gen_ai.usage.output_tokens"] == 6
         assert s["resource"]["service.name"] == "llm-otel-demo-test"
-    (ttft,) = [m for m in receiver.metrics("gen_ai.server.time_to_first_token")
-               if m["attributes"]["gen_ai.operation.name"] == "text_completion"]
+    (ttft,) = [
+        m
+        for m in receiver.metrics("gen_ai.server.time_to_first_token")
+        if m["attributes"]["gen_ai.operation.name"] == "text_completion"
+    ]
     assert ttft["count"] == 2 and ttft["unit"] == "s"

@@ -33,8 +33,10 @@ SUBSET = ["tests/test_sampling.py", "tests/test_lightllm_unit.py"]
 # test tools of that subset, unpinned (they are not llm-otel's dependencies)
 TEST_TOOLS = ["pytest", "hypothesis", "pyyaml", "jsonschema"]
 
-pytestmark = [pytest.mark.floors,
-              pytest.mark.skipif(tomllib is None, reason="reads pyproject.toml with tomllib (Python 3.11+)")]
+pytestmark = [
+    pytest.mark.floors,
+    pytest.mark.skipif(tomllib is None, reason="reads pyproject.toml with tomllib (Python 3.11+)"),
+]
 
 
 def floors() -> dict[str, str]:
@@ -72,8 +74,10 @@ def test_floors_resolve_to_exactly_the_floors(tmp_path):
     report = tmp_path / "report.json"
     done = pip("install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report), ROOT, *pins())
     assert done.returncode == 0, done.stderr[-3000:]
-    chosen = {item["metadata"]["name"].lower(): item["metadata"]["version"]
-              for item in json.loads(report.read_text())["install"]}
+    chosen = {
+        item["metadata"]["name"].lower(): item["metadata"]["version"]
+        for item in json.loads(report.read_text())["install"]
+    }
     for name, floor in floors().items():
         assert norm(chosen[name]) == norm(floor), (name, chosen[name], floor)
 
@@ -99,18 +103,26 @@ def test_the_installed_versions_are_the_floors(floor_venv):
 
 def test_a_test_subset_passes_at_the_floors(floor_venv):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the venv's installed llm-otel
-    done = subprocess.run([str(floor_venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", *SUBSET],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    done = subprocess.run(
+        [str(floor_venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", *SUBSET],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=env,
+    )
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
     assert re.search(r"\d+ passed", done.stdout) and "failed" not in done.stdout
 
 
-CHILD = ("import subprocess, sys; "
-         "print('CHILD', subprocess.run([sys.executable, '-c', "
-         "'from opentelemetry import trace; "
-         "from llm_otel.instrumentation.lightllm import LightLLMInstrumentor as I; "
-         "print(I().is_instrumented_by_opentelemetry, type(trace.get_tracer_provider()).__name__)'], "
-         "capture_output=True, text=True).stdout.strip())")
+CHILD = (
+    "import subprocess, sys; "
+    "print('CHILD', subprocess.run([sys.executable, '-c', "
+    "'from opentelemetry import trace; "
+    "from llm_otel.instrumentation.lightllm import LightLLMInstrumentor as I; "
+    "print(I().is_instrumented_by_opentelemetry, type(trace.get_tracer_provider()).__name__)'], "
+    "capture_output=True, text=True).stdout.strip())"
+)
 
 
 def test_opentelemetry_instrument_reaches_spawned_children_and_is_quiet_at_the_floors(floor_venv):
@@ -120,8 +132,13 @@ def test_opentelemetry_instrument_reaches_spawned_children_and_is_quiet_at_the_f
     (they come at the first import of a hooked module)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "PYTHONPATH"))}
     env.update(OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none", OTEL_LOGS_EXPORTER="none")
-    done = subprocess.run([str(floor_venv / "bin" / "opentelemetry-instrument"), str(floor_venv / "bin" / "python"),
-                           "-c", CHILD], capture_output=True, text=True, timeout=120, env=env)
+    done = subprocess.run(
+        [str(floor_venv / "bin" / "opentelemetry-instrument"), str(floor_venv / "bin" / "python"), "-c", CHILD],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "CHILD True ProxyTracerProvider" in done.stdout, (done.stdout, done.stderr[-2000:])
     assert "llm-otel" not in done.stderr and "llm_otel" not in done.stderr, done.stderr[-3000:]

@@ -27,7 +27,6 @@ import sys
 
 import pytest
 import yaml
-
 from test_ops_live import _require  # promtool: skip here, fail in CI when missing
 
 from llm_otel._semconv_registry import load_registry
@@ -39,8 +38,9 @@ COLLECTOR = EXAMPLES / "collector"
 COMPOSE_DIR = EXAMPLES / "compose"
 K8S = EXAMPLES / "kubernetes"
 BIN = pathlib.Path(sys.executable).parent
-YAMLLINT_CONFIG = ("{extends: default, rules: {line-length: {max: 160}, document-start: disable, "
-                   "truthy: {check-keys: false}}}")
+YAMLLINT_CONFIG = (
+    "{extends: default, rules: {line-length: {max: 160}, document-start: disable, truthy: {check-keys: false}}}"
+)
 K8S_VERSIONS = ("1.30.0", "1.33.0")
 
 
@@ -68,8 +68,11 @@ def _env(container: dict) -> dict[str, str]:
 
 # --- YAML and schemas ---------------------------------------------------------------------------
 def test_yamllint_passes_on_every_deployment_file():
-    done = subprocess.run([str(BIN / "yamllint"), "-f", "parsable", "-d", YAMLLINT_CONFIG,
-                           str(COLLECTOR), str(COMPOSE_DIR), str(K8S)], capture_output=True, text=True)
+    done = subprocess.run(
+        [str(BIN / "yamllint"), "-f", "parsable", "-d", YAMLLINT_CONFIG, str(COLLECTOR), str(COMPOSE_DIR), str(K8S)],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -103,8 +106,11 @@ def test_kubernetes_schema_check_rejects_an_unknown_field():
 
 
 def _compose_check(path: pathlib.Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(path)],
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [str(BIN / "check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(path)],
+        capture_output=True,
+        text=True,
+    )
 
 
 def test_compose_file_matches_the_compose_specification(tmp_path):
@@ -113,7 +119,9 @@ def test_compose_file_matches_the_compose_specification(tmp_path):
     done = _compose_check(COMPOSE_DIR / "compose.yaml")
     assert done.returncode == 0, done.stdout + done.stderr
     broken = tmp_path / "compose.yaml"  # a misspelt service key must be rejected
-    broken.write_text((COMPOSE_DIR / "compose.yaml").read_text().replace("    image: jaegertracing", "    imag: jaegertracing"))
+    broken.write_text(
+        (COMPOSE_DIR / "compose.yaml").read_text().replace("    image: jaegertracing", "    imag: jaegertracing")
+    )
     done = _compose_check(broken)
     assert done.returncode != 0 and "'imag' was unexpected" in done.stdout
 
@@ -135,7 +143,10 @@ def test_compose_mounts_exist_and_grafana_loads_the_shipped_dashboards():
     for dest in prometheus["jsonData"]["exemplarTraceIdDestinations"]:
         assert dest["datasourceUid"] in uids and dest["name"] == "trace_id"  # llm-otel's exemplar label
     # the collectors run the shipped configurations
-    assert mounts["/etc/otelcol/config.yaml"] in {(COLLECTOR / "agent.yaml").resolve(), (COLLECTOR / "gateway.yaml").resolve()}
+    assert mounts["/etc/otelcol/config.yaml"] in {
+        (COLLECTOR / "agent.yaml").resolve(),
+        (COLLECTOR / "gateway.yaml").resolve(),
+    }
     assert compose["services"]["agent"]["environment"]["GATEWAY_HOSTNAME"] in compose["services"]
 
 
@@ -168,8 +179,11 @@ def test_kubernetes_prometheus_configuration_passes_promtool(tmp_path):
     for job in config["scrape_configs"]:
         (sd,) = job.pop("kubernetes_sd_configs")
         assert sd == {"role": "pod"}  # relabelling reads __meta_kubernetes_pod_* labels
-        assert all(label.startswith(("__meta_kubernetes_pod_", "__meta_kubernetes_namespace"))
-                   for rule in job["relabel_configs"] for label in rule["source_labels"])
+        assert all(
+            label.startswith(("__meta_kubernetes_pod_", "__meta_kubernetes_namespace"))
+            for rule in job["relabel_configs"]
+            for label in rule["source_labels"]
+        )
         (tmp_path / "targets.yml").write_text("[]\n")
         job["file_sd_configs"] = [{"files": [str(tmp_path / "targets.yml")]}]
     _promtool_check(config, tmp_path, tmp_path)
@@ -210,8 +224,7 @@ def _policies(policies: list[dict]):
     """Every tail-sampling policy, sub-policies of and/composite/not/drop included."""
     for policy in policies:
         yield policy
-        for key, sub in (("and", "and_sub_policy"), ("composite", "composite_sub_policy"),
-                         ("drop", "drop_sub_policy")):
+        for key, sub in (("and", "and_sub_policy"), ("composite", "composite_sub_policy"), ("drop", "drop_sub_policy")):
             yield from _policies((policy.get(key) or {}).get(sub, []))
         if policy.get("not"):
             yield from _policies([policy["not"]["not_sub_policy"]])
@@ -237,7 +250,10 @@ def collector_references(config: dict) -> dict[str, set]:
         if name.split("/")[0] == "tail_sampling":
             for policy in _policies(processor.get("policies", [])):
                 if policy["type"] == "ottl_condition":
-                    for items in (policy["ottl_condition"].get("span", []), policy["ottl_condition"].get("spanevent", [])):
+                    for items in (
+                        policy["ottl_condition"].get("span", []),
+                        policy["ottl_condition"].get("spanevent", []),
+                    ):
                         conditions.extend(items)
                 elif policy["type"] in ("string_attribute", "numeric_attribute", "boolean_attribute"):
                     spec = policy[policy["type"]]
@@ -281,7 +297,9 @@ def test_reference_extraction_sees_what_the_configurations_use():
     agent = collector_references(_load(CONFIGS["agent"]))
     gateway = collector_references(_load(CONFIGS["gateway"]))
     assert ("llm.sampling.reason", "outlier") in agent["values"] and "llm.engine.step" in agent["span_names"]
-    assert {"llm.request.tier", "gen_ai.request.model", "service.name", "deployment.environment.name"} <= agent["attributes"]
+    assert {"llm.request.tier", "gen_ai.request.model", "service.name", "deployment.environment.name"} <= agent[
+        "attributes"
+    ]
     assert {("llm.sampling.reason", "outlier"), ("llm.sampling.reason", "drift_boost")} <= gateway["values"]
     assert {"llm.time_to_first_token", "llm.inter_token_latency.p99"} <= gateway["numeric"]
     assert {"llm.engine.step", "llm.token_stream"} <= gateway["span_names"]
@@ -291,8 +309,9 @@ def test_reference_extraction_sees_what_the_configurations_use():
 
 
 def _ttft_thresholds(gateway: dict) -> dict[str, float]:
-    policy = next(p for p in _policies(gateway["processors"]["tail_sampling"]["policies"])
-                  if p["name"] == "ttft-over-tier-target")
+    policy = next(
+        p for p in _policies(gateway["processors"]["tail_sampling"]["policies"]) if p["name"] == "ttft-over-tier-target"
+    )
     out = {}
     for condition in policy["ottl_condition"]["span"]:
         tier = re.search(r'attributes\["llm.request.tier"\] == "([^"]+)"', condition).group(1)
@@ -346,8 +365,12 @@ def test_agents_route_to_every_gateway_pod_through_the_headless_service():
     vllm = _find(docs, "Deployment", "vllm")["spec"]["template"]
     ports = {p["name"]: p["containerPort"] for p in vllm["spec"]["containers"][0]["ports"]}
     venv = _env(vllm["spec"]["containers"][0])
-    assert ports["otel-frontend"] == int(venv["OTEL_EXPORTER_PROMETHEUS_PORT"]) and ports["otel-engine"] == ports["otel-frontend"] + 1
+    assert (
+        ports["otel-frontend"] == int(venv["OTEL_EXPORTER_PROMETHEUS_PORT"])
+        and ports["otel-engine"] == ports["otel-frontend"] + 1
+    )
     assert venv["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"].endswith(":4317")
     assert {"containerPort": 4317, "hostPort": 4317}.items() <= next(
-        p for p in agent["ports"] if p["name"] == "otlp-grpc").items()
+        p for p in agent["ports"] if p["name"] == "otlp-grpc"
+    ).items()
     assert vllm["metadata"]["labels"]["llm-otel.dev/scrape"] == "true"

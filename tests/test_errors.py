@@ -21,7 +21,7 @@ def counted(reader: InMemoryMetricReader) -> dict[tuple[str, str], int]:
     """``llm_otel.instrumentation.errors`` points: (hook, error.type) -> count."""
     out = {}
     data = reader.get_metrics_data()
-    for rm in (data.resource_metrics if data else []):
+    for rm in data.resource_metrics if data else []:
         for sm in rm.scope_metrics:
             for m in sm.metrics:
                 if m.name == "llm_otel.instrumentation.errors":
@@ -110,8 +110,11 @@ def test_converted_sites_report_through_process_errors(metered, caplog):
     ranges.begin_step(1)
     assert not ranges.active
     ExemplarPrometheusMetricReader()._warn(ValueError("index"))
-    assert counted(reader) == {("signals.health.report", "RuntimeError"): 1, ("gpu.nvtx.range", "OSError"): 1,
-                               ("export.prometheus.exemplars", "ValueError"): 1}
+    assert counted(reader) == {
+        ("signals.health.report", "RuntimeError"): 1,
+        ("gpu.nvtx.range", "OSError"): 1,
+        ("export.prometheus.exemplars", "ValueError"): 1,
+    }
 
 
 # Helpers a handler may hand its exception to instead of calling ``report`` itself: each reports
@@ -140,8 +143,9 @@ def _uncounted_handlers(path: pathlib.Path, root: pathlib.Path = SRC) -> list[st
     for node in _broad_handlers(path):
         body = ast.Module(body=node.body, type_ignores=[])
         calls = [ast.unparse(c.func) for c in ast.walk(body) if isinstance(c, ast.Call)]
-        counted = any(c.endswith((".report", ".bad_input")) or c.rsplit(".", 1)[-1] in REPORTING_HELPERS
-                      for c in calls) or any(isinstance(n, ast.Raise) for n in ast.walk(body))
+        counted = any(
+            c.endswith((".report", ".bad_input")) or c.rsplit(".", 1)[-1] in REPORTING_HELPERS for c in calls
+        ) or any(isinstance(n, ast.Raise) for n in ast.walk(body))
         logs = any(c.startswith(("logger.", "logging.")) for c in calls)
         silent = "silent:" in lines[node.lineno - 1]
         if (logs and not counted) or not (counted or silent):
@@ -165,5 +169,6 @@ def test_the_handler_check_catches_log_only_and_unexplained_silent_handlers(tmp_
         "try:\n    x()\nexcept Exception as exc:  # noqa: BLE001\n    errors.report('s', exc)\n"
         "try:\n    x()\nexcept BaseException:\n    raise\n"
         "try:\n    x()\nexcept Exception:  # noqa: BLE001 - silent: feature probe\n    pass\n"
-        "try:\n    x()\nexcept Exception:  # silent: but logs\n    logger.debug('x')\n")
+        "try:\n    x()\nexcept Exception:  # silent: but logs\n    logger.debug('x')\n"
+    )
     assert _uncounted_handlers(module, tmp_path) == ["probe.py:3", "probe.py:7", "probe.py:23"]

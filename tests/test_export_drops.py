@@ -29,8 +29,14 @@ def _closed_port() -> int:
 
 def _dropped(reader: InMemoryMetricReader) -> list:
     data = reader.get_metrics_data()
-    return [(dict(p.attributes), p.value) for rm in (data.resource_metrics if data else []) for sm in rm.scope_metrics
-            for m in sm.metrics if m.name == "llm_otel.spans.dropped" for p in m.data.data_points]
+    return [
+        (dict(p.attributes), p.value)
+        for rm in (data.resource_metrics if data else [])
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == "llm_otel.spans.dropped"
+        for p in m.data.data_points
+    ]
 
 
 def _emit(provider: TracerProvider, n: int) -> None:
@@ -53,7 +59,7 @@ def test_spans_lost_to_a_collector_that_is_down_are_counted_and_logged_once(capl
     provider = TracerProvider()
     provider.add_span_processor(BatchSpanProcessor(drops, max_export_batch_size=2))
     caplog.set_level(logging.INFO, logger="llm_otel")
-    _emit(provider, 3)             # before a meter provider exists: remembered
+    _emit(provider, 3)  # before a meter provider exists: remembered
     drops.bind(MeterProvider(metric_readers=[reader]))
     _emit(provider, 2)
     assert drops.dropped == 5
@@ -89,15 +95,22 @@ def test_metric_export_failures_stay_in_the_log():
     from llm_otel.export.drops import _FILTER
 
     name = "opentelemetry.exporter.otlp.proto.grpc.exporter"
+
     def record(*args):
-        return logging.LogRecord(name, logging.ERROR, __file__, 1, "Failed to export %s to %s, error code: %s", args, None)
+        return logging.LogRecord(
+            name, logging.ERROR, __file__, 1, "Failed to export %s to %s, error code: %s", args, None
+        )
+
     assert not _FILTER.filter(record("traces", "x:4317", "UNAVAILABLE"))
     assert _FILTER.filter(record("metrics", "x:4317", "UNAVAILABLE"))
 
 
 def test_providers_llm_otel_builds_count_their_drops():
-    env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{_closed_port()}", "OTEL_METRICS_EXPORTER": "none",
-           "OTEL_TRACES_SAMPLER": "always_on"}
+    env = {
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{_closed_port()}",
+        "OTEL_METRICS_EXPORTER": "none",
+        "OTEL_TRACES_SAMPLER": "always_on",
+    }
     tracer_provider, meter_provider = build_providers(Settings.from_env({"LLM_OTEL_EXPORT_PROCESS": "false"}), env)
     (processor,) = tracer_provider._active_span_processor._span_processors
     assert isinstance(processor.span_exporter, ProcessSpanExporter)
@@ -172,10 +185,18 @@ def test_the_drop_warning_survives_vllms_openai_server_logging_setup(tmp_path):
     script = tmp_path / "server_logging.py"
     script.write_text(VLLM_SERVER_LOGGING)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_", "LOG_LEVEL"))}
-    env.update({"LLM_OTEL_ENABLED": "1", "OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none",
-                "OTEL_LOGS_EXPORTER": "none"})
-    runs = {mode: subprocess.run([sys.executable, str(script), mode], env=env, capture_output=True, text=True,
-                                 timeout=120) for mode in ("plugin", "control")}
+    env.update(
+        {
+            "LLM_OTEL_ENABLED": "1",
+            "OTEL_TRACES_EXPORTER": "none",
+            "OTEL_METRICS_EXPORTER": "none",
+            "OTEL_LOGS_EXPORTER": "none",
+        }
+    )
+    runs = {
+        mode: subprocess.run([sys.executable, str(script), mode], env=env, capture_output=True, text=True, timeout=120)
+        for mode in ("plugin", "control")
+    }
     for mode, run in runs.items():
         assert run.returncode == 0, f"{mode}: {run.stderr[-3000:]}"
     assert "3 span(s) dropped" in runs["plugin"].stderr, runs["plugin"].stderr[-3000:]

@@ -27,7 +27,6 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from llm_otel.config import Settings
 from llm_otel.export.offload import BACKLOG, DOWN, OffloadTracerProvider, RemoteInstrument, request_outlets
-from llm_otel.export import offload
 from llm_otel.export.providers import span_exporter_from_env
 from llm_otel.process.providers import build_providers
 from llm_otel.sampling import UtilizationPolicy, adaptive_sampler
@@ -42,7 +41,6 @@ class SeededIds(IdGenerator):
         self._rng = random.Random(seed)
         self.trace_ids: set[str] = set()  # hex, as the receiver reports them
 
-
     def generate_span_id(self) -> int:
         return self._rng.getrandbits(64) or 1
 
@@ -53,21 +51,36 @@ class SeededIds(IdGenerator):
 
 
 def _env(receiver, **extra) -> dict[str, str]:
-    return {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.grpc_endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true",
-            "OTEL_METRICS_EXPORTER": "none", **extra}
+    return {
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.grpc_endpoint,
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_METRICS_EXPORTER": "none",
+        **extra,
+    }
 
 
 def _requests(telemetry: Telemetry, tracer, tag: str) -> None:
     """Fixed-time requests: plain, with a remote parent carrying tracestate, failed, and a span
     with a link and an exception (what other processes and the adaptive sampler make of it)."""
     base = 1_700_000_000.0
-    parent = TraceContextTextMapPropagator().extract({
-        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
-        "tracestate": "ot=th:0;rv:ffffffffffffff,vendor=x"})
+    parent = TraceContextTextMapPropagator().extract(
+        {
+            "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "tracestate": "ot=th:0;rv:ffffffffffffff,vendor=x",
+        }
+    )
     for i, ctx in enumerate((None, parent, None)):
         arrival = base + i
-        rec = telemetry.start_request(f"{tag}-{i}", operation="text_completion", provider="vllm", model="m",
-                                      arrival_s=arrival, input_tokens=7, parent=ctx, engine_version="0.0")
+        rec = telemetry.start_request(
+            f"{tag}-{i}",
+            operation="text_completion",
+            provider="vllm",
+            model="m",
+            arrival_s=arrival,
+            input_tokens=7,
+            parent=ctx,
+            engine_version="0.0",
+        )
         mono0 = 1000.0 + i
         rec.mono_offset_ns = round((arrival - mono0) * 1e9)
         rec.on_event("queued", mono0 + 0.001)
@@ -78,8 +91,12 @@ def _requests(telemetry: Telemetry, tracer, tag: str) -> None:
         if i == 2:
             rec.error_type, rec.error_message = "EngineError", "boom"
         telemetry.finish(rec, end_ns=round((arrival + 0.2) * 1e9))
-    root = tracer.start_span("linked", start_time=round(base * 1e9), attributes={"a": [1, 2], "b": "x"},
-                             links=[trace.Link(trace.get_current_span(parent).get_span_context(), {"why": "t"})])
+    root = tracer.start_span(
+        "linked",
+        start_time=round(base * 1e9),
+        attributes={"a": [1, 2], "b": "x"},
+        links=[trace.Link(trace.get_current_span(parent).get_span_context(), {"why": "t"})],
+    )
     root.record_exception(ValueError("bad"), timestamp=round((base + 0.1) * 1e9))
     root.set_status(trace.StatusCode.ERROR, "bad")
     root.end(end_time=round((base + 0.3) * 1e9))
@@ -118,7 +135,9 @@ def test_span_trees_are_identical_to_the_in_process_path(receiver):
         spans = receiver.spans()
         foreign = [s for s in spans if s["trace_id"] not in mine]
         assert not [s for s in foreign if str(s["attributes"].get("llm.request.id", "")).startswith("r-")], foreign
-        return sorted((_comparable(s) for s in spans if s["trace_id"] in mine), key=lambda s: (s["trace_id"], s["span_id"]))
+        return sorted(
+            (_comparable(s) for s in spans if s["trace_id"] in mine), key=lambda s: (s["trace_id"], s["span_id"])
+        )
 
     in_process, offloaded = run(False), run(True)
     assert len(in_process) >= 5  # sampled at 0.5 with fixed ids: some trees kept, some not
@@ -248,8 +267,9 @@ def test_a_forked_child_exports_through_its_own_exporter_process(receiver):
     receiver.clear()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
     env.update(_env(receiver, OTEL_TRACES_SAMPLER="always_on"))
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(FORK_APP)], env=env, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(FORK_APP)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
     for name in ("parent-before-fork", "child-span", "parent-after-fork"):
         assert len(receiver.wait_for_spans(1, name=name)) == 1
@@ -267,16 +287,18 @@ def test_application_providers_are_used_in_process(receiver, monkeypatch):
     mp = MeterProvider(metric_readers=[InMemoryMetricReader()])
     assert request_outlets(tp, mp) is None  # the SDK's provider: everything in process
     telemetry = Telemetry(tp, mp, Settings(console="off", adaptive_sampling="off"), outlets=request_outlets(tp, mp))
-    rec = telemetry.start_request("app", operation="text_completion", provider="vllm", model="m",
-                                  arrival_s=time.time(), input_tokens=1)
+    rec = telemetry.start_request(
+        "app", operation="text_completion", provider="vllm", model="m", arrival_s=time.time(), input_tokens=1
+    )
     rec.on_tokens([1], time.monotonic())
     telemetry.finish(rec)
     assert {s.name for s in memory.get_finished_spans()} >= {"text_completion m", "llm.prompt"}
 
 
 def test_the_opt_out_keeps_the_sdk_batch_processor(receiver):
-    tp, _ = build_providers(Settings(console="off", adaptive_sampling="off", export_process=False),
-                            _env(receiver), shutdown_on_exit=False)
+    tp, _ = build_providers(
+        Settings(console="off", adaptive_sampling="off", export_process=False), _env(receiver), shutdown_on_exit=False
+    )
     assert isinstance(tp, TracerProvider)
     assert type(tp._active_span_processor._span_processors[0]) is BatchSpanProcessor  # noqa: SLF001
     tp.shutdown()
@@ -353,11 +375,20 @@ def test_with_a_collector_that_never_answers_the_exporter_process_ends_with_its_
     hole.listen(64)
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
-        env.update(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=f"http://127.0.0.1:{hole.getsockname()[1]}",
-                   OTEL_EXPORTER_OTLP_INSECURE="true", OTEL_METRICS_EXPORTER="none", OTEL_TRACES_SAMPLER="always_on",
-                   LLM_OTEL_FLUSH_DEADLINE_S="2")
-        serving = subprocess.Popen([sys.executable, "-c", textwrap.dedent(BLACK_HOLE_APP), end], env=env,
-                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        env.update(
+            OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=f"http://127.0.0.1:{hole.getsockname()[1]}",
+            OTEL_EXPORTER_OTLP_INSECURE="true",
+            OTEL_METRICS_EXPORTER="none",
+            OTEL_TRACES_SAMPLER="always_on",
+            LLM_OTEL_FLUSH_DEADLINE_S="2",
+        )
+        serving = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(BLACK_HOLE_APP), end],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         exporter_pid = int(serving.stdout.readline())
         if end == "killed":
             serving.kill()
@@ -373,10 +404,18 @@ def test_with_a_collector_that_never_answers_the_exporter_process_ends_with_its_
         hole.close()
 
 
-GENAI_REQUEST_METRICS = (M.GEN_AI_SERVER_REQUEST_DURATION, M.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN,
-                         M.GEN_AI_SERVER_TIME_PER_OUTPUT_TOKEN, M.LLM_SERVER_INTER_TOKEN_LATENCY,
-                         M.LLM_SERVER_OUTPUT_TOKEN_RATE, M.LLM_SERVER_REQUEST_QUEUE_TIME, M.LLM_SERVER_TOKEN_USAGE,
-                         M.LLM_SERVER_REQUESTS, M.LLM_SERVER_REQUEST_KV_CACHE_SIZE, M.LLM_SERVER_SLO_CHECKS)
+GENAI_REQUEST_METRICS = (
+    M.GEN_AI_SERVER_REQUEST_DURATION,
+    M.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN,
+    M.GEN_AI_SERVER_TIME_PER_OUTPUT_TOKEN,
+    M.LLM_SERVER_INTER_TOKEN_LATENCY,
+    M.LLM_SERVER_OUTPUT_TOKEN_RATE,
+    M.LLM_SERVER_REQUEST_QUEUE_TIME,
+    M.LLM_SERVER_TOKEN_USAGE,
+    M.LLM_SERVER_REQUESTS,
+    M.LLM_SERVER_REQUEST_KV_CACHE_SIZE,
+    M.LLM_SERVER_SLO_CHECKS,
+)
 
 
 def _choices(telemetry: Telemetry) -> None:
@@ -386,8 +425,15 @@ def _choices(telemetry: Telemetry) -> None:
 
     base, group = 1_700_000_010.0, ChoiceGroup(2)
     for c in range(2):
-        rec = telemetry.start_request("n2", operation="text_completion", provider="vllm", model="m2",
-                                      arrival_s=base, input_tokens=5, choice_index=c)
+        rec = telemetry.start_request(
+            "n2",
+            operation="text_completion",
+            provider="vllm",
+            model="m2",
+            arrival_s=base,
+            input_tokens=5,
+            choice_index=c,
+        )
         rec.choice_group = group
         rec.mono_offset_ns = round((base - 2000.0) * 1e9)
         for k in range(9 + c):
@@ -407,17 +453,22 @@ def test_genai_metrics_are_the_same_and_their_exemplars_point_at_exported_reques
 
     def run(export_process: bool):
         receiver.clear()
-        env = {k: v for k, v in _env(receiver, OTEL_TRACES_SAMPLER="always_on").items()
-               if k != "OTEL_METRICS_EXPORTER"}
+        env = {k: v for k, v in _env(receiver, OTEL_TRACES_SAMPLER="always_on").items() if k != "OTEL_METRICS_EXPORTER"}
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.grpc_endpoint
-        tp, mp = build_providers(dataclasses.replace(settings, export_process=export_process), env,
-                                 shutdown_on_exit=False)
+        tp, mp = build_providers(
+            dataclasses.replace(settings, export_process=export_process), env, shutdown_on_exit=False
+        )
         tp.id_generator = SeededIds(11)  # before any tracer exists: the same span ids on both paths
         from llm_otel.signals import SignalsConfig
         from llm_otel.signals.kv import KVSpec
 
-        telemetry = Telemetry(tp, mp, settings, signals_config=SignalsConfig.from_env(
-            {"LLM_OTEL_TIERS": "standard * e2e=120 ttft=60"}), outlets=request_outlets(tp, mp))
+        telemetry = Telemetry(
+            tp,
+            mp,
+            settings,
+            signals_config=SignalsConfig.from_env({"LLM_OTEL_TIERS": "standard * e2e=120 ttft=60"}),
+            outlets=request_outlets(tp, mp),
+        )
         telemetry.instruments._rng.seed(3)  # noqa: SLF001 - the same ITL offsets on both paths
         signals, start = telemetry.signals, telemetry.start_request
         kv = KVSpec(layers=2, kv_heads=2, head_dim=8, dtype_bytes=4, block_size=16)
@@ -440,9 +491,16 @@ def test_genai_metrics_are_the_same_and_their_exemplars_point_at_exported_reques
         for name in GENAI_REQUEST_METRICS:
             for p in receiver.wait_for_metric(name, timeout=10):
                 key = (name, tuple(sorted(p["attributes"].items())))
-                points[key] = (p.get("count"), p.get("sum"), tuple(p.get("bucket_counts", ())), p.get("value"),
-                               p["resource"]["process.pid"], p["scope_name"], p["scope_version"],
-                               tuple((e["trace_id"], e["span_id"], e["value"]) for e in p.get("exemplars", ())))
+                points[key] = (
+                    p.get("count"),
+                    p.get("sum"),
+                    tuple(p.get("bucket_counts", ())),
+                    p.get("value"),
+                    p["resource"]["process.pid"],
+                    p["scope_name"],
+                    p["scope_version"],
+                    tuple((e["trace_id"], e["span_id"], e["value"]) for e in p.get("exemplars", ())),
+                )
         spans = {(s["trace_id"], s["span_id"]) for s in receiver.spans() if s["name"].startswith("text_completion m")}
         tp.shutdown()
         mp.shutdown()
@@ -473,9 +531,15 @@ def test_metric_observations_a_full_buffer_cannot_take_are_counted(receiver):
         for _ in range(tp.buffer.metric_capacity + 3):
             remote.add(1, {"a": "b"})
     data = reader.get_metrics_data()
-    dropped = [p.value for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
-               if m.name == M.LLM_OTEL_METRIC_POINTS_DROPPED for p in m.data.data_points
-               if p.attributes.get("error.type") == BACKLOG]
+    dropped = [
+        p.value
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == M.LLM_OTEL_METRIC_POINTS_DROPPED
+        for p in m.data.data_points
+        if p.attributes.get("error.type") == BACKLOG
+    ]
     assert dropped == [3]
     tp.shutdown()
 
@@ -496,9 +560,15 @@ def test_a_request_metric_record_a_full_buffer_cannot_take_counts_all_its_points
             buffer.push_request(ok, None)
         assert len(buffer._mqueue) == 3  # noqa: SLF001
     data = reader.get_metrics_data()
-    dropped = [p.value for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
-               if m.name == M.LLM_OTEL_METRIC_POINTS_DROPPED for p in m.data.data_points
-               if p.attributes.get("error.type") == BACKLOG]
+    dropped = [
+        p.value
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == M.LLM_OTEL_METRIC_POINTS_DROPPED
+        for p in m.data.data_points
+        if p.attributes.get("error.type") == BACKLOG
+    ]
     # duration, TTFT, TPOT, 3 ITL gaps, token rate, the request count, queue time, input and output tokens
     assert dropped == [Instruments.points(ok)] == [11]
     assert buffer._drain() and buffer._mput == buffer._mtaken == 33  # noqa: SLF001
@@ -518,13 +588,19 @@ def test_the_points_of_a_request_record_are_what_apply_records(case):
     reader = InMemoryMetricReader()
     instruments = Instruments(MeterProvider(metric_readers=[reader]).get_meter("t"), 1)
     sets = ({"a": "1"}, {"a": "1", "r": "stop"}, {"a": "1", "t": "input"}, {"a": "1", "t": "output"})
-    obs = {"ok": (sets, True, 0.5, 0.1, 0.01, [0.01, 0.02], 20.0, 0.002, 7, 10, None),
-           "error": (sets, True, 0.5, None, None, (), None, 0.002, 7, 0, "boom"),
-           "first_choice": (sets, False, 0.5, 0.1, None, [0.3], 20.0, None, 7, 10, None),
-           "no_tokens": (sets, True, 0.5, None, None, (), None, None, 7, 0, None)}[case]
+    obs = {
+        "ok": (sets, True, 0.5, 0.1, 0.01, [0.01, 0.02], 20.0, 0.002, 7, 10, None),
+        "error": (sets, True, 0.5, None, None, (), None, 0.002, 7, 0, "boom"),
+        "first_choice": (sets, False, 0.5, 0.1, None, [0.3], 20.0, None, 7, 10, None),
+        "no_tokens": (sets, True, 0.5, None, None, (), None, None, 7, 0, None),
+    }[case]
     instruments.apply(obs, NO_TRACE)
     data = reader.get_metrics_data()
-    recorded = sum(p.count if hasattr(p, "count") else p.value for rm in data.resource_metrics
-                   for sm in rm.scope_metrics for m in sm.metrics for p in m.data.data_points)
+    recorded = sum(
+        p.count if hasattr(p, "count") else p.value
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        for p in m.data.data_points
+    )
     assert recorded == Instruments.points(obs)
-

@@ -38,9 +38,9 @@ pytestmark = [pytest.mark.engine, pytest.mark.skipif(not HAS_VLLM, reason="vLLM 
 
 SERVED = "tiny"
 ROUTER_SPAN = "00f067aa0ba902b7"
-ROUTER_STATE = "ot=th:c,router=edge-1"      # the router kept 25 % (threshold 0xc / 16)
-ENVIRONMENT = "fleet-ci"                     # added by rotel to every resource
-A_REQUESTS = 16                              # both head-kept and outlier trees: P(one kind only) = 2^-15
+ROUTER_STATE = "ot=th:c,router=edge-1"  # the router kept 25 % (threshold 0xc / 16)
+ENVIRONMENT = "fleet-ci"  # added by rotel to every resource
+A_REQUESTS = 16  # both head-kept and outlier trees: P(one kind only) = 2^-15
 B_OWN, B_ROUTED = 4, 4
 DOWN_REQUESTS = 4
 
@@ -61,7 +61,7 @@ class Replica:
     name: str
     service: str
     base: str
-    metrics_port: int          # frontend; the engine core serves on metrics_port + 1
+    metrics_port: int  # frontend; the engine core serves on metrics_port + 1
     proc: subprocess.Popen
     log: pathlib.Path
 
@@ -81,17 +81,40 @@ def _start_server(name: str, tiny_model, rotel_grpc: str, work: pathlib.Path, ex
     port, metrics_port = _distinct(_free_port), _distinct(_free_pair, 2)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
     env.update(VLLM_ENV)
-    env.update(LLM_OTEL_ENABLED="1", OTEL_SERVICE_NAME=f"vllm-replica-{name}",
-               OTEL_RESOURCE_ATTRIBUTES=f"k8s.pod.name=replica-{name},service.namespace=fleet",
-               OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=rotel_grpc, OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
-               OTEL_BSP_SCHEDULE_DELAY="200", OTEL_EXPORTER_OTLP_TIMEOUT="2",
-               OTEL_METRICS_EXPORTER="prometheus", OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
-               OTEL_EXPORTER_PROMETHEUS_PORT=str(metrics_port), LLM_OTEL_LOGIT_DIST_RATIO="1",
-               LLM_OTEL_CONSOLE="off", VLLM_LOGGING_LEVEL="INFO", **extra)
+    env.update(
+        LLM_OTEL_ENABLED="1",
+        OTEL_SERVICE_NAME=f"vllm-replica-{name}",
+        OTEL_RESOURCE_ATTRIBUTES=f"k8s.pod.name=replica-{name},service.namespace=fleet",
+        OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=rotel_grpc,
+        OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+        OTEL_BSP_SCHEDULE_DELAY="200",
+        OTEL_EXPORTER_OTLP_TIMEOUT="2",
+        OTEL_METRICS_EXPORTER="prometheus",
+        OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
+        OTEL_EXPORTER_PROMETHEUS_PORT=str(metrics_port),
+        LLM_OTEL_LOGIT_DIST_RATIO="1",
+        LLM_OTEL_CONSOLE="off",
+        VLLM_LOGGING_LEVEL="INFO",
+        **extra,
+    )
     log = work / f"replica-{name}.log"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
-           "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "512"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(tiny_model),
+        "--served-model-name",
+        SERVED,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+    ]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     return Replica(name, f"vllm-replica-{name}", f"http://127.0.0.1:{port}", metrics_port, proc, log)
@@ -118,16 +141,31 @@ def _start_rotel(receiver: OTLPReceiver, work: pathlib.Path) -> tuple[subprocess
     rotel = pytest.importorskip("rotel")
     agent = pathlib.Path(rotel.__file__).parent / "rotel-agent"
     grpc_port, http_port = _distinct(_free_port), _distinct(_free_port)
-    cmd = [str(agent), "start", "--otlp-grpc-endpoint", f"127.0.0.1:{grpc_port}",
-           "--otlp-http-endpoint", f"127.0.0.1:{http_port}", "--exporter", "otlp",
-           "--otlp-exporter-endpoint", receiver.grpc_endpoint, "--otlp-exporter-protocol", "grpc",
-           # resource enrichment at the collector (rotel sets these on every resource, replacing
-           # a value the replica set: only keys the replicas leave alone)
-           "--otel-resource-attributes", f"deployment.environment.name={ENVIRONMENT}",
-           "--traces-batch-timeout", "100ms",
-           "--log-file", str(work / "rotel-agent.log"), "--pid-file", str(work / "rotel-agent.pid")]
-    proc = subprocess.Popen(cmd, stdout=open(work / "rotel.out", "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    cmd = [
+        str(agent),
+        "start",
+        "--otlp-grpc-endpoint",
+        f"127.0.0.1:{grpc_port}",
+        "--otlp-http-endpoint",
+        f"127.0.0.1:{http_port}",
+        "--exporter",
+        "otlp",
+        "--otlp-exporter-endpoint",
+        receiver.grpc_endpoint,
+        "--otlp-exporter-protocol",
+        "grpc",
+        # resource enrichment at the collector (rotel sets these on every resource, replacing
+        # a value the replica set: only keys the replicas leave alone)
+        "--otel-resource-attributes",
+        f"deployment.environment.name={ENVIRONMENT}",
+        "--traces-batch-timeout",
+        "100ms",
+        "--log-file",
+        str(work / "rotel-agent.log"),
+        "--pid-file",
+        str(work / "rotel-agent.pid"),
+    ]
+    proc = subprocess.Popen(cmd, stdout=open(work / "rotel.out", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 30
     while True:  # listening once a TCP connect succeeds
         if proc.poll() is not None:
@@ -144,14 +182,34 @@ def _start_rotel(receiver: OTLPReceiver, work: pathlib.Path) -> tuple[subprocess
 def _start_prometheus(replicas: list[Replica], work: pathlib.Path):
     binary = _require("prometheus")
     port = _distinct(_free_port)
-    config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
-              "scrape_configs": [{"job_name": "llm", "static_configs": [
-                  {"targets": [f"127.0.0.1:{r.metrics_port + offset}"], "labels": {"replica": r.name, "process": process}}
-                  for r in replicas for offset, process in ((0, "frontend"), (1, "engine_core"))]}]}
+    config = {
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
+        "scrape_configs": [
+            {
+                "job_name": "llm",
+                "static_configs": [
+                    {
+                        "targets": [f"127.0.0.1:{r.metrics_port + offset}"],
+                        "labels": {"replica": r.name, "process": process},
+                    }
+                    for r in replicas
+                    for offset, process in ((0, "frontend"), (1, "engine_core"))
+                ],
+            }
+        ],
+    }
     (work / "prometheus.yml").write_text(yaml.safe_dump(config))
-    proc = subprocess.Popen([binary, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'tsdb'}",
-                             f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=open(work / "prometheus.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={work / 'prometheus.yml'}",
+            f"--storage.tsdb.path={work / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=open(work / "prometheus.log", "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
     deadline = time.time() + 60
     while True:
@@ -173,8 +231,8 @@ class Fleet:
     b: Replica
     prom: httpx.Client
     work: pathlib.Path
-    sent: dict = dataclasses.field(default_factory=dict)      # replica -> requests answered 200
-    routed: list = dataclasses.field(default_factory=list)    # trace ids b received from the router
+    sent: dict = dataclasses.field(default_factory=dict)  # replica -> requests answered 200
+    routed: list = dataclasses.field(default_factory=list)  # trace ids b received from the router
 
 
 @pytest.fixture(scope="module")
@@ -185,9 +243,18 @@ def fleet(tiny_model, tmp_path_factory):
     try:
         rotel, rotel_grpc = _start_rotel(receiver, work)
         procs.append(rotel)
-        a = _start_server("a", tiny_model, rotel_grpc, work, {
-            "OTEL_TRACES_SAMPLER": "llm_otel_adaptive", "OTEL_TRACES_SAMPLER_ARG": "0.5,0.5",
-            "LLM_OTEL_OUTLIER_TTFT_S": "0.000001", "VLLM_CPU_OMP_THREADS_BIND": "0"})
+        a = _start_server(
+            "a",
+            tiny_model,
+            rotel_grpc,
+            work,
+            {
+                "OTEL_TRACES_SAMPLER": "llm_otel_adaptive",
+                "OTEL_TRACES_SAMPLER_ARG": "0.5,0.5",
+                "LLM_OTEL_OUTLIER_TTFT_S": "0.000001",
+                "VLLM_CPU_OMP_THREADS_BIND": "0",
+            },
+        )
         procs.append(a.proc)
         b = _start_server("b", tiny_model, rotel_grpc, work, {"VLLM_CPU_OMP_THREADS_BIND": "1"})
         procs.append(b.proc)
@@ -223,8 +290,9 @@ def _send_traffic(fleet: Fleet) -> None:
         # a router's trace, kept by it at 25 %: randomness >= 0xc0.. (consistent with th:c)
         trace_id = secrets.token_hex(9) + "f" + secrets.token_hex(7)[:13]
         fleet.routed.append(trace_id)
-        _complete(fleet.b.base, 2 + B_OWN + i,
-                  {"traceparent": f"00-{trace_id}-{ROUTER_SPAN}-01", "tracestate": ROUTER_STATE})
+        _complete(
+            fleet.b.base, 2 + B_OWN + i, {"traceparent": f"00-{trace_id}-{ROUTER_SPAN}-01", "tracestate": ROUTER_STATE}
+        )
     fleet.sent = {"a": A_REQUESTS, "b": B_OWN + B_ROUTED}
 
 
@@ -235,8 +303,11 @@ def _request_roots(fleet: Fleet, replica: Replica, n: int) -> dict[int, dict]:
     deadline = time.time() + 60
     while len(roots) < n and time.time() < deadline:
         time.sleep(0.5)
-        roots = [s for s in fleet.receiver.spans(name=f"text_completion {SERVED}")
-                 if s["resource"].get("service.name") == replica.service]
+        roots = [
+            s
+            for s in fleet.receiver.spans(name=f"text_completion {SERVED}")
+            if s["resource"].get("service.name") == replica.service
+        ]
     by_tokens: dict[int, list] = {}
     for s in roots:
         by_tokens.setdefault(s["attributes"]["gen_ai.request.max_tokens"], []).append(s)
@@ -249,7 +320,9 @@ def _children(fleet: Fleet, root: dict, names: set[str]) -> dict[str, dict]:
     while True:
         kids = {s["name"]: s for s in fleet.receiver.children(root)}
         if names <= set(kids) or time.time() > deadline:
-            assert names <= set(kids), f"{root['name']} {root['trace_id']}: children {sorted(kids)}, want {sorted(names)}"
+            assert names <= set(kids), (
+                f"{root['name']} {root['trace_id']}: children {sorted(kids)}, want {sorted(names)}"
+            )
             return kids
         time.sleep(0.5)
 
@@ -298,8 +371,12 @@ def test_step_spans_link_to_the_requests_their_batches_served(fleet):
     roots = {**_request_roots(fleet, fleet.a, A_REQUESTS)}
     heads = [r for r in roots.values() if r["attributes"]["llm.sampling.reason"] == "head"]
     heads += list(_request_roots(fleet, fleet.b, B_OWN + B_ROUTED).values())
-    outlier_targets = {(link["trace_id"], link["span_id"]) for r in roots.values()
-                       if r["attributes"]["llm.sampling.reason"] == "outlier" for link in r["links"]}
+    outlier_targets = {
+        (link["trace_id"], link["span_id"])
+        for r in roots.values()
+        if r["attributes"]["llm.sampling.reason"] == "outlier"
+        for link in r["links"]
+    }
     by_context = {(r["trace_id"], r["span_id"]): r for r in heads}
     deadline = time.time() + 30
     while True:
@@ -336,8 +413,10 @@ def _prom_value(fleet: Fleet, expr: str) -> dict[str, float]:
 
 def test_prometheus_counts_every_request_each_replica_served(fleet):
     want = {name: float(n) for name, n in fleet.sent.items()}
-    queries = ('sum by (replica) (llm_server_requests_total{process="frontend"})',
-               'sum by (replica) (gen_ai_server_request_duration_seconds_count{process="frontend"})')
+    queries = (
+        'sum by (replica) (llm_server_requests_total{process="frontend"})',
+        'sum by (replica) (gen_ai_server_request_duration_seconds_count{process="frontend"})',
+    )
     deadline = time.time() + 30
     while True:
         got = [_prom_value(fleet, q) for q in queries]
@@ -345,8 +424,10 @@ def test_prometheus_counts_every_request_each_replica_served(fleet):
             break
         time.sleep(1)
     assert got == [want, want]  # every request, sampled or not
-    services = {row["metric"]["replica"]: row["metric"]["service_name"]
-                for row in _query(fleet.prom, 'target_info{process="frontend"}')}
+    services = {
+        row["metric"]["replica"]: row["metric"]["service_name"]
+        for row in _query(fleet.prom, 'target_info{process="frontend"}')
+    }
     assert services == {"a": fleet.a.service, "b": fleet.b.service}
 
 
@@ -377,7 +458,10 @@ def test_a_collector_that_stops_costs_spans_not_requests(fleet):
     log = fleet.a.log.read_text()
     ours = [line for line in log.splitlines() if "llm-otel: span export to" in line and "failed" in line]
     assert 1 <= len(ours) <= 3, ours  # at most once per process (frontend, engine core, worker)
-    sdk = [line for line in log.splitlines() if "Failed to export traces" in line or
-           re.search(r"Transient error .* exporting traces", line)]
+    sdk = [
+        line
+        for line in log.splitlines()
+        if "Failed to export traces" in line or re.search(r"Transient error .* exporting traces", line)
+    ]
     assert not sdk, sdk[:3]
     assert httpx.get(fleet.a.base + "/health", timeout=5).status_code == 200

@@ -12,8 +12,14 @@ ARRIVAL = 1_700_000_000.0
 
 def _points(cap, name):
     data = cap.metrics.get_metrics_data()
-    return [p for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics if m.name == name
-            for p in m.data.data_points]
+    return [
+        p
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == name
+        for p in m.data.data_points
+    ]
 
 
 @pytest.mark.case("C15")
@@ -21,8 +27,15 @@ def test_n_choices_count_the_prompt_and_the_request_once():
     cap = make_captured()
     group = ChoiceGroup(3)
     for i, out in enumerate((4, 5, 6)):
-        rec = cap.telemetry.start_request(f"{i}_parent", operation="text_completion", provider="vllm", model="tiny",
-                                          arrival_s=ARRIVAL, input_tokens=7, choice_index=i)
+        rec = cap.telemetry.start_request(
+            f"{i}_parent",
+            operation="text_completion",
+            provider="vllm",
+            model="tiny",
+            arrival_s=ARRIVAL,
+            input_tokens=7,
+            choice_index=i,
+        )
         rec.choice_group = group
         rec.on_tokens(list(range(out)), 10.0 + i)
         rec.finish_reason = "length"

@@ -24,7 +24,7 @@ from conftest import make_captured
 
 from llm_otel.gpu import ring as R
 from llm_otel.gpu import stack as S
-from llm_otel.gpu.capture import CaptureGate, capture_gate
+from llm_otel.gpu.capture import CaptureGate
 from llm_otel.telemetry.steps import StepTracker
 
 torch = pytest.importorskip("torch")
@@ -79,8 +79,8 @@ class DeviceRing(R.NumpyRing):
 def gate(monkeypatch):
     """A fresh gate in place of the process's (the device timeline, the worker and the logit capture read it by module name)."""
     fresh = CaptureGate()
-    import llm_otel.instrumentation.vllm.worker as worker_module
     import llm_otel.gpu.timeline as timeline_module
+    import llm_otel.instrumentation.vllm.worker as worker_module
     import llm_otel.telemetry.logit_capture as logit_capture_module
 
     monkeypatch.setattr(timeline_module, "capture_gate", fresh)
@@ -227,8 +227,11 @@ class CupyCompiler:
                 src = os.path.join(tmp, "k.cu")
                 with open(src, "w") as fh:
                     fh.write(code)
-                subprocess.run(["nvcc", "-ptx", "-arch=sm_80", src, "-o", os.path.join(tmp, "k.ptx")],
-                               check=True, capture_output=True)
+                subprocess.run(
+                    ["nvcc", "-ptx", "-arch=sm_80", src, "-o", os.path.join(tmp, "k.ptx")],
+                    check=True,
+                    capture_output=True,
+                )
         if os.environ.get("CUPY_CACHE_IN_MEMORY", "0") != "1":
             cache_dir = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
             os.makedirs(cache_dir, exist_ok=True)
@@ -291,7 +294,8 @@ def test_a_cupy_for_cuda_12_beside_torch_for_cuda_13_is_named_with_the_extra_to_
     assert stack.advice() == (
         "CuPy (cupy-cuda12x, CUDA 12) and torch (CUDA 13.0) use different CUDA majors; the GPU step ring "
         "cannot compile its kernel and step timing falls back to the host clock. "
-        "Fix: pip uninstall cupy-cuda12x && pip install 'llm-otel[gpu]'")
+        "Fix: pip uninstall cupy-cuda12x && pip install 'llm-otel[gpu]'"
+    )
     assert "llm-otel[gpu-cu12]" in S.CudaStack("12.8", "cupy-cuda13x", 13).advice()
     monkeypatch.setattr(S, "cuda_stack", lambda import_torch=False: stack)
     with caplog.at_level(logging.DEBUG, logger="llm_otel"):
@@ -301,9 +305,17 @@ def test_a_cupy_for_cuda_12_beside_torch_for_cuda_13_is_named_with_the_extra_to_
     assert "cupy-cuda12x" in warning and "CUDA 13.0" in warning and "llm-otel[gpu]" in warning
 
 
-@pytest.mark.parametrize("torch_cuda, dist, major, mismatch", [
-    ("13.0", "cupy-cuda13x", 13, False), ("12.8", "cupy-cuda12x", 12, False), (None, "cupy-cuda12x", 12, False),
-    ("13.0", "cupy", None, False), ("13.0", None, None, False), ("12.4", "cupy-cuda13x", 13, True)])
+@pytest.mark.parametrize(
+    "torch_cuda, dist, major, mismatch",
+    [
+        ("13.0", "cupy-cuda13x", 13, False),
+        ("12.8", "cupy-cuda12x", 12, False),
+        (None, "cupy-cuda12x", 12, False),
+        ("13.0", "cupy", None, False),
+        ("13.0", None, None, False),
+        ("12.4", "cupy-cuda13x", 13, True),
+    ],
+)
 def test_only_two_known_different_majors_are_a_mismatch(torch_cuda, dist, major, mismatch):
     assert S.CudaStack(torch_cuda, dist, major).mismatch is mismatch
 

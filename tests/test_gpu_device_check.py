@@ -19,15 +19,33 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.slow
 def test_the_device_check_dry_run_passes_and_prints_one_table(tmp_path):
     out = tmp_path / "device_check.md"
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu", "device_check.py"),
-                           "--cpu-dry-run", "--steps", "16", "--captures", "4", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "gpu", "device_check.py"),
+            "--cpu-dry-run",
+            "--steps",
+            "16",
+            "--captures",
+            "4",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     table = [line for line in out.read_text().splitlines() if line.startswith("|")]
     assert table[0] == "| check | result |"
     rows = {line.split(" | ")[0].lstrip("| ") for line in table[2:]}
-    for label in ("steps complete (begin+end records)", "MRv2 sampler hook: spans / chosen, step us bare / hooked",
-                  "NVTX", "NVML", "graph capture while drain polls (gate)"):
+    for label in (
+        "steps complete (begin+end records)",
+        "MRv2 sampler hook: spans / chosen, step us bare / hooked",
+        "NVTX",
+        "NVML",
+        "graph capture while drain polls (gate)",
+    ):
         assert label in rows
     results = json.loads((tmp_path / "device_check.json").read_text())
     assert results["failures"] == []
@@ -40,8 +58,14 @@ def test_the_shell_wrapper_says_it_cannot_run_without_cuda(tmp_path):
     if importlib.util.find_spec("cupy") is not None:
         pytest.skip("CuPy is installed here: the wrapper would run the real check")
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
-    done = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu", "device_check.sh")], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    done = subprocess.run(
+        ["bash", os.path.join(ROOT, "benchmarks", "gpu", "device_check.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert done.returncode == 2, done.stdout + done.stderr
     assert "cannot run here" in done.stderr
     assert "cuda stack:" in (tmp_path / "device_env.txt").read_text()

@@ -20,8 +20,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llm_otel.gpu.nvtx import (DOMAIN, REQUEST_MESSAGE, STEP_MESSAGE, NvtxRanges, int64_to_span_id,
-                               request_payload, span_id_to_int64)
+from llm_otel.gpu.nvtx import (
+    DOMAIN,
+    REQUEST_MESSAGE,
+    STEP_MESSAGE,
+    NvtxRanges,
+    int64_to_span_id,
+    request_payload,
+    span_id_to_int64,
+)
 
 nvtx = pytest.importorskip("nvtx")
 from nvtx._lib.lib import DummyDomain, EventAttributes, dummy_domain  # noqa: E402
@@ -177,8 +184,11 @@ def test_a_failing_domain_turns_ranges_off_with_one_log_line(caplog):
 
 
 # --- with a real NVTX tool attached ---------------------------------------------------------
-NVTX_HEADERS = [d for d in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda") if d
-                and os.path.exists(os.path.join(d, "include", "nvtx3", "nvToolsExt.h"))]
+NVTX_HEADERS = [
+    d
+    for d in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda")
+    if d and os.path.exists(os.path.join(d, "include", "nvtx3", "nvToolsExt.h"))
+]
 
 TOOL_SCRIPT = textwrap.dedent("""
     import sys
@@ -205,8 +215,23 @@ def nvtx_tool(tmp_path_factory):
         pytest.skip("needs a C compiler and the NVTX 3 headers (CUDA toolkit include/nvtx3) to build the tool")
     lib = tmp_path_factory.mktemp("nvtx") / "librecorder.so"
     src = os.path.join(os.path.dirname(__file__), "nvtx_tool", "recorder.c")
-    proc = subprocess.run([cc, "-shared", "-fPIC", "-O1", "-I", os.path.join(NVTX_HEADERS[0], "include"),
-                           "-o", str(lib), src, "-lpthread"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            cc,
+            "-shared",
+            "-fPIC",
+            "-O1",
+            "-I",
+            os.path.join(NVTX_HEADERS[0], "include"),
+            "-o",
+            str(lib),
+            src,
+            "-lpthread",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     return lib
 
@@ -215,8 +240,13 @@ def test_with_a_tool_attached_the_real_package_carries_the_step_and_request_ids(
     record = tmp_path / "nvtx.txt"
     env = dict(os.environ, NVTX_INJECTION64_PATH=str(nvtx_tool), LLM_OTEL_NVTX_RECORD=str(record))
     env.pop("NVTX_DISABLE", None)
-    proc = subprocess.run([sys.executable, "-c", TOOL_SCRIPT, os.path.dirname(__file__)], env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", TOOL_SCRIPT, os.path.dirname(__file__)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     step_span_id, trace_id, request_span_id = map(int, proc.stdout.split())
     lines = [line.split() for line in record.read_text().splitlines()]
@@ -231,7 +261,7 @@ def test_with_a_tool_attached_the_real_package_carries_the_step_and_request_ids(
     assert int(start[4]) & 0xFFFFFFFF == 0xDFBD0009  # NVTX_PAYLOAD_TYPE_EXT: a structured payload
     raw = bytes.fromhex(start[5])
     assert len(raw) == 24
-    hi, lo, sid = (int.from_bytes(raw[i:i + 8], "little") for i in (0, 8, 16))
+    hi, lo, sid = (int.from_bytes(raw[i : i + 8], "little") for i in (0, 8, 16))
     assert (hi << 64 | lo, sid) == (trace_id, request_span_id)
     assert ["end", start[6]] in lines  # the same range ended
     assert {line[2] for line in lines if line[0] in ("push", "start")} == {"llm.engine.step", "llm.request"}

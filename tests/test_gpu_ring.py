@@ -22,8 +22,7 @@ def test_records_come_back_in_order_with_host_timestamps():
         ring.record(sid, R.KIND_BEGIN)
         ring.record(sid, R.KIND_END)
     recs = ring.poll()
-    assert [(int(r["span_id"]), int(r["kind"])) for r in recs] == [
-        (11, 1), (11, 2), (12, 1), (12, 2), (13, 1), (13, 2)]
+    assert [(int(r["span_id"]), int(r["kind"])) for r in recs] == [(11, 1), (11, 2), (12, 1), (12, 2), (13, 1), (13, 2)]
     ts = recs["timestamp"].astype(np.int64)
     assert (np.diff(ts) >= 0).all()
     assert (recs["aux"] == recs["timestamp"]).all()  # host clock: launch == execution
@@ -86,8 +85,10 @@ def test_writers_on_many_threads_lose_nothing_within_capacity():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(min_value=2, max_value=16),
-       st.lists(st.tuples(st.integers(min_value=0, max_value=40), st.booleans()), min_size=1, max_size=30))
+@given(
+    st.integers(min_value=2, max_value=16),
+    st.lists(st.tuples(st.integers(min_value=0, max_value=40), st.booleans()), min_size=1, max_size=30),
+)
 def test_reader_returns_exactly_the_unread_records_still_in_the_ring(capacity, plan):
     ring = R.NumpyRing(capacity=capacity)
     written = 0
@@ -101,7 +102,7 @@ def test_reader_returns_exactly_the_unread_records_still_in_the_ring(capacity, p
     got.extend(int(s) for s in ring.poll()["span_id"])
     assert got == sorted(got) and len(set(got)) == len(got)  # in order, no duplicates
     assert len(got) + ring.overwritten == written  # every record read or counted as lost
-    assert got[-min(capacity, written):] == list(range(max(0, written - capacity), written))
+    assert got[-min(capacity, written) :] == list(range(max(0, written - capacity), written))
 
 
 def test_bad_capacity_is_refused():

@@ -18,9 +18,14 @@ from opentelemetry.trace import SpanKind
 from llm_otel.gpu import ring as R
 from llm_otel.telemetry.steps import EngineSteps, StepTracker, step_parent
 
-DEVICE_KEYS = {"llm.engine.step.device.start_ns", "llm.engine.step.device.end_ns",
-               "llm.engine.step.device.duration", "llm.engine.step.device.queue_delay",
-               "llm.engine.step.device.clock", "llm.engine.step.device.clock_error"}
+DEVICE_KEYS = {
+    "llm.engine.step.device.start_ns",
+    "llm.engine.step.device.end_ns",
+    "llm.engine.step.device.duration",
+    "llm.engine.step.device.queue_delay",
+    "llm.engine.step.device.clock",
+    "llm.engine.step.device.clock_error",
+}
 
 
 def tracker(cap, **kw):
@@ -42,8 +47,9 @@ def test_device_times_go_on_a_child_of_the_step_span_which_its_owner_ends():
     assert s.name == "llm.engine.step.device" and s.parent.span_id == span.get_span_context().span_id
     a = s.attributes
     assert DEVICE_KEYS <= set(a) and a["llm.engine.step.device.clock"] == "host"
-    assert a["llm.engine.step.device.end_ns"] - a["llm.engine.step.device.start_ns"] == \
-        round(a["llm.engine.step.device.duration"] * 1e9)
+    assert a["llm.engine.step.device.end_ns"] - a["llm.engine.step.device.start_ns"] == round(
+        a["llm.engine.step.device.duration"] * 1e9
+    )
     assert a["llm.engine.step.device.duration"] >= 0.002
     assert ctx.launch_ns <= a["llm.engine.step.device.start_ns"] <= a["llm.engine.step.device.end_ns"]
     assert (s.start_time, s.end_time) == (a["llm.engine.step.device.start_ns"], a["llm.engine.step.device.end_ns"])
@@ -73,8 +79,9 @@ def test_request_device_time_accumulates_over_the_steps_that_served_it():
 def test_telemetry_finish_puts_device_time_on_the_request_span():
     cap = make_captured()
     t = cap.telemetry
-    rec = t.start_request("r1", operation="text_completion", provider="vllm", model="m",
-                          arrival_s=time.time(), input_tokens=3)
+    rec = t.start_request(
+        "r1", operation="text_completion", provider="vllm", model="m", arrival_s=time.time(), input_tokens=3
+    )
     for _ in range(2):
         ctx = t.steps.begin(["r1"])  # no step span: device time only
         t.steps.end(ctx)
@@ -119,8 +126,9 @@ def test_the_core_step_api_builds_the_step_span_with_links_and_the_device_child_
     req = cap.telemetry.tracer.start_span("text_completion m")
     assert engine.start([], start_ns=time.time_ns(), batch_size=1) is None  # no sampled request: no span
     start_ns = time.time_ns()
-    span = engine.start([req.get_span_context()], start_ns=start_ns, batch_size=1, prefill_tokens=3,
-                        decode_tokens=0, preempted=0)
+    span = engine.start(
+        [req.get_span_context()], start_ns=start_ns, batch_size=1, prefill_tokens=3, decode_tokens=0, preempted=0
+    )
     trace_id, span_id, sampled = engine.ids(span)
     ctx = steps.begin(["a"], parent=step_parent(trace_id, span_id, sampled))
     steps.end(ctx)
@@ -131,9 +139,13 @@ def test_the_core_step_api_builds_the_step_span_with_links_and_the_device_child_
     assert s.name == "llm.engine.step" and s.kind == SpanKind.INTERNAL
     assert [l.context.span_id for l in s.links] == [req.get_span_context().span_id]
     assert s.parent is None and (s.start_time, s.end_time) == (start_ns, end_ns)
-    assert dict(s.attributes) == {"llm.engine.step.batch_size": 1, "llm.engine.step.prefill_tokens": 3,
-                                  "llm.engine.step.decode_tokens": 0, "llm.engine.step.preempted": 0,
-                                  "llm.engine.step.cpu_time": 0.001}
+    assert dict(s.attributes) == {
+        "llm.engine.step.batch_size": 1,
+        "llm.engine.step.prefill_tokens": 3,
+        "llm.engine.step.decode_tokens": 0,
+        "llm.engine.step.preempted": 0,
+        "llm.engine.step.cpu_time": 0.001,
+    }
     assert dev.name == "llm.engine.step.device" and dev.parent.span_id == s.context.span_id
     assert dev.context.trace_id == s.context.trace_id
     assert dev.attributes["llm.engine.step.batch_size"] == 1 and DEVICE_KEYS <= set(dev.attributes)
@@ -280,8 +292,15 @@ def test_no_prompt_text_reaches_nvtx_messages_or_ring_records():
     ring = R.NumpyRing(16)
     steps = StepTracker(cap.telemetry, backend=ring, nvtx=NvtxRanges(domain=domain), start_thread=False)
     secret = "SECRET-PROMPT-7f3a"
-    rec = cap.telemetry.start_request("r1", operation="text_completion", provider="vllm", model="m",
-                                      arrival_s=time.time(), input_tokens=3, prompt_text=secret)
+    rec = cap.telemetry.start_request(
+        "r1",
+        operation="text_completion",
+        provider="vllm",
+        model="m",
+        arrival_s=time.time(),
+        input_tokens=3,
+        prompt_text=secret,
+    )
     sc = rec.span.get_span_context()
     ctx = steps.begin(["r1"], phase="prefill", request_spans={"r1": (sc.trace_id, sc.span_id)})
     words = ring._words.copy()
@@ -325,12 +344,15 @@ def test_ended_requests_drop_their_sums_and_the_sums_are_bounded():
     assert list(steps._requests) == ["b", "d"]
 
 
-@pytest.mark.parametrize("kwargs, problem", [
-    ({"request_ids": None}, "request_ids must be an iterable of request ids, got NoneType"),
-    ({"request_ids": "r1"}, "request_ids must be an iterable of request ids, got str"),
-    ({"request_ids": 7}, "request_ids must be an iterable of request ids, got int"),
-    ({"request_ids": ["a"], "parent": object()}, "parent must be a SpanContext, got object"),
-])
+@pytest.mark.parametrize(
+    "kwargs, problem",
+    [
+        ({"request_ids": None}, "request_ids must be an iterable of request ids, got NoneType"),
+        ({"request_ids": "r1"}, "request_ids must be an iterable of request ids, got str"),
+        ({"request_ids": 7}, "request_ids must be an iterable of request ids, got int"),
+        ({"request_ids": ["a"], "parent": object()}, "parent must be a SpanContext, got object"),
+    ],
+)
 def test_bad_input_to_begin_is_one_log_line_without_traceback_and_starts_no_span(kwargs, problem, caplog):
     from opentelemetry.sdk.trace import SpanProcessor
 
@@ -353,8 +375,11 @@ def test_bad_input_to_begin_is_one_log_line_without_traceback_and_starts_no_span
     assert "gpu.step.begin ignored a call with bad input" in record.getMessage() and problem in record.getMessage()
     assert cap.telemetry.errors.counts == {"gpu.step.begin": 2}
     assert started == [] and cap.finished() == [] and steps.counts["steps"] == 0
-    points = [p for p in cap.metric_points("llm_otel.instrumentation.errors")
-              if p.attributes.get("llm.instrumentation.hook") == "gpu.step.begin"]
+    points = [
+        p
+        for p in cap.metric_points("llm_otel.instrumentation.errors")
+        if p.attributes.get("llm.instrumentation.hook") == "gpu.step.begin"
+    ]
     assert [(p.attributes["error.type"], p.value) for p in points] == [("invalid_input", 2)]
     steps.end(steps.begin(("a", "b"), parent=step_parent(1, 2)))  # good input still works after
     steps.drain()

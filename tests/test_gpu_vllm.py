@@ -65,8 +65,9 @@ class Scheduler:
         if self.step == 1:  # prefill of every request
             new = [NewRequestData(r, self.requests[r].sampling_params) for r in ids]
             return SchedulerOutput(new, CachedRequestData([], []), {r: 4 for r in ids}, 4 * len(ids), set())
-        return SchedulerOutput([], CachedRequestData(ids, [self.step - 1] * len(ids)), {r: 1 for r in ids},
-                               len(ids), set())
+        return SchedulerOutput(
+            [], CachedRequestData(ids, [self.step - 1] * len(ids)), {r: 1 for r in ids}, len(ids), set()
+        )
 
 
 class Runner:
@@ -84,9 +85,11 @@ class Runner:
         return "model output"
 
 
-def engine_step(core: EngineCoreAdapter, worker: WorkerAdapter, scheduler: Scheduler, runner: Runner,
-                ship=lambda so: so):
+def engine_step(
+    core: EngineCoreAdapter, worker: WorkerAdapter, scheduler: Scheduler, runner: Runner, ship=lambda so: so
+):
     """EngineCore.step: schedule, execute (worker, maybe another process: ``ship``), sample."""
+
     def step():
         so = core.schedule("core.schedule")(scheduler.schedule, scheduler, (), {})
         remote = ship(so)
@@ -103,8 +106,10 @@ def test_step_ids_travel_on_the_scheduler_output_and_the_worker_process_emits_th
     core, worker = EngineCoreAdapter(core_cap.telemetry), WorkerAdapter(worker_cap.telemetry)
     scheduler, runner = Scheduler({"a": "00f067aa0ba902b7", "b": None}), Runner()
     for _ in range(3):
-        assert engine_step(core, worker, scheduler, runner, ship=lambda so: pickle.loads(pickle.dumps(so))) \
+        assert (
+            engine_step(core, worker, scheduler, runner, ship=lambda so: pickle.loads(pickle.dumps(so)))
             == "step result"
+        )
     worker_cap.telemetry.steps.drain()
     steps = [s for s in core_cap.finished() if s.name == "llm.engine.step"]
     devices = worker_cap.finished()
@@ -204,8 +209,9 @@ def test_real_engine_worker_emits_device_spans_under_the_core_step_spans(engine)
     from vllm import SamplingParams
 
     engine.clear()
-    engine.llm.generate(["def fibonacci(n):", "import os\n"], SamplingParams(max_tokens=6, ignore_eos=True),
-                        use_tqdm=False)
+    engine.llm.generate(
+        ["def fibonacci(n):", "import os\n"], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False
+    )
     deadline = time.time() + 20
     while True:
         steps = {s["span_id"]: s for s in engine.receiver.spans(name="llm.engine.step")}

@@ -20,6 +20,7 @@ class Adapter:
         def wrapper(wrapped, instance, args, kwargs):
             self.calls.append(qualname)
             return wrapped(*args, **kwargs)
+
         return wrapper
 
 
@@ -66,8 +67,10 @@ def test_missing_targets_warn_once_each_and_the_rest_keeps_working(engine_module
 def test_removal_restores_the_exact_attribute_including_staticmethods(engine_module):
     original_step = vars(engine_module.Engine)["step"]
     original_make = vars(engine_module.Engine)["make"]
-    hooks = [Hook("fake_engine_layout", "Engine.step", "tracer", "t", ""),
-             Hook("fake_engine_layout", "Engine.make", "tracer", "t", "")]
+    hooks = [
+        Hook("fake_engine_layout", "Engine.step", "tracer", "t", ""),
+        Hook("fake_engine_layout", "Engine.make", "tracer", "t", ""),
+    ]
     adapter = Adapter()
     applied = apply_hooks(hooks, adapter, "FakeEngine")
     assert vars(engine_module.Engine)["step"] is not original_step
@@ -88,7 +91,8 @@ def test_alternative_layouts_of_one_function_warn_only_when_none_resolves(engine
         applied = apply_hooks(hooks, Adapter(), "FakeEngine")
     assert [a.hook.layout for a in applied] == ["new"]
     assert [r.getMessage().split(" hook target ")[1].split(" ")[0] for r in caplog.records] == [
-        "fake_engine_layout.gone:Engine.step"]
+        "fake_engine_layout.gone:Engine.step"
+    ]
     remove_hooks(applied)
 
 
@@ -102,11 +106,13 @@ def test_a_missing_optional_dependency_is_one_debug_line_a_moved_target_one_warn
     (pkg / "needs_extra.py").write_text("import fake_absent_extra_dependency\n")
     (pkg / "present.py").write_text("class Client:\n    def infer(self):\n        return 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    hooks = [Hook("fake_engine_pkg.needs_extra", "Client.infer", "tracer", "x", "p"),
-             Hook("fake_engine_pkg.needs_extra", "Client.stream", "tracer", "x", "p"),
-             Hook("fake_engine_pkg.moved", "Client.infer", "tracer", "x", "p"),
-             Hook("fake_engine_pkg.present", "Client.gone", "tracer", "x", "p"),
-             Hook("fake_engine_pkg.present", "Client.infer", "tracer", "x", "p")]
+    hooks = [
+        Hook("fake_engine_pkg.needs_extra", "Client.infer", "tracer", "x", "p"),
+        Hook("fake_engine_pkg.needs_extra", "Client.stream", "tracer", "x", "p"),
+        Hook("fake_engine_pkg.moved", "Client.infer", "tracer", "x", "p"),
+        Hook("fake_engine_pkg.present", "Client.gone", "tracer", "x", "p"),
+        Hook("fake_engine_pkg.present", "Client.infer", "tracer", "x", "p"),
+    ]
     with caplog.at_level(logging.DEBUG, logger="llm_otel"):
         applied = apply_hooks(hooks, Adapter(), "FakeEngine")
     try:
@@ -114,7 +120,9 @@ def test_a_missing_optional_dependency_is_one_debug_line_a_moved_target_one_warn
         debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
         assert [a.hook.target for a in applied] == ["Client.infer"]
         assert len(warnings) == 2
-        assert "fake_engine_pkg.moved:Client.infer" in warnings[0] and "fake_engine_pkg.present:Client.gone" in warnings[1]
+        assert (
+            "fake_engine_pkg.moved:Client.infer" in warnings[0] and "fake_engine_pkg.present:Client.gone" in warnings[1]
+        )
         assert len(debug) == 1 and "fake_absent_extra_dependency is not installed" in debug[0]
     finally:
         remove_hooks(applied)
@@ -122,11 +130,14 @@ def test_a_missing_optional_dependency_is_one_debug_line_a_moved_target_one_warn
             del sys.modules[name]
 
 
-@pytest.mark.parametrize("path, package", [
-    ("llm_otel.instrumentation.vllm:VLLMInstrumentor", "vllm"),
-    ("llm_otel.instrumentation.triton:TritonClientInstrumentor", "tritonclient"),
-    ("llm_otel.instrumentation.lightllm:LightLLMInstrumentor", "lightllm"),
-])
+@pytest.mark.parametrize(
+    "path, package",
+    [
+        ("llm_otel.instrumentation.vllm:VLLMInstrumentor", "vllm"),
+        ("llm_otel.instrumentation.triton:TritonClientInstrumentor", "tritonclient"),
+        ("llm_otel.instrumentation.lightllm:LightLLMInstrumentor", "lightllm"),
+    ],
+)
 def test_an_instrumentor_whose_library_is_not_importable_is_silent(path, package):
     """``opentelemetry-instrument`` loads every installed instrumentor in every process (skipping
     the dependency check): one whose library is absent logs one debug line and nothing else (it
@@ -181,7 +192,7 @@ NOT_ADAPTER_FACTORIES = {
     "lightllm:SETSTATE": "llm_otel.instrumentation.lightllm.carrier:make_setstate",
 }
 
-_FACTORY_CHECK = r'''
+_FACTORY_CHECK = r"""
 import importlib, importlib.abc, inspect, json, pkgutil, sys
 
 ENGINES = ("vllm", "tritonclient", "lightllm", "torch")  # none of them may be needed
@@ -241,7 +252,7 @@ for info in pkgutil.iter_modules(instrumentation.__path__):
         checked += 1
 print(json.dumps({"problems": problems, "checked": checked, "tables": tables,
                   "engines_imported": sorted(m for m in sys.modules if m.split(".")[0] in ENGINES)}))
-'''
+"""
 
 
 def test_every_hook_factory_in_every_hook_table_exists_on_its_adapter_without_the_engine_installed():
@@ -253,8 +264,12 @@ def test_every_hook_factory_in_every_hook_table_exists_on_its_adapter_without_th
     LightLLM and torch cannot be imported."""
     import subprocess
 
-    done = subprocess.run([sys.executable, "-c", _FACTORY_CHECK, json.dumps(ADAPTERS),
-                           json.dumps(NOT_ADAPTER_FACTORIES)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", _FACTORY_CHECK, json.dumps(ADAPTERS), json.dumps(NOT_ADAPTER_FACTORIES)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["problems"] == []
@@ -309,8 +324,10 @@ def test_import_hooked_builds_its_adapter_once_at_the_first_hooked_import_even_f
     inst = _import_hooked(tmp_path, monkeypatch, "fake_lazy_pkg", object)
     try:
         assert inst.adapter is None and inst.built == 0
-        threads = [threading.Thread(target=importlib.import_module, args=(f"fake_lazy_pkg.{n}",))
-                   for n in ("one", "two", "one", "two")]
+        threads = [
+            threading.Thread(target=importlib.import_module, args=(f"fake_lazy_pkg.{n}",))
+            for n in ("one", "two", "one", "two")
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -327,7 +344,9 @@ def test_import_hooked_builds_its_adapter_once_at_the_first_hooked_import_even_f
             del sys.modules[name]
 
 
-def test_import_hooked_an_invalid_exporter_setting_met_at_the_first_import_is_one_error_line(tmp_path, monkeypatch, caplog):
+def test_import_hooked_an_invalid_exporter_setting_met_at_the_first_import_is_one_error_line(
+    tmp_path, monkeypatch, caplog
+):
     """Providers are built at the first hooked import now, inside the application's ``import``: a
     ConfigError from them must not escape into it. One ERROR line; that engine stays uninstrumented
     in this process (later imports hook nothing)."""
@@ -456,12 +475,15 @@ def test_at_spawned_bootstrap_runs_each_callback_once_before_the_target():
     import subprocess
     import textwrap
 
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(SPAWNED_BOOTSTRAP)], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(SPAWNED_BOOTSTRAP)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT")]
-    assert lines == ["RESULT 0 [('first', 'Stage-1', True, True), ('last', 'Stage-1'), ('target',)] True False",
-                     "RESULT cancelled True"], done.stdout + done.stderr
+    assert lines == [
+        "RESULT 0 [('first', 'Stage-1', True, True), ('last', 'Stage-1'), ('target',)] True False",
+        "RESULT cancelled True",
+    ], done.stdout + done.stderr
     assert "boom" in done.stderr and "instrumentation.process_bootstrap" in done.stderr, done.stderr
 
 
@@ -492,8 +514,12 @@ def test_at_forked_bootstrap_runs_each_callback_in_a_forked_child_before_the_tar
     import subprocess
     import textwrap
 
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(FORKED_BOOTSTRAP), str(tmp_path / "seen")],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(FORKED_BOOTSTRAP), str(tmp_path / "seen")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT")]
     assert lines == ["RESULT 0 [('first', 'Stage-2'), ('second', True)] []"], done.stdout + done.stderr

@@ -43,9 +43,15 @@ def _child_with_kwargs(queue, **_engine_kwargs):
 
 def _parallel(tp=1, pp=1, dp=1, dp_rank=0, pcp=1):
     """Stand-in for ``VllmConfig`` with the fields the identity reads (vllm/config/parallel.py)."""
-    return types.SimpleNamespace(parallel_config=types.SimpleNamespace(
-        tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, data_parallel_rank=dp_rank,
-        prefill_context_parallel_size=pcp))
+    return types.SimpleNamespace(
+        parallel_config=types.SimpleNamespace(
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            data_parallel_size=dp,
+            data_parallel_rank=dp_rank,
+            prefill_context_parallel_size=pcp,
+        )
+    )
 
 
 def test_identity_has_role_pid_host_and_a_uuid_instance_id():
@@ -87,11 +93,15 @@ def test_engine_core_without_dp_is_rank_zero_like_vllms_engine_label():
 
 def test_workers_get_tp_and_pp_rank_from_their_rank_and_the_parallel_config():
     # TP=2 x PP=2 in DP rank 1: rank 3 is TP 1 of PP stage 1 (vllm/distributed/parallel_state.py layout)
-    got = _identity_of_child("VllmWorker-3", {"rank": 3, "local_rank": 3,
-                                              "vllm_config": _parallel(tp=2, pp=2, dp=2, dp_rank=1)})
+    got = _identity_of_child(
+        "VllmWorker-3", {"rank": 3, "local_rank": 3, "vllm_config": _parallel(tp=2, pp=2, dp=2, dp_rank=1)}
+    )
     assert got["llm.process.role"] == "worker"
-    assert (got["llm.process.tensor_parallel.rank"], got["llm.process.pipeline_parallel.rank"],
-            got["llm.process.data_parallel.rank"]) == (1, 1, 1)
+    assert (
+        got["llm.process.tensor_parallel.rank"],
+        got["llm.process.pipeline_parallel.rank"],
+        got["llm.process.data_parallel.rank"],
+    ) == (1, 1, 1)
     assert got["llm.process.name"] == "VllmWorker-3"
 
 

@@ -45,8 +45,7 @@ def _targets(name: str, package: bool, node: ast.AST, known: set[str]) -> list[s
             origin = ".".join(base + ([node.module] if node.module else []))
         else:
             origin = node.module or ""
-        raw = [f"{origin}.{alias.name}" if f"{origin}.{alias.name}" in known else origin
-               for alias in node.names]
+        raw = [f"{origin}.{alias.name}" if f"{origin}.{alias.name}" in known else origin for alias in node.names]
     out = []
     for target in raw:
         if not (target == "llm_otel" or target.startswith("llm_otel.")):
@@ -218,21 +217,29 @@ def _tree(tmp_path: pathlib.Path, files: dict[str, str]) -> pathlib.Path:
 
 
 def test_the_checker_sees_function_level_and_relative_imports_and_circles(tmp_path):
-    src = _tree(tmp_path, {
-        "llm_otel/__init__.py": "",
-        "llm_otel/config.py": "def f():\n    from llm_otel.telemetry import spans\n",
-        "llm_otel/telemetry/__init__.py": "",
-        "llm_otel/telemetry/spans.py": "from .. import config\nfrom ..export import offload\n",
-        "llm_otel/export/__init__.py": "",
-        "llm_otel/export/offload.py": "import llm_otel.telemetry.spans\n",
-    })
+    src = _tree(
+        tmp_path,
+        {
+            "llm_otel/__init__.py": "",
+            "llm_otel/config.py": "def f():\n    from llm_otel.telemetry import spans\n",
+            "llm_otel/telemetry/__init__.py": "",
+            "llm_otel/telemetry/spans.py": "from .. import config\nfrom ..export import offload\n",
+            "llm_otel/export/__init__.py": "",
+            "llm_otel/export/offload.py": "import llm_otel.telemetry.spans\n",
+        },
+    )
     graph = import_graph(src)
     assert graph["llm_otel.config"] == {"llm_otel.telemetry.spans"}
     assert graph["llm_otel.telemetry.spans"] == {"llm_otel.config", "llm_otel.export.offload"}
     assert sorted(map(sorted, cycles(graph))) == [
-        ["llm_otel.config", "llm_otel.export.offload", "llm_otel.telemetry.spans"]]
-    parts = [("config", ["llm_otel.config"]), ("core", ["llm_otel.telemetry.*"]),
-             ("export", ["llm_otel.export.*"]), ("face", ["llm_otel"])]
+        ["llm_otel.config", "llm_otel.export.offload", "llm_otel.telemetry.spans"]
+    ]
+    parts = [
+        ("config", ["llm_otel.config"]),
+        ("core", ["llm_otel.telemetry.*"]),
+        ("export", ["llm_otel.export.*"]),
+        ("face", ["llm_otel"]),
+    ]
     allowed = {"config": set(), "core": {"config"}, "export": {"core", "config"}, "face": {"config", "core", "export"}}
     assert violations(graph, parts, allowed) == [
         "llm_otel.config (config) imports llm_otel.telemetry.spans (core)",
@@ -240,10 +247,16 @@ def test_the_checker_sees_function_level_and_relative_imports_and_circles(tmp_pa
     ]
 
 
-@pytest.mark.parametrize("module, expected", [
-    ("llm_otel", "face"), ("llm_otel.telemetry", "core"), ("llm_otel.telemetry.spans", "core"),
-    ("llm_otel.export.offload", "export"), ("llm_otel.config", "config"),
-])
+@pytest.mark.parametrize(
+    "module, expected",
+    [
+        ("llm_otel", "face"),
+        ("llm_otel.telemetry", "core"),
+        ("llm_otel.telemetry.spans", "core"),
+        ("llm_otel.export.offload", "export"),
+        ("llm_otel.config", "config"),
+    ],
+)
 def test_modules_are_placed_by_the_longest_matching_pattern(module, expected):
     parts, _ = rules()
     assert part_of(module, parts) == expected

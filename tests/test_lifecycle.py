@@ -26,9 +26,13 @@ from llm_otel.telemetry import Telemetry
 
 def _child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
-    env.update(OTEL_SERVICE_NAME="lifecycle-test", OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
-               # nothing leaves the process before exit except through the final flush
-               OTEL_BSP_SCHEDULE_DELAY="60000", OTEL_METRIC_EXPORT_INTERVAL="60000")
+    env.update(
+        OTEL_SERVICE_NAME="lifecycle-test",
+        OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+        # nothing leaves the process before exit except through the final flush
+        OTEL_BSP_SCHEDULE_DELAY="60000",
+        OTEL_METRIC_EXPORT_INTERVAL="60000",
+    )
     env.update(extra)
     return env
 
@@ -36,8 +40,13 @@ def _child_env(**extra: str) -> dict[str, str]:
 def _run(script: str, env: dict[str, str], timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
     """Run ``script``; returns the result and the seconds from its ``exiting`` line to its exit."""
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     exiting_at = None
     lines = []
     for line in proc.stdout:
@@ -107,8 +116,9 @@ def test_exit_with_an_unreachable_collector_is_bounded_by_the_flush_deadline(col
     hole = _BlackHole() if collector != "closed port" else None
     port = hole.port if hole else _closed_port()
     try:
-        result, exit_s = _run(APP, _child_env(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}",
-                                              LLM_OTEL_FLUSH_DEADLINE_S="1"))
+        result, exit_s = _run(
+            APP, _child_env(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}", LLM_OTEL_FLUSH_DEADLINE_S="1")
+        )
     finally:
         if hole:
             hole.close()
@@ -136,8 +146,15 @@ def test_export_requests_stay_under_the_cap_and_captured_messages_stay_valid_jso
     sizes = {f"long-{i}": 400_000 for i in range(12)}  # 12 x 400 kB: one batch of ~5 MB
     sizes["huge"] = 5_000_000  # alone over the 4 MiB a gRPC server accepts
     for rid, n in sizes.items():
-        rec = telemetry.start_request(rid, operation="text_completion", provider="vllm", model="m",
-                                      arrival_s=time.time(), input_tokens=3, prompt_text=_long_prompt(n, len(rid)))
+        rec = telemetry.start_request(
+            rid,
+            operation="text_completion",
+            provider="vllm",
+            model="m",
+            arrival_s=time.time(),
+            input_tokens=3,
+            prompt_text=_long_prompt(n, len(rid)),
+        )
         telemetry.finish(rec)
     assert tp.force_flush(30_000)
     spans = receiver.wait_for_spans(len(sizes), name="text_completion m", timeout=30)
@@ -146,8 +163,7 @@ def test_export_requests_stay_under_the_cap_and_captured_messages_stay_valid_jso
     for span in spans:
         messages = json.loads(span["attributes"]["gen_ai.input.messages"])  # valid JSON, always
         assert messages[0]["role"] == "user" and messages[0]["parts"][0]["type"] == "text"
-    lengths = sorted(len(json.loads(s["attributes"]["gen_ai.input.messages"])[0]["parts"][0]["content"])
-                     for s in spans)
+    lengths = sorted(len(json.loads(s["attributes"]["gen_ai.input.messages"])[0]["parts"][0]["content"]) for s in spans)
     assert lengths[:-1] == [400_000] * 12, "spans under the cap are exported whole"
     # shortened to fit the 3 MiB cap (the JSON escapes \u00ef etc. take about 1.5 bytes per character
     # here), not dropped and not cut further than needed
@@ -164,8 +180,9 @@ def test_size_estimate_is_an_upper_bound_of_the_encoded_span():
 
     tp = TracerProvider()
     tracer = tp.get_tracer("t")
-    span = tracer.start_span("s", attributes={"a": "x" * 1000, "b": 7, "c": [1.5, 2.5], "d": "ünï" * 50,
-                                              "e": ("p", "q")})
+    span = tracer.start_span(
+        "s", attributes={"a": "x" * 1000, "b": 7, "c": [1.5, 2.5], "d": "ünï" * 50, "e": ("p", "q")}
+    )
     span.add_event("ev", {"k": "v" * 100})
     span.end()
     assert estimate_span_bytes(span) >= encode_spans([span]).ByteSize()
@@ -245,8 +262,9 @@ FORK_APP = """
 @pytest.mark.case("C20")
 def test_forked_application_child_exports_through_its_own_channel(receiver):
     receiver.clear()
-    result, _ = _run(FORK_APP, _child_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint,
-                                          OTEL_BSP_SCHEDULE_DELAY="100"))
+    result, _ = _run(
+        FORK_APP, _child_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint, OTEL_BSP_SCHEDULE_DELAY="100")
+    )
     out = dict(line.split(" ", 1) for line in result.stdout.splitlines() if " " in line)
     assert out["child-status"].strip() == "0"
     assert out["child-poller"].split() == ["True", "True"], "the poller thread runs in the child"
@@ -270,8 +288,11 @@ def test_a_process_that_may_be_killed_at_its_deadline_reports_before_it(tmp_path
     monkeypatch.setenv(FLUSH_DIR_ENV, str(tmp_path))
     try:
         settings = Settings(console="off", adaptive_sampling="off")
-        tp, mp = build_providers(settings, env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{hole.port}",
-                                                "OTEL_METRICS_EXPORTER": "none"}, shutdown_on_exit=False)
+        tp, mp = build_providers(
+            settings,
+            env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{hole.port}", "OTEL_METRICS_EXPORTER": "none"},
+            shutdown_on_exit=False,
+        )
         life = ProcessLifecycle("engine_core", deadline_s=0.5)
         from llm_otel.process.providers import exporters_of
 

@@ -21,8 +21,7 @@ import sys
 import pytest
 from lightllm_layouts.layers import build_tree
 
-
-PROGRAM = r'''
+PROGRAM = r"""
 import json, os, sys
 from opentelemetry import trace
 
@@ -53,7 +52,7 @@ for _ in range(2):
         out["workers"].append(json.loads(f.read()))
     os.waitpid(pid, 0)
 print("RESULT " + json.dumps(out))
-'''
+"""
 
 
 @pytest.mark.parametrize("preload", [False, True])
@@ -64,15 +63,22 @@ def test_gunicorn_http_workers_carry_their_own_pid_instance_and_role(tmp_path, p
     program = tmp_path / "gunicorn"  # sys.orig_argv: [python, .../gunicorn, ..., lightllm.server.api_http:app]
     program.write_text(PROGRAM)
     tree = build_tree("main", tmp_path / "tree")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-               OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none", OTEL_LOGS_EXPORTER="none",
-               OTEL_EXPERIMENTAL_RESOURCE_DETECTORS="otel,process", OTEL_PYTHON_DISABLED_INSTRUMENTATIONS="vllm",
-               LLM_OTEL_ADAPTIVE_SAMPLING="off", OTEL_RESOURCE_ATTRIBUTES="service.instance.id=pod-1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        OTEL_TRACES_EXPORTER="none",
+        OTEL_METRICS_EXPORTER="none",
+        OTEL_LOGS_EXPORTER="none",
+        OTEL_EXPERIMENTAL_RESOURCE_DETECTORS="otel,process",
+        OTEL_PYTHON_DISABLED_INSTRUMENTATIONS="vllm",
+        LLM_OTEL_ADAPTIVE_SAMPLING="off",
+        OTEL_RESOURCE_ATTRIBUTES="service.instance.id=pod-1",
+    )
     instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
     argv = [instrument, sys.executable, str(program), "--workers", "2"] + (["--preload"] if preload else [])
     done = subprocess.run(argv + ["lightllm.server.api_http:app"], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads([x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
+    out = json.loads([x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT ") :])
     master, workers = out["master"], out["workers"]
     if preload:
         assert master["llm.process.role"] == "http_master"
@@ -113,5 +119,9 @@ def test_model_infer_ranks_per_version():
     router = multiprocessing.Process(target=_target("lightllm.server.router.manager", "start_router_process"))
     assert process.classify(router)[0] == "router"
     assert process.classify(multiprocessing.Process(target=_target("app", "main"))) is None
-    assert process.classify(multiprocessing.current_process(),
-                            argv=[sys.executable, "-m", "lightllm.server.api_server", "--tp", "1"])[0] == "launcher"
+    assert (
+        process.classify(
+            multiprocessing.current_process(), argv=[sys.executable, "-m", "lightllm.server.api_server", "--tp", "1"]
+        )[0]
+        == "launcher"
+    )

@@ -44,8 +44,16 @@ REQUESTS = [
     # the client disconnects after 3 tokens of 11 (LightLLM: is_disconnected -> abort -> raise)
     {"name": "disconnect", "prompt": "p q r s t u v w x y z", "max_new_tokens": 40, "disconnect_after": 3},
     {"name": "after", "prompt": "g h", "max_new_tokens": 8, "traceparent": AFTER[0]},
-    [{"name": f"c{i}", "prompt": "k l m", "max_new_tokens": 8, "traceparent": c[0],
-      "path": "/v1/chat/completions" if i == 2 else "/generate"} for i, c in enumerate(CONCURRENT)],
+    [
+        {
+            "name": f"c{i}",
+            "prompt": "k l m",
+            "max_new_tokens": 8,
+            "traceparent": c[0],
+            "path": "/v1/chat/completions" if i == 2 else "/generate",
+        }
+        for i, c in enumerate(CONCURRENT)
+    ],
     # the consumer closes the stream after 2 tokens (GeneratorExit into generate)
     {"name": "closed", "prompt": "u v w x y z", "max_new_tokens": 30, "close_after": 2},
 ]
@@ -55,12 +63,19 @@ POD = "pod-7d9f"  # an inherited service.instance.id (OTEL_RESOURCE_ATTRIBUTES),
 
 # A layout no LightLLM release has: main @ fc72ffab with the hooked methods renamed (definitions and
 # call sites), so llm-otel finds none of them where it looks.
-RENAMED = {"unknown": {"add_req": "enqueue_group", "transfer_to_next_module": "_forward_group",
-                       "abort": "cancel_group", "set_next_gen_token_id": "push_token"}}
+RENAMED = {
+    "unknown": {
+        "add_req": "enqueue_group",
+        "transfer_to_next_module": "_forward_group",
+        "abort": "cancel_group",
+        "set_next_gen_token_id": "push_token",
+    }
+}
 
 
-def run_layout(layout: str, receiver, tmp_path_factory, requests: list, start_args: dict | None = None,
-               **extra_env: str) -> dict:
+def run_layout(
+    layout: str, receiver, tmp_path_factory, requests: list, start_args: dict | None = None, **extra_env: str
+) -> dict:
     tree = build_tree(layout, tmp_path_factory.mktemp(layout))
     renames = RENAMED.get(layout, {})
     for path in (tree / "lightllm").rglob("*.py") if renames else ():
@@ -90,12 +105,22 @@ def run_layout(layout: str, receiver, tmp_path_factory, requests: list, start_ar
         **extra_env,
     )
     instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
-    done = subprocess.run([instrument, sys.executable, os.path.join(LAYOUTS, "driver.py"),
-                           json.dumps({"requests": requests, "args": start_args or {}})],
-                          capture_output=True, text=True, env=env, timeout=300, cwd=str(tree))
+    done = subprocess.run(
+        [
+            instrument,
+            sys.executable,
+            os.path.join(LAYOUTS, "driver.py"),
+            json.dumps({"requests": requests, "args": start_args or {}}),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=str(tree),
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1]
-    result = json.loads(line[len("RESULT "):])
+    result = json.loads(line[len("RESULT ") :])
     assert result["router_exitcode"] == 0, done.stderr[-4000:]
     spans = [s for s in receiver.spans() if s["resource"].get("service.name") == service]
     return {"results": {r["name"]: r for r in result["results"]}, "spans": spans, "stderr": done.stderr}
@@ -110,12 +135,17 @@ class Trace:
         self.by_id = {s["span_id"]: s for s in self.spans}
 
     def named(self, name: str, **attrs) -> list[dict]:
-        return [s for s in self.spans if s["name"] == name
-                and all(s["attributes"].get(k) == v for k, v in attrs.items())]
+        return [
+            s for s in self.spans if s["name"] == name and all(s["attributes"].get(k) == v for k, v in attrs.items())
+        ]
 
     def requests(self, request_id: str) -> list[dict]:
-        return [s for s in self.spans if s["name"] in (f"text_completion {MODEL}", f"chat {MODEL}")
-                and s["attributes"].get("llm.request.id") == request_id]
+        return [
+            s
+            for s in self.spans
+            if s["name"] in (f"text_completion {MODEL}", f"chat {MODEL}")
+            and s["attributes"].get("llm.request.id") == request_id
+        ]
 
     def children(self, span: dict, name: str) -> list[dict]:
         return [s for s in self.spans if s["parent_span_id"] == span["span_id"] and s["name"] == name]
@@ -131,8 +161,11 @@ class Trace:
 
 
 def request_id(run: dict, name: str, choice: int = 0) -> str:
-    return str(run["results"][name]["tokens"][0][0] - run["results"][name]["tokens"][0][0] % 8 + choice) \
-        if run["results"][name]["tokens"] else None
+    return (
+        str(run["results"][name]["tokens"][0][0] - run["results"][name]["tokens"][0][0] % 8 + choice)
+        if run["results"][name]["tokens"]
+        else None
+    )
 
 
 def event_time(span: dict, name: str) -> int:
@@ -144,8 +177,14 @@ def event_time(span: dict, name: str) -> int:
 def main_run(receiver, tmp_path_factory):
     # every sampled request gets llm.logit_dist from the worker's logits
     # (with content capture on: token ids decode back to the text, so they are content)
-    return run_layout("main", receiver, tmp_path_factory, REQUESTS + [HEALTH], LLM_OTEL_LOGIT_DIST_RATIO="1",
-                      OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT="true")
+    return run_layout(
+        "main",
+        receiver,
+        tmp_path_factory,
+        REQUESTS + [HEALTH],
+        LLM_OTEL_LOGIT_DIST_RATIO="1",
+        OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT="true",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -153,13 +192,31 @@ def runs(receiver, tmp_path_factory, main_run):
     out = {"main": main_run}
     # v1.0.x: logit distributions from its own post_process.sample; a step-span budget of one span
     # per 1000 s leaves exactly the first burst token (capacity 1) for this run of dozens of steps
-    out["v1_0"] = run_layout("v1_0", receiver, tmp_path_factory, REQUESTS[:2] + [HEALTH],
-                             LLM_OTEL_LOGIT_DIST_RATIO="1", LLM_OTEL_STEP_SPANS_PER_S="0.001")
-    out["pr965"] = run_layout("pr965", receiver, tmp_path_factory, REQUESTS[:2] + [HEALTH],
-                              OTEL_RESOURCE_ATTRIBUTES=f"service.instance.id={POD}")
+    out["v1_0"] = run_layout(
+        "v1_0",
+        receiver,
+        tmp_path_factory,
+        REQUESTS[:2] + [HEALTH],
+        LLM_OTEL_LOGIT_DIST_RATIO="1",
+        LLM_OTEL_STEP_SPANS_PER_S="0.001",
+    )
+    out["pr965"] = run_layout(
+        "pr965",
+        receiver,
+        tmp_path_factory,
+        REQUESTS[:2] + [HEALTH],
+        OTEL_RESOURCE_ATTRIBUTES=f"service.instance.id={POD}",
+    )
     # v1.0.0 with two model-infer processes (TP 2): every rank samples and sets tokens there
-    out["v1_0_0"] = run_layout("v1_0_0", receiver, tmp_path_factory, REQUESTS[:2], start_args={"tp": 2},
-                               LLM_OTEL_LOGIT_DIST_RATIO="1", OTEL_RESOURCE_ATTRIBUTES=f"service.instance.id={POD}")
+    out["v1_0_0"] = run_layout(
+        "v1_0_0",
+        receiver,
+        tmp_path_factory,
+        REQUESTS[:2],
+        start_args={"tp": 2},
+        LLM_OTEL_LOGIT_DIST_RATIO="1",
+        OTEL_RESOURCE_ATTRIBUTES=f"service.instance.id={POD}",
+    )
     return out
 
 
@@ -175,32 +232,51 @@ def test_request_span_tree_spans_three_processes_and_covers_the_request(main_run
         assert tree[name] is not None, name
         assert tree[name]["trace_id"] == STOP[1]
     # one process each: HTTP worker (this test's child), router (its child), model-infer worker (grandchild)
-    pids = {name: tree[name]["resource"]["process.pid"] for name in ("request", "llm.router.request", "llm.infer.request")}
+    pids = {
+        name: tree[name]["resource"]["process.pid"] for name in ("request", "llm.router.request", "llm.infer.request")
+    }
     assert len(set(pids.values())) == 3
     # and each process's resource has its own service.instance.id (process/identity.py)
-    instances = {tree[name]["resource"]["service.instance.id"] for name in ("request", "llm.router.request",
-                                                                           "llm.infer.request")}
+    instances = {
+        tree[name]["resource"]["service.instance.id"] for name in ("request", "llm.router.request", "llm.infer.request")
+    }
     assert len(instances) == 3
-    prompt, stream, router, infer = (tree[n] for n in ("llm.prompt", "llm.token_stream", "llm.router.request",
-                                                       "llm.infer.request"))
+    prompt, stream, router, infer = (
+        tree[n] for n in ("llm.prompt", "llm.token_stream", "llm.router.request", "llm.infer.request")
+    )
     # order of a request's life, across processes (one host clock)
     queued, scheduled = event_time(router, "llm.request.queued"), event_time(router, "llm.request.scheduled")
     first_engine_token = min(e["time_ns"] for e in infer["events"] if e["name"] == "llm.token")
-    assert req["start_ns"] == prompt["start_ns"] <= router["start_ns"] == queued <= scheduled <= infer["start_ns"] \
-        <= first_engine_token <= prompt["end_ns"] == stream["start_ns"] <= stream["end_ns"] <= req["end_ns"]
+    assert (
+        req["start_ns"]
+        == prompt["start_ns"]
+        <= router["start_ns"]
+        == queued
+        <= scheduled
+        <= infer["start_ns"]
+        <= first_engine_token
+        <= prompt["end_ns"]
+        == stream["start_ns"]
+        <= stream["end_ns"]
+        <= req["end_ns"]
+    )
     assert infer["end_ns"] <= router["end_ns"]
     covered = (prompt["end_ns"] - prompt["start_ns"]) + (stream["end_ns"] - stream["start_ns"])
     assert covered >= 0.9 * (req["end_ns"] - req["start_ns"])
     # queue, prefill and decode are separate numbers
     assert router["attributes"]["llm.request.queue.duration"] == pytest.approx((scheduled - queued) / 1e9)
     assert router["attributes"]["llm.request.frontend.duration"] >= 0
-    assert infer["attributes"]["llm.request.prefill.duration"] == pytest.approx((first_engine_token - infer["start_ns"]) / 1e9)
+    assert infer["attributes"]["llm.request.prefill.duration"] == pytest.approx(
+        (first_engine_token - infer["start_ns"]) / 1e9
+    )
     assert infer["attributes"]["llm.request.decode.duration"] > 0
     # per-token timing and the sampled log-probs from the worker
     tokens = [e for e in infer["events"] if e["name"] == "llm.token"]
     assert [e["attributes"]["llm.token.id"] for e in tokens] == [100, 101, 102, 2]
     assert [e["attributes"]["llm.token.index"] for e in tokens] == [0, 1, 2, 3]
-    assert infer["attributes"]["llm.logit.perplexity"] == pytest.approx(2.718281828 ** 0.25, rel=1e-5)  # mean logprob -0.25
+    assert infer["attributes"]["llm.logit.perplexity"] == pytest.approx(
+        2.718281828**0.25, rel=1e-5
+    )  # mean logprob -0.25
     assert [e["attributes"]["llm.token.id"] for e in stream["events"] if e["name"] == "llm.token"] == [100, 101, 102, 2]
 
 
@@ -208,15 +284,24 @@ def test_logit_dist_from_the_workers_full_vocabulary_logits(main_run):
     t = Trace(main_run)
     (req,) = t.requests(request_id(main_run, "stop"))
     (dist,) = t.children(req, "llm.logit_dist")
-    assert dist["resource"]["process.pid"] == t.tree(request_id(main_run, "stop"))["llm.infer.request"]["resource"]["process.pid"]
+    assert (
+        dist["resource"]["process.pid"]
+        == t.tree(request_id(main_run, "stop"))["llm.infer.request"]["resource"]["process.pid"]
+    )
     attrs = dist["attributes"]
-    assert (attrs["llm.logit.source"], attrs["llm.logit.steps"], attrs["llm.logit.top_k"]) == ("full_vocab_logits", 4, 5)
+    assert (attrs["llm.logit.source"], attrs["llm.logit.steps"], attrs["llm.logit.top_k"]) == (
+        "full_vocab_logits",
+        4,
+        5,
+    )
     assert attrs["llm.logit.nonfinite_steps"] == 0
     steps = [e for e in dist["events"] if e["name"] == "llm.logit.step"]
     # the sampled token leads each step's top-k; its log-prob is the fake model's -0.1 * (k + 1)
     assert [e["attributes"]["llm.logit.top_token_ids"][0] for e in steps] == [100, 101, 102, 2]
-    assert [e["attributes"]["llm.logit.sampled_logprob"] for e in steps] == pytest.approx([-0.1, -0.2, -0.3, -0.4], abs=1e-5)
-    assert attrs["llm.logit.perplexity"] == pytest.approx(2.718281828 ** 0.25, rel=1e-4)
+    assert [e["attributes"]["llm.logit.sampled_logprob"] for e in steps] == pytest.approx(
+        [-0.1, -0.2, -0.3, -0.4], abs=1e-5
+    )
+    assert attrs["llm.logit.perplexity"] == pytest.approx(2.718281828**0.25, rel=1e-4)
     assert all(e["attributes"]["llm.logit.entropy"] > 0 for e in steps)
 
 
@@ -230,14 +315,18 @@ def test_router_steps_are_linked_not_parented(main_run):
 
 
 # --- C09: token counts are the engine's -----------------------------------------------------
-@pytest.mark.parametrize("name, input_tokens, output_tokens, cached, reason", [
-    ("stop", 4, 4, 0, "stop"),
-    ("length", 6, 3, 4, "length"),
-    ("after", 2, 2, None, "stop"),
-])
+@pytest.mark.parametrize(
+    "name, input_tokens, output_tokens, cached, reason",
+    [
+        ("stop", 4, 4, 0, "stop"),
+        ("length", 6, 3, 4, "length"),
+        ("after", 2, 2, None, "stop"),
+    ],
+)
 @pytest.mark.case("C09")
-def test_token_counts_are_the_engine_counts_in_every_process(main_run, name, input_tokens, output_tokens,
-                                                                 cached, reason):
+def test_token_counts_are_the_engine_counts_in_every_process(
+    main_run, name, input_tokens, output_tokens, cached, reason
+):
     assert len(main_run["results"][name]["tokens"]) == output_tokens
     tree = Trace(main_run).tree(request_id(main_run, name))
     for span in ("request", "llm.router.request", "llm.infer.request"):
@@ -309,14 +398,26 @@ def test_health_probes_are_not_traced(runs, layout):
     generator), so only the health_check call site tells it apart. Neither becomes a trace."""
     run = runs[layout]
     assert run["results"]["health"]["healthy"] is True  # the probe came back through router and worker
-    served = {str(tokens[0] - tokens[0] % 8 + i) for r in run["results"].values() for tokens in r["tokens"][:1]
-              for i in range(8)}
+    served = {
+        str(tokens[0] - tokens[0] % 8 + i)
+        for r in run["results"].values()
+        for tokens in r["tokens"][:1]
+        for i in range(8)
+    }
     ids = {s["attributes"].get("llm.request.id") for s in run["spans"]} - {None}
     assert ids and ids <= served, ids - served  # every traced id is one of the clients' requests
     assert not any(i.startswith("-") for i in ids)
     names = {s["name"] for s in run["spans"]}
-    assert names <= {f"text_completion {MODEL}", f"chat {MODEL}", "llm.prompt", "llm.token_stream",
-                     "llm.router.request", "llm.infer.request", "llm.engine.step", "llm.logit_dist"}, names
+    assert names <= {
+        f"text_completion {MODEL}",
+        f"chat {MODEL}",
+        "llm.prompt",
+        "llm.token_stream",
+        "llm.router.request",
+        "llm.infer.request",
+        "llm.engine.step",
+        "llm.logit_dist",
+    }, names
 
 
 # --- C10: concurrent requests keep their own parents, no context errors ----------------------
@@ -360,7 +461,9 @@ def test_v1_0_logit_dist_from_its_post_process_sample(runs):
     (dist,) = t.children(req, "llm.logit_dist")
     assert dist["attributes"]["llm.logit.steps"] == 4
     steps = [e for e in dist["events"] if e["name"] == "llm.logit.step"]
-    assert [e["attributes"]["llm.logit.sampled_logprob"] for e in steps] == pytest.approx([-0.1, -0.2, -0.3, -0.4], abs=1e-5)
+    assert [e["attributes"]["llm.logit.sampled_logprob"] for e in steps] == pytest.approx(
+        [-0.1, -0.2, -0.3, -0.4], abs=1e-5
+    )
 
 
 def test_router_step_spans_honour_the_step_span_budget(runs):
@@ -415,8 +518,15 @@ def test_token_ids_stay_out_of_spans_without_content_capture(runs):
 # --- process identity: each LightLLM process says which one it is (process/identity.py) --------
 ROUTER_TARGET = "lightllm.server.router.manager:start_router_process"
 WORKER_TARGET = "lightllm.server.router.model_infer.model_rpc:_init_env"
-IDENTITY = ("llm.process.role", "process.pid", "service.instance.id", "llm.process.name",
-            "llm.process.tensor_parallel.rank", "llm.process.data_parallel.rank", "llm.process.inherited_instance_id")
+IDENTITY = (
+    "llm.process.role",
+    "process.pid",
+    "service.instance.id",
+    "llm.process.name",
+    "llm.process.tensor_parallel.rank",
+    "llm.process.data_parallel.rank",
+    "llm.process.inherited_instance_id",
+)
 
 
 def identities(run: dict) -> dict[str, dict]:
@@ -473,6 +583,8 @@ def test_v1_0_0_only_the_master_rank_emits_worker_spans(runs):
         for span in infer + dist:
             assert span["resource"]["llm.process.role"] == "worker"
             assert span["resource"]["llm.process.tensor_parallel.rank"] == 0
-    assert {s["resource"]["llm.process.tensor_parallel.rank"] for s in run["spans"]
-            if s["name"] in ("llm.infer.request", "llm.logit_dist")} == {0}
-
+    assert {
+        s["resource"]["llm.process.tensor_parallel.rank"]
+        for s in run["spans"]
+        if s["name"] in ("llm.infer.request", "llm.logit_dist")
+    } == {0}

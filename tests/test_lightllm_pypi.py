@@ -38,17 +38,37 @@ def pypi_run(receiver, tiny_model):
     if not os.path.isdir(os.path.join(PYPI, "lightllm")):
         pytest.skip("PyPI lightllm 0.0.1 not installed in .venv/lightllm-pypi (see .ci/install.sh)")
     service = f"lightllm-pypi-{os.getpid()}"
-    spec = {"model_dir": str(tiny_model), "prompt": "def main(): return 42", "max_new_tokens": 5,
-            "traceparent": f"00-{TRACE_ID}-{PARENT}-01", "ports": free_ports(2)}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(PYPI)] + [p for p in [os.environ.get("PYTHONPATH")] if p]), OTEL_SERVICE_NAME=service,
-               OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
-               OTEL_TRACES_EXPORTER="otlp", OTEL_METRICS_EXPORTER="none", OTEL_BSP_SCHEDULE_DELAY="100",
-               LLM_OTEL_ADAPTIVE_SAMPLING="off", LIGHTLLM_START_ARGS=json.dumps({"model_dir": str(tiny_model)}),
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    done = subprocess.run([sys.executable, os.path.join(HERE, "lightllm_layouts", "pypi_driver.py"), json.dumps(spec)],
-                          capture_output=True, text=True, env=env, timeout=400)
+    spec = {
+        "model_dir": str(tiny_model),
+        "prompt": "def main(): return 42",
+        "max_new_tokens": 5,
+        "traceparent": f"00-{TRACE_ID}-{PARENT}-01",
+        "ports": free_ports(2),
+    }
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([os.path.abspath(PYPI)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+        OTEL_SERVICE_NAME=service,
+        OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint,
+        OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+        OTEL_TRACES_EXPORTER="otlp",
+        OTEL_METRICS_EXPORTER="none",
+        OTEL_BSP_SCHEDULE_DELAY="100",
+        LLM_OTEL_ADAPTIVE_SAMPLING="off",
+        LIGHTLLM_START_ARGS=json.dumps({"model_dir": str(tiny_model)}),
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+    )
+    done = subprocess.run(
+        [sys.executable, os.path.join(HERE, "lightllm_layouts", "pypi_driver.py"), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=400,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads([x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
+    result = json.loads([x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT ") :])
     assert result["router_exitcode"] == 0, done.stderr[-4000:]
     spans = [s for s in receiver.spans() if s["resource"].get("service.name") == service]
     return {"result": result, "spans": spans, "stderr": done.stderr}

@@ -77,17 +77,26 @@ SCRIPT = textwrap.dedent("""
 
 def test_lightllm_http_requests_get_request_classes_tiers_and_slo_checks(tmp_path):
     tree = build_tree("main", tmp_path / "main")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
-               LLM_OTEL_ADAPTIVE_SAMPLING="off", LLM_OTEL_CLASS_HEADERS="tenant:x-tenant-id",
-               LLM_OTEL_TIERS="premium tenant=acme ttft=60; standard * e2e=120", LLM_OTEL_MODEL_REVISION="stable")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(tree)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+        LLM_OTEL_ADAPTIVE_SAMPLING="off",
+        LLM_OTEL_CLASS_HEADERS="tenant:x-tenant-id",
+        LLM_OTEL_TIERS="premium tenant=acme ttft=60; standard * e2e=120",
+        LLM_OTEL_MODEL_REVISION="stable",
+    )
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads([x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1][7:])
     # request classes from the HTTP headers and the tier from the table, on each SERVER span
     assert out["spans"] == [["acme", "premium", "stable", "SERVER"], ["globex", "standard", "stable", "SERVER"]]
     # SLO checks per tier: availability for both, premium's TTFT and standard's end-to-end target
-    assert out["slo"] == [["premium", "availability", "met", 1], ["premium", "ttft", "met", 1],
-                          ["standard", "availability", "met", 1], ["standard", "e2e", "met", 1]]
+    assert out["slo"] == [
+        ["premium", "availability", "met", 1],
+        ["premium", "ttft", "met", 1],
+        ["standard", "availability", "met", 1],
+        ["standard", "e2e", "met", 1],
+    ]
     # the GenAI metrics carry the tier label (bounded request classes on the record)
     assert out["duration_tiers"] == ["premium", "standard"]
     # every streamed token reached the signals (token efficiency's window): 3 per request

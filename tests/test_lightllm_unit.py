@@ -151,10 +151,16 @@ SCRIPT = textwrap.dedent("""
 
 def run(tmp_path) -> dict:
     tree = build_tree("main", tmp_path / "main")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree)] + [p for p in [os.environ.get("PYTHONPATH")] if p]), LLM_OTEL_ADAPTIVE_SAMPLING="off")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(tree)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+        LLM_OTEL_ADAPTIVE_SAMPLING="off",
+    )
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads([x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1][7:]) | {"stderr": done.stderr}
+    return json.loads([x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1][7:]) | {
+        "stderr": done.stderr
+    }
 
 
 def test_lightllm_adapter_in_one_process(tmp_path):

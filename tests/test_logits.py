@@ -64,12 +64,14 @@ def test_logprob_input_gives_the_same_result_as_logits():
 
 
 def test_nan_inf_and_all_masked_rows_are_reported_not_raised():
-    x = np.array([
-        [0.0, np.nan, 1.0],
-        [np.inf, 0.0, 1.0],
-        [-np.inf, -np.inf, -np.inf],
-        [-np.inf, 0.0, 0.0],  # masked tokens are legitimate
-    ])
+    x = np.array(
+        [
+            [0.0, np.nan, 1.0],
+            [np.inf, 0.0, 1.0],
+            [-np.inf, -np.inf, -np.inf],
+            [-np.inf, 0.0, 0.0],  # masked tokens are legitimate
+        ]
+    )
     s = logit_stats(x, k=2)
     assert list(s.nonfinite) == [True, True, True, False]
     assert np.isnan(s.entropy[:3]).all() and (s.top_ids[:3] == -1).all()
@@ -92,8 +94,10 @@ def test_bad_arguments_raise_clear_errors():
 
 
 @settings(max_examples=60, deadline=None)
-@given(arrays(np.float64, st.tuples(st.integers(1, 4), st.integers(2, 64)),
-              elements=st.floats(-50, 50, allow_nan=False)), st.integers(1, 8))
+@given(
+    arrays(np.float64, st.tuples(st.integers(1, 4), st.integers(2, 64)), elements=st.floats(-50, 50, allow_nan=False)),
+    st.integers(1, 8),
+)
 def test_properties_entropy_bounds_sorted_topk_nonnegative_margin(x, k):
     s = logit_stats(x, k=k)
     vocab = x.shape[1]

@@ -31,8 +31,15 @@ AUTO = os.path.join("opentelemetry", "instrumentation", "auto_instrumentation")
 
 def _clean_env(receiver, **extra) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
-    env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true",
-                "OTEL_TRACES_SAMPLER": "always_on", "OTEL_METRIC_EXPORT_INTERVAL": "100000", **extra})
+    env.update(
+        {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint,
+            "OTEL_EXPORTER_OTLP_INSECURE": "true",
+            "OTEL_TRACES_SAMPLER": "always_on",
+            "OTEL_METRIC_EXPORT_INTERVAL": "100000",
+            **extra,
+        }
+    )
     return env
 
 
@@ -95,8 +102,13 @@ RELABEL_APP = """
 
 def test_relabel_reaches_the_exporter_process_spans_metrics_and_a_forked_childs(receiver):
     receiver.clear()
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(RELABEL_APP)], capture_output=True, text=True,
-                         env=_clean_env(receiver), timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(RELABEL_APP)],
+        capture_output=True,
+        text=True,
+        env=_clean_env(receiver),
+        timeout=120,
+    )
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
     child_pid = int(out.stdout.split()[-1])
 
@@ -173,24 +185,30 @@ INSTRUMENTED_APP = """
 
 
 @pytest.mark.slow
-def test_processes_that_never_emit_start_no_exporter_process_and_it_does_not_instrument_itself(receiver,
-                                                                                               tmp_path):
+def test_processes_that_never_emit_start_no_exporter_process_and_it_does_not_instrument_itself(receiver, tmp_path):
     """Under opentelemetry-instrument every Python process that imports a library llm-otel hooks
     builds providers; helper processes that never make a span start no exporter process; the one started runs without the
     auto-instrumentation sitecustomize (and its providers), with llm-otel importable."""
     app = tmp_path / "app.py"
     app.write_text(textwrap.dedent(INSTRUMENTED_APP))
-    env = _clean_env(receiver, OTEL_TRACES_EXPORTER="otlp", OTEL_METRICS_EXPORTER="none",
-                     OTEL_LOGS_EXPORTER="none", OTEL_PYTHON_DISABLED_INSTRUMENTATIONS="vllm",
-                     LLM_OTEL_ADAPTIVE_SAMPLING="off", OTEL_SERVICE_NAME="offload-instrumented")
+    env = _clean_env(
+        receiver,
+        OTEL_TRACES_EXPORTER="otlp",
+        OTEL_METRICS_EXPORTER="none",
+        OTEL_LOGS_EXPORTER="none",
+        OTEL_PYTHON_DISABLED_INSTRUMENTATIONS="vllm",
+        LLM_OTEL_ADAPTIVE_SAMPLING="off",
+        OTEL_SERVICE_NAME="offload-instrumented",
+    )
     instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
-    out = subprocess.run([instrument, sys.executable, str(app)], capture_output=True, text=True, env=env,
-                         timeout=180, cwd=str(tmp_path))
+    out = subprocess.run(
+        [instrument, sys.executable, str(app)], capture_output=True, text=True, env=env, timeout=180, cwd=str(tmp_path)
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     # the exporter process's own sitecustomize would import llm_otel.export.offload before runpy runs it
     assert "found in sys.modules" not in out.stderr, out.stderr[-3000:]
     (environ,) = [line for line in out.stdout.splitlines() if line.startswith("ENVIRON ")]
-    pythonpath = [v for v in eval(environ[len("ENVIRON "):]) if v.startswith(b"PYTHONPATH=")]  # noqa: S307
+    pythonpath = [v for v in eval(environ[len("ENVIRON ") :]) if v.startswith(b"PYTHONPATH=")]  # noqa: S307
     assert pythonpath and AUTO.encode() not in pythonpath[0]
     assert b"src" in pythonpath[0] or b"llm_otel" not in pythonpath[0]  # llm_otel's root stays first
     assert receiver.wait_for_spans(1, name="instrumented-app")
@@ -221,11 +239,18 @@ def test_a_process_that_only_has_vllm_installed_starts_no_exporter_process(recei
     process); a vLLM frontend starts its own when it starts building LLMEngine/AsyncLLM."""
     app = tmp_path / "plain.py"
     app.write_text(textwrap.dedent(PLAIN_APP))
-    env = _clean_env(receiver, OTEL_TRACES_EXPORTER="otlp", OTEL_METRICS_EXPORTER="none",
-                     OTEL_LOGS_EXPORTER="none", LLM_OTEL_ADAPTIVE_SAMPLING="off", OTEL_SERVICE_NAME="plain")
+    env = _clean_env(
+        receiver,
+        OTEL_TRACES_EXPORTER="otlp",
+        OTEL_METRICS_EXPORTER="none",
+        OTEL_LOGS_EXPORTER="none",
+        LLM_OTEL_ADAPTIVE_SAMPLING="off",
+        OTEL_SERVICE_NAME="plain",
+    )
     instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
-    out = subprocess.run([instrument, sys.executable, str(app)], capture_output=True, text=True, env=env,
-                         timeout=180, cwd=str(tmp_path))
+    out = subprocess.run(
+        [instrument, sys.executable, str(app)], capture_output=True, text=True, env=env, timeout=180, cwd=str(tmp_path)
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "EXPORTERS 0" in out.stdout, (out.stdout, out.stderr[-3000:])
 
@@ -265,8 +290,9 @@ def test_the_exporter_process_environment_drops_the_auto_instrumentation_dir(rec
 # --- 4. values pickle cannot encode lose that value, not the frame; lists copied at set time ------
 def test_an_unencodable_attribute_loses_that_value_not_the_frame(receiver, caplog):
     receiver.clear()
-    tp, mp = build_providers(Settings(console="off", adaptive_sampling="off"), _clean_env(receiver),
-                             shutdown_on_exit=False)
+    tp, mp = build_providers(
+        Settings(console="off", adaptive_sampling="off"), _clean_env(receiver), shutdown_on_exit=False
+    )
     reader = InMemoryMetricReader()
     tp.buffer.bind(MeterProvider(metric_readers=[reader]))
     tracer = tp.get_tracer("t")
@@ -296,16 +322,23 @@ def test_an_unencodable_attribute_loses_that_value_not_the_frame(receiver, caplo
     assert event["attributes"] == {"n": 1}
     assert tp.buffer.attributes_dropped == 2 and tp.buffer.failed == 1
     data = reader.get_metrics_data()
-    assert [(p.attributes["error.type"], p.value) for rm in data.resource_metrics for sm in rm.scope_metrics
-            for m in sm.metrics if m.name == M.LLM_OTEL_SPANS_DROPPED for p in m.data.data_points] == [(ENCODING, 1)]
+    assert [
+        (p.attributes["error.type"], p.value)
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == M.LLM_OTEL_SPANS_DROPPED
+        for p in m.data.data_points
+    ] == [(ENCODING, 1)]
     assert len([r for r in caplog.records if "attribute value" in r.getMessage()]) == 1
     tp.shutdown()
     mp.shutdown()
 
 
 def test_metric_observations_with_unencodable_attribute_values_keep_the_rest(receiver):
-    tp, mp = build_providers(Settings(console="off", adaptive_sampling="off"), _clean_env(receiver),
-                             shutdown_on_exit=False)
+    tp, mp = build_providers(
+        Settings(console="off", adaptive_sampling="off"), _clean_env(receiver), shutdown_on_exit=False
+    )
     good = ("requests", 1, {"gen_ai.request.model": "m"}, None)
     odd = ("requests", 1, {"gen_ai.request.model": "m", "x": threading.Lock(), "n": np.int64(3)}, None)
     kind, records = tp.buffer._encodable(("metrics", [good, odd]))  # noqa: SLF001 - the fallback itself
@@ -318,8 +351,9 @@ def test_metric_observations_with_unencodable_attribute_values_keep_the_rest(rec
 def test_a_request_metric_record_with_an_unencodable_label_keeps_the_rest(receiver):
     """One finished request's observations travel as one record: a label value pickle cannot
     take is dropped from each of its four attribute sets, its values are kept."""
-    tp, mp = build_providers(Settings(console="off", adaptive_sampling="off"), _clean_env(receiver),
-                             shutdown_on_exit=False)
+    tp, mp = build_providers(
+        Settings(console="off", adaptive_sampling="off"), _clean_env(receiver), shutdown_on_exit=False
+    )
     attrs = {"gen_ai.request.model": "m", "x": threading.Lock(), "n": np.int64(3)}
     obs = ((attrs, attrs, attrs, attrs), True, 0.5, 0.1, 0.01, [0.01, 0.02], 20.0, None, 7, 10, None)
     kind, records = tp.buffer._encodable(("metrics", [("request", obs, 10, (1, 2, 1))]))  # noqa: SLF001

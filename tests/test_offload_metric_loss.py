@@ -20,15 +20,25 @@ from llm_otel.telemetry import Telemetry
 
 def _metric_drops(reader) -> int:
     data = reader.get_metrics_data()
-    return sum(p.value for rm in (data.resource_metrics if data else ()) for sm in rm.scope_metrics
-               for m in sm.metrics if m.name == M.LLM_OTEL_METRIC_POINTS_DROPPED for p in m.data.data_points)
+    return sum(
+        p.value
+        for rm in (data.resource_metrics if data else ())
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == M.LLM_OTEL_METRIC_POINTS_DROPPED
+        for p in m.data.data_points
+    )
 
 
 def _run(receiver, *, flush_before_kill: bool) -> tuple[int, int]:
     """10 observations, kill -9 the exporter process, 5 more, shut down: (received, counted)."""
     receiver.clear()
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true",
-           "OTEL_TRACES_SAMPLER": "always_on", "OTEL_METRIC_EXPORT_INTERVAL": "60000"}
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint,
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_TRACES_SAMPLER": "always_on",
+        "OTEL_METRIC_EXPORT_INTERVAL": "60000",
+    }
     settings = Settings(console="off", adaptive_sampling="off")
     tp, mp = build_providers(settings, env, shutdown_on_exit=False)
     assert isinstance(tp, OffloadTracerProvider)

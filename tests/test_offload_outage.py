@@ -20,8 +20,14 @@ from llm_otel.semconv import metrics as M
 
 def _metric_drops(reader) -> int:
     data = reader.get_metrics_data()
-    return sum(p.value for rm in (data.resource_metrics if data else ()) for sm in rm.scope_metrics
-               for m in sm.metrics if m.name == M.LLM_OTEL_METRIC_POINTS_DROPPED for p in m.data.data_points)
+    return sum(
+        p.value
+        for rm in (data.resource_metrics if data else ())
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == M.LLM_OTEL_METRIC_POINTS_DROPPED
+        for p in m.data.data_points
+    )
 
 
 N_OUTAGE = 4000  # more observations than the pipe to the exporter process holds (64 KiB)
@@ -45,13 +51,16 @@ def _requests_counted_after_an_outage(export_process: bool) -> tuple[int, int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_EXPORTER_OTLP_INSECURE": "true",
-           "OTEL_TRACES_SAMPLER": "always_on", "OTEL_METRIC_EXPORT_INTERVAL": "500",
-           "OTEL_EXPORTER_OTLP_TIMEOUT": "3"}
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_TRACES_SAMPLER": "always_on",
+        "OTEL_METRIC_EXPORT_INTERVAL": "500",
+        "OTEL_EXPORTER_OTLP_TIMEOUT": "3",
+    }
     # a small buffer stands for a long outage at a high request rate (default 8192 spans, 4x that
     # many metric observations: about 2,500 requests)
-    settings = Settings(console="off", adaptive_sampling="off", export_process=export_process,
-                        export_process_buffer=8)
+    settings = Settings(console="off", adaptive_sampling="off", export_process=export_process, export_process_buffer=8)
     tp, mp = build_providers(settings, env, shutdown_on_exit=False)
     reader = InMemoryMetricReader()
     from llm_otel.export.offload import request_outlets
@@ -97,5 +106,7 @@ def test_a_collector_outage_loses_no_genai_request_metrics_with_the_exporter_pro
     in_process, _ = _requests_counted_after_an_outage(False)
     offloaded, dropped = _requests_counted_after_an_outage(True)
     assert in_process == N_OUTAGE
-    assert offloaded == N_OUTAGE, (f"exporter process: {offloaded} of {N_OUTAGE} requests reached the collector after the "
-                              f"outage ({dropped} observations counted as dropped); in process: {in_process}")
+    assert offloaded == N_OUTAGE, (
+        f"exporter process: {offloaded} of {N_OUTAGE} requests reached the collector after the "
+        f"outage ({dropped} observations counted as dropped); in process: {in_process}"
+    )

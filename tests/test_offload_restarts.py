@@ -16,8 +16,12 @@ from llm_otel.process.providers import build_providers
 def test_an_exporter_process_that_keeps_dying_is_one_outage_in_the_log(receiver, caplog, monkeypatch):
     caplog.set_level(logging.WARNING, logger="llm_otel")
     receiver.clear()
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true",
-           "OTEL_TRACES_SAMPLER": "always_on", "OTEL_METRICS_EXPORTER": "none"}
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint,
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_TRACES_SAMPLER": "always_on",
+        "OTEL_METRICS_EXPORTER": "none",
+    }
     tp, _ = build_providers(Settings(console="off", adaptive_sampling="off"), env, shutdown_on_exit=False)
     tp.buffer.respawn_s = 0.3  # the production 5 s, compressed: about ten restart attempts
     monkeypatch.setattr(sys, "executable", "/bin/false")

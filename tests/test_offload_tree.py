@@ -30,8 +30,22 @@ from llm_otel.semconv import attributes as A
 from llm_otel.semconv import metrics as M
 from llm_otel.telemetry import Telemetry
 
-FIELDS = ("name", "trace_id", "span_id", "flags", "trace_state", "parent", "kind", "start", "end", "attributes",
-          "events", "links", "status", "scope")
+FIELDS = (
+    "name",
+    "trace_id",
+    "span_id",
+    "flags",
+    "trace_state",
+    "parent",
+    "kind",
+    "start",
+    "end",
+    "attributes",
+    "events",
+    "links",
+    "status",
+    "scope",
+)
 
 
 class Sink:
@@ -52,14 +66,24 @@ def _requests(telemetry: Telemetry) -> None:
     hand-over, a failure without tokens, a failure after tokens, a remote parent with tracestate,
     and log-probs (``llm.logit_dist`` stays in the serving process)."""
     base = 1_700_000_000.0
-    parent = TraceContextTextMapPropagator().extract({
-        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
-        "tracestate": "ot=th:0;rv:ffffffffffffff,vendor=x"})
+    parent = TraceContextTextMapPropagator().extract(
+        {
+            "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "tracestate": "ot=th:0;rv:ffffffffffffff,vendor=x",
+        }
+    )
     for i in range(6):
         arrival = base + i
-        rec = telemetry.start_request(f"r-{i}", operation="text_completion", provider="vllm", model="m",
-                                      arrival_s=arrival, input_tokens=7 + i, parent=parent if i == 3 else None,
-                                      engine_version="0.0")
+        rec = telemetry.start_request(
+            f"r-{i}",
+            operation="text_completion",
+            provider="vllm",
+            model="m",
+            arrival_s=arrival,
+            input_tokens=7 + i,
+            parent=parent if i == 3 else None,
+            engine_version="0.0",
+        )
         mono0 = 1000.0 + i
         rec.mono_offset_ns = round((arrival - mono0) * 1e9)
         if i != 5:
@@ -103,8 +127,11 @@ def _run(sampler, settings: Settings, ship: bool) -> tuple[list[tuple], list[tup
 @pytest.mark.parametrize("sampler", ["always_on", "adaptive"])
 def test_the_tree_built_in_the_exporter_process_equals_the_in_process_tree(sampler, capture):
     settings = Settings(console="off", adaptive_sampling="off", capture_content=capture, logit_dist_ratio=1.0)
-    make = (lambda: ALWAYS_ON) if sampler == "always_on" else \
-        (lambda: adaptive_sampler(UtilizationPolicy(floor=1.0, ceiling=1.0), poller=None))
+    make = (
+        (lambda: ALWAYS_ON)
+        if sampler == "always_on"
+        else (lambda: adaptive_sampler(UtilizationPolicy(floor=1.0, ceiling=1.0), poller=None))
+    )
     in_process, handed_in = _run(make(), settings, ship=False)
     shipped, handed = _run(make(), settings, ship=True)
 
@@ -132,7 +159,7 @@ def test_the_tree_built_in_the_exporter_process_equals_the_in_process_tree(sampl
                 assert a == b, (mine[0], field)
     stream = next(r for r in shipped if r[0] == "llm.token_stream" and any(e[0] == "llm.token.stall" for e in r[10]))
     assert stream[9][A.LLM_TOKEN_EVENTS_DROPPED] == 0
-    remote = [r for r in shipped if r[1] == 0x0af7651916cd43dd8448eb211c80319c and r[0] == "llm.prompt"]
+    remote = [r for r in shipped if r[1] == 0x0AF7651916CD43DD8448EB211C80319C and r[0] == "llm.prompt"]
     assert remote and dict(remote[0][4])["vendor"] == "x"
     if capture:
         assert any("llm.token.id" in (e[1] or {}) for r in shipped for e in r[10])
@@ -152,8 +179,11 @@ def test_a_tree_that_cannot_be_built_loses_the_spans_it_announced(caplog):
 
 def test_a_full_buffer_counts_every_span_of_the_trees_it_drops(receiver):
     reader = InMemoryMetricReader()
-    env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.grpc_endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true",
-           "OTEL_METRICS_EXPORTER": "none"}
+    env = {
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.grpc_endpoint,
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_METRICS_EXPORTER": "none",
+    }
     tp = OffloadTracerProvider(Resource.create({}), ALWAYS_ON, SeededIds(3), "rx", 2, env)
     assert isinstance(tp.buffer, OffloadBuffer)
     tp.buffer.bind(MeterProvider(metric_readers=[reader]))
@@ -166,7 +196,9 @@ def test_a_full_buffer_counts_every_span_of_the_trees_it_drops(receiver):
         for sm in rm.scope_metrics:
             for metric in sm.metrics:
                 if metric.name == M.LLM_OTEL_SPANS_DROPPED:
-                    dropped += sum(p.value for p in metric.data.data_points if p.attributes.get("error.type") == BACKLOG)
+                    dropped += sum(
+                        p.value for p in metric.data.data_points if p.attributes.get("error.type") == BACKLOG
+                    )
     # kept: request 0's tree and span (3 spans); dropped: the other 5 request spans, their trees
     # (2 spans each, 1 for the request without tokens) and request 4's llm.logit_dist
     assert dropped == 5 + 9 + 1 and tp.buffer.failed == dropped

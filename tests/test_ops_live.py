@@ -29,8 +29,12 @@ httpx = pytest.importorskip("httpx")
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")]
 
 # absent without NVML (token efficiency divides by GPU memory in use)
-GPU_METRICS = ("llm_gpu_utilization", "llm_gpu_memory_usage_bytes", "llm_gpu_memory_limit_bytes",
-               "llm_server_token_efficiency")
+GPU_METRICS = (
+    "llm_gpu_utilization",
+    "llm_gpu_memory_usage_bytes",
+    "llm_gpu_memory_limit_bytes",
+    "llm_server_token_efficiency",
+)
 OPENMETRICS = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
 
 
@@ -91,17 +95,32 @@ def ops_engine(tiny_model, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("ops_engine") / "engine.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
     env.update(VLLM_ENV)
-    env.update(OTEL_METRICS_EXPORTER="prometheus", OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
-               OTEL_EXPORTER_PROMETHEUS_PORT=str(port), OTEL_TRACES_EXPORTER="none",
-               OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG="0.5",
-               OTEL_SERVICE_NAME="llm-otel-ops-test", LLM_OTEL_CONSOLE="off", LLM_OTEL_ADAPTIVE_SAMPLING="off",
-               # a catch-all tier so the signals rules and panels (SLO checks by tier) have data
-               LLM_OTEL_TIERS="free * ttft=1.2 tpot=0.5", LLM_OTEL_MODEL_REVISION="stable",
-               LLM_OTEL_CLASS_HEADERS="priority:engine:priority")
+    env.update(
+        OTEL_METRICS_EXPORTER="prometheus",
+        OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
+        OTEL_EXPORTER_PROMETHEUS_PORT=str(port),
+        OTEL_TRACES_EXPORTER="none",
+        OTEL_TRACES_SAMPLER="parentbased_traceidratio",
+        OTEL_TRACES_SAMPLER_ARG="0.5",
+        OTEL_SERVICE_NAME="llm-otel-ops-test",
+        LLM_OTEL_CONSOLE="off",
+        LLM_OTEL_ADAPTIVE_SAMPLING="off",
+        # a catch-all tier so the signals rules and panels (SLO checks by tier) have data
+        LLM_OTEL_TIERS="free * ttft=1.2 tpot=0.5",
+        LLM_OTEL_MODEL_REVISION="stable",
+        LLM_OTEL_CLASS_HEADERS="priority:engine:priority",
+    )
     log = open(log_path, "w")
     app = os.path.join(os.path.dirname(__file__), "support", "ops_engine_app.py")
-    proc = subprocess.Popen([sys.executable, app, str(tiny_model)], env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, app, str(tiny_model)],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 300
         line = ""
@@ -126,16 +145,30 @@ def prom(ops_engine, tmp_path_factory):
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
         "rule_files": [str(p) for p in H.rules_files()],
-        "scrape_configs": [{"job_name": "llm", "static_configs": [
-            {"targets": [f"127.0.0.1:{ops_engine['frontend']}"], "labels": {"process": "frontend"}},
-            {"targets": [f"127.0.0.1:{ops_engine['engine_core']}"], "labels": {"process": "engine_core"}},
-        ]}],
+        "scrape_configs": [
+            {
+                "job_name": "llm",
+                "static_configs": [
+                    {"targets": [f"127.0.0.1:{ops_engine['frontend']}"], "labels": {"process": "frontend"}},
+                    {"targets": [f"127.0.0.1:{ops_engine['engine_core']}"], "labels": {"process": "engine_core"}},
+                ],
+            }
+        ],
     }
     (work / "prometheus.yml").write_text(yaml.safe_dump(config))
     log = open(work / "prometheus.log", "w")
-    proc = subprocess.Popen([binary, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}", "--enable-feature=exemplar-storage"],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={work / 'prometheus.yml'}",
+            f"--storage.tsdb.path={work / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--enable-feature=exemplar-storage",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     client = httpx.Client(base_url=base, timeout=10)
     try:
@@ -220,10 +253,14 @@ def test_every_dashboard_query_returns_data(prom):
 def test_latency_histograms_carry_exemplars_with_trace_ids(prom):
     client = prom["client"]
     now = time.time()
-    for metric in ("gen_ai_server_time_to_first_token_seconds_bucket", "llm_server_inter_token_latency_seconds_bucket",
-                   "gen_ai_server_request_duration_seconds_bucket"):
-        body = client.get("/api/v1/query_exemplars",
-                          params={"query": metric, "start": now - 600, "end": now + 60}).json()
+    for metric in (
+        "gen_ai_server_time_to_first_token_seconds_bucket",
+        "llm_server_inter_token_latency_seconds_bucket",
+        "gen_ai_server_request_duration_seconds_bucket",
+    ):
+        body = client.get(
+            "/api/v1/query_exemplars", params={"query": metric, "start": now - 600, "end": now + 60}
+        ).json()
         assert body["status"] == "success", body
         exemplars = [e for series in body["data"] for e in series["exemplars"]]
         assert exemplars, f"no exemplars stored for {metric}"
@@ -251,10 +288,17 @@ def _families(text: str) -> set[str]:
 
 def test_frontend_process_serves_request_metrics_only(ops_engine):
     families = _families(_scrape(ops_engine["frontend"]))
-    for name in ("gen_ai_server_time_to_first_token_seconds", "gen_ai_server_time_per_output_token_seconds",
-                 "gen_ai_server_request_duration_seconds", "llm_server_inter_token_latency_seconds",
-                 "llm_server_output_token_rate_per_second", "llm_server_request_queue_time_seconds",
-                 "llm_server_token_usage", "llm_server_requests", "llm_otel_sampling_probability"):
+    for name in (
+        "gen_ai_server_time_to_first_token_seconds",
+        "gen_ai_server_time_per_output_token_seconds",
+        "gen_ai_server_request_duration_seconds",
+        "llm_server_inter_token_latency_seconds",
+        "llm_server_output_token_rate_per_second",
+        "llm_server_request_queue_time_seconds",
+        "llm_server_token_usage",
+        "llm_server_requests",
+        "llm_otel_sampling_probability",
+    ):
         assert name in families, name
     assert not families & {"llm_server_kv_cache_usage", "llm_server_prefix_cache_hits", "llm_gpu_utilization"}
 
@@ -262,13 +306,21 @@ def test_frontend_process_serves_request_metrics_only(ops_engine):
 def test_engine_core_process_serves_engine_state_only(ops_engine):
     text = _scrape(ops_engine["engine_core"])
     families = _families(text)
-    for name in ("llm_server_kv_cache_usage", "llm_server_prefix_cache_hits", "llm_server_prefix_cache_queries",
-                 "llm_server_requests_running", "llm_server_requests_waiting"):
+    for name in (
+        "llm_server_kv_cache_usage",
+        "llm_server_prefix_cache_hits",
+        "llm_server_prefix_cache_queries",
+        "llm_server_requests_running",
+        "llm_server_requests_waiting",
+    ):
         assert name in families, name
     assert "gen_ai_server_time_to_first_token_seconds" not in families
     assert 'llm_process_role="engine_core"' in text  # target_info carries the process role
-    hits = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line.startswith("llm_server_prefix_cache_hits_total{")]
+    hits = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("llm_server_prefix_cache_hits_total{")
+    ]
     assert hits and hits[0] > 0  # the shared prompt prefix is served from the cache
 
 

@@ -20,11 +20,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, Sampler, TraceIdRatioBased
 
 from llm_otel.config import ConfigError, Settings
+from llm_otel.instrumentation.vllm.carrier import step_has_prefill
+from llm_otel.instrumentation.vllm.engine_core import scheduler_state
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import metrics as M
 from llm_otel.telemetry import Telemetry
-from llm_otel.instrumentation.vllm.carrier import step_has_prefill
-from llm_otel.instrumentation.vllm.engine_core import scheduler_state
 from llm_otel.telemetry.engine_state import DECODE, IDLE, PREFILL, EngineStateMetrics, PhaseClock
 from llm_otel.telemetry.metrics import MAX_ERROR_TYPES, OTHER, sampling_probability_reader
 
@@ -34,8 +34,14 @@ prom = pytest.importorskip("opentelemetry.exporter.prometheus")
 def _finished(cap, *, steps=((0.0, 1),), arrival_ago=1.0, error=None, reason="stop", model="m"):
     """A request whose tokens came at engine-monotonic offsets ``steps`` (s after `base`, count)."""
     tel = cap.telemetry
-    rec = tel.start_request("r", operation="text_completion", provider="vllm", model=model,
-                            arrival_s=time.time() - arrival_ago, input_tokens=5)
+    rec = tel.start_request(
+        "r",
+        operation="text_completion",
+        provider="vllm",
+        model=model,
+        arrival_s=time.time() - arrival_ago,
+        input_tokens=5,
+    )
     base = time.monotonic() - 0.5
     for offset, n in steps:
         rec.on_tokens(list(range(n)), base + offset)
@@ -93,8 +99,10 @@ def test_requests_counted_by_finish_reason_and_error_type(captured):
     _finished(captured, reason="length")
     _finished(captured, reason="length")
     _finished(captured, reason="abort", error="aborted")
-    counts = {(p.attributes.get(A.LLM_RESPONSE_FINISH_REASON), p.attributes.get(A.ERROR_TYPE)): p.value
-              for p in _points(captured, M.LLM_SERVER_REQUESTS)}
+    counts = {
+        (p.attributes.get(A.LLM_RESPONSE_FINISH_REASON), p.attributes.get(A.ERROR_TYPE)): p.value
+        for p in _points(captured, M.LLM_SERVER_REQUESTS)
+    }
     assert counts == {("length", None): 2, ("abort", "aborted"): 1}
     for p in _points(captured, M.LLM_SERVER_REQUESTS):
         assert A.LLM_REQUEST_ID not in p.attributes and A.GEN_AI_RESPONSE_MODEL not in p.attributes
@@ -103,8 +111,13 @@ def test_requests_counted_by_finish_reason_and_error_type(captured):
 
 
 def test_rejected_request_counted_with_error_type_and_no_finish_reason(captured):
-    captured.telemetry.reject(operation="text_completion", provider="vllm", model="m",
-                              arrival_s=time.time(), error=ValueError("prompt too long"))
+    captured.telemetry.reject(
+        operation="text_completion",
+        provider="vllm",
+        model="m",
+        arrival_s=time.time(),
+        error=ValueError("prompt too long"),
+    )
     (point,) = _points(captured, M.LLM_SERVER_REQUESTS)
     assert point.value == 1 and point.attributes[A.ERROR_TYPE] == "ValueError"
     assert A.LLM_RESPONSE_FINISH_REASON not in point.attributes
@@ -127,11 +140,14 @@ def test_latency_histograms_carry_the_sampled_requests_trace_id(captured):
     rec = _finished(captured, steps=((0.0, 1), (0.1, 1)))
     trace_id = rec.span.get_span_context().trace_id
     data = captured.metrics.get_metrics_data()  # one collection: the SDK resets exemplars after each
-    points = {m.name: m.data.data_points for rm in data.resource_metrics for sm in rm.scope_metrics
-              for m in sm.metrics}
-    for name in (M.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN, M.GEN_AI_SERVER_TIME_PER_OUTPUT_TOKEN,
-                 M.GEN_AI_SERVER_REQUEST_DURATION, M.LLM_SERVER_INTER_TOKEN_LATENCY,
-                 M.LLM_SERVER_OUTPUT_TOKEN_RATE):
+    points = {m.name: m.data.data_points for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+    for name in (
+        M.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN,
+        M.GEN_AI_SERVER_TIME_PER_OUTPUT_TOKEN,
+        M.GEN_AI_SERVER_REQUEST_DURATION,
+        M.LLM_SERVER_INTER_TOKEN_LATENCY,
+        M.LLM_SERVER_OUTPUT_TOKEN_RATE,
+    ):
         (point,) = points[name]
         assert point.exemplars, name
         assert {e.trace_id for e in point.exemplars} == {trace_id}, name
@@ -161,14 +177,22 @@ def test_unsampled_request_finished_inside_another_sampled_span_takes_no_exempla
     with trace.use_span(app, end_on_exit=True):
         _finished(cap, steps=((0.0, 1), (0.1, 1)))
     data = cap.metrics.get_metrics_data()
-    exemplars = [e for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
-                 for p in m.data.data_points for e in getattr(p, "exemplars", ())]
+    exemplars = [
+        e
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        for p in m.data.data_points
+        for e in getattr(p, "exemplars", ())
+    ]
     assert exemplars == []
 
 
 # --- sampling probability -----------------------------------------------------------------------
-@pytest.mark.parametrize("sampler, expected", [(TraceIdRatioBased(0.25), 0.25), (ParentBased(TraceIdRatioBased(0.1)), 0.1),
-                                               (ParentBased(ALWAYS_OFF), 0.0)])
+@pytest.mark.parametrize(
+    "sampler, expected",
+    [(TraceIdRatioBased(0.25), 0.25), (ParentBased(TraceIdRatioBased(0.1)), 0.1), (ParentBased(ALWAYS_OFF), 0.0)],
+)
 def test_sampling_probability_gauge_reports_the_sdk_samplers_probability(sampler, expected):
     cap = make_captured(sampler=sampler)
     assert cap.telemetry.instruments.observe_sampling(cap.tracer_provider)
@@ -209,7 +233,7 @@ def _engine_metrics():
 def _values(reader):
     out = {}
     data = reader.get_metrics_data()
-    for rm in (data.resource_metrics if data else []):
+    for rm in data.resource_metrics if data else []:
         for sm in rm.scope_metrics:
             for m in sm.metrics:
                 out[m.name] = [(dict(p.attributes), p.value) for p in m.data.data_points]
@@ -223,13 +247,21 @@ def test_engine_state_from_real_vllm_scheduler_stats():
     metrics, reader = _engine_metrics()
     first = PrefixCacheStats()
     first.record(num_tokens=64, num_hits=32, preempted=False)
-    metrics.on_step_state(scheduler_state(SchedulerStats(num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.4,
-                                                         prefix_cache_stats=first)), "tiny")
+    metrics.on_step_state(
+        scheduler_state(
+            SchedulerStats(num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.4, prefix_cache_stats=first)
+        ),
+        "tiny",
+    )
     second = PrefixCacheStats()
     second.record(num_tokens=100, num_hits=0, preempted=False)
     second.record(num_tokens=50, num_hits=50, preempted=True)  # re-admitted after preemption: not counted
-    metrics.on_step_state(scheduler_state(SchedulerStats(num_running_reqs=4, num_waiting_reqs=0, kv_cache_usage=0.5,
-                                                         prefix_cache_stats=second)), "tiny")
+    metrics.on_step_state(
+        scheduler_state(
+            SchedulerStats(num_running_reqs=4, num_waiting_reqs=0, kv_cache_usage=0.5, prefix_cache_stats=second)
+        ),
+        "tiny",
+    )
     attrs = {A.GEN_AI_PROVIDER_NAME: "vllm", A.GEN_AI_REQUEST_MODEL: "tiny"}
     values = _values(reader)
     assert values[M.LLM_SERVER_PREFIX_CACHE_QUERIES] == [(attrs, 164)]
@@ -341,7 +373,9 @@ def test_gpu_gauges_per_device_with_phase(monkeypatch):
     assert register_gpu_metrics(mp.get_meter("t"), lambda: DECODE, NvmlSource()) is not None
     values = _values(reader)
     assert sorted(values[M.LLM_GPU_UTILIZATION], key=lambda v: v[0][A.HW_ID]) == [
-        ({A.HW_ID: "0", A.LLM_ENGINE_PHASE: DECODE}, 0.3), ({A.HW_ID: "1", A.LLM_ENGINE_PHASE: DECODE}, 0.9)]
+        ({A.HW_ID: "0", A.LLM_ENGINE_PHASE: DECODE}, 0.3),
+        ({A.HW_ID: "1", A.LLM_ENGINE_PHASE: DECODE}, 0.9),
+    ]
     assert sorted(v for _a, v in values[M.LLM_GPU_MEMORY_USAGE]) == [1 << 30, 3 << 30]
     assert sorted(v for _a, v in values[M.LLM_GPU_MEMORY_LIMIT]) == [8 << 30, 8 << 30]
 
@@ -401,17 +435,22 @@ def prom_telemetry():
 
 
 DOCUMENTED_NAMES = [  # docs/operations.md, "Metrics" - as Prometheus shows them
-    "gen_ai_server_time_to_first_token_seconds", "gen_ai_server_time_per_output_token_seconds",
-    "gen_ai_server_request_duration_seconds", "llm_server_request_queue_time_seconds",
-    "llm_server_inter_token_latency_seconds", "llm_server_output_token_rate_per_second", "llm_server_token_usage",
+    "gen_ai_server_time_to_first_token_seconds",
+    "gen_ai_server_time_per_output_token_seconds",
+    "gen_ai_server_request_duration_seconds",
+    "llm_server_request_queue_time_seconds",
+    "llm_server_inter_token_latency_seconds",
+    "llm_server_output_token_rate_per_second",
+    "llm_server_token_usage",
     "llm_server_requests",
 ]
 
 
 def test_prometheus_names_and_exemplar_on_the_bucket_holding_the_value(prom_telemetry):
     registry, cap = prom_telemetry
-    rec = cap.telemetry.start_request("r", operation="text_completion", provider="vllm", model="m",
-                                      arrival_s=time.time() - 0.3, input_tokens=2)
+    rec = cap.telemetry.start_request(
+        "r", operation="text_completion", provider="vllm", model="m", arrival_s=time.time() - 0.3, input_tokens=2
+    )
     base = time.monotonic()
     rec.on_tokens([1], base - 0.2)
     rec.on_tokens([2], base - 0.14)  # ITL 0.06 s -> bucket le=0.075
@@ -431,13 +470,17 @@ def test_prometheus_names_and_exemplar_on_the_bucket_holding_the_value(prom_tele
 
 
 def _itl_exemplar_lines(text: str) -> list[str]:
-    return [line for line in text.splitlines()
-            if line.startswith("llm_server_inter_token_latency_seconds_bucket") and "# {" in line]
+    return [
+        line
+        for line in text.splitlines()
+        if line.startswith("llm_server_inter_token_latency_seconds_bucket") and "# {" in line
+    ]
 
 
 def _finish_with_itl(cap, gap_s: float):
-    rec = cap.telemetry.start_request("r", operation="text_completion", provider="vllm", model="m",
-                                      arrival_s=time.time() - 0.3, input_tokens=2)
+    rec = cap.telemetry.start_request(
+        "r", operation="text_completion", provider="vllm", model="m", arrival_s=time.time() - 0.3, input_tokens=2
+    )
     base = time.monotonic()
     rec.on_tokens([1], base - 0.2)
     rec.on_tokens([2], base - 0.2 + gap_s)
@@ -491,8 +534,12 @@ def test_build_providers_serves_prometheus_when_asked():
     from llm_otel.process.providers import build_providers
 
     port = _free_port()
-    env = {"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_PORT": str(port),
-           "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1", "OTEL_TRACES_EXPORTER": "none"}
+    env = {
+        "OTEL_METRICS_EXPORTER": "prometheus",
+        "OTEL_EXPORTER_PROMETHEUS_PORT": str(port),
+        "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
+        "OTEL_TRACES_EXPORTER": "none",
+    }
     tp, mp = build_providers(Settings.from_env({}), env)
     try:
         mp.get_meter("t").create_counter("llm_otel.test.probe").add(3)
@@ -511,8 +558,9 @@ def test_busy_port_is_logged_and_leaves_metrics_unexposed(caplog):
         s.listen()
         port = s.getsockname()[1]
         with caplog.at_level(logging.WARNING, logger="llm_otel"):
-            reader = prometheus_reader({"OTEL_EXPORTER_PROMETHEUS_PORT": str(port),
-                                        "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1"}, "frontend")
+            reader = prometheus_reader(
+                {"OTEL_EXPORTER_PROMETHEUS_PORT": str(port), "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1"}, "frontend"
+            )
     assert reader is None
     assert sum("cannot serve Prometheus metrics" in r.getMessage() for r in caplog.records) == 1
 
@@ -534,8 +582,15 @@ def test_doctor_reports_the_prometheus_ports_and_a_busy_one():
         busy.listen()
         port = busy.getsockname()[1] - 1  # the engine core's port (port + 1) is taken
         out = io.StringIO()
-        code = doctor({"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_PORT": str(port),
-                       "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1", "OTEL_TRACES_EXPORTER": "none"}, out)
+        code = doctor(
+            {
+                "OTEL_METRICS_EXPORTER": "prometheus",
+                "OTEL_EXPORTER_PROMETHEUS_PORT": str(port),
+                "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
+                "OTEL_TRACES_EXPORTER": "none",
+            },
+            out,
+        )
     text = out.getvalue()
     assert code == 1
     assert f"frontend process would serve http://127.0.0.1:{port}/metrics" in text

@@ -59,8 +59,11 @@ def _alert_expectations() -> dict[str, dict[str, int]]:
 def test_every_alert_has_a_firing_and_a_silent_unit_test():
     alerts = {r["alert"] for p in H.rules_files() for r in H.rules(p) if "alert" in r}
     seen = _alert_expectations()
-    missing = {a: seen.get(a, {"fires": 0, "silent": 0}) for a in alerts
-               if not (seen.get(a, {}).get("fires") and seen.get(a, {}).get("silent"))}
+    missing = {
+        a: seen.get(a, {"fires": 0, "silent": 0})
+        for a in alerts
+        if not (seen.get(a, {}).get("fires") and seen.get(a, {}).get("silent"))
+    }
     assert not missing, f"alerts without both a firing and a silent promtool case: {missing}"
 
 
@@ -75,8 +78,11 @@ def test_every_alert_has_severity_and_summary():
 def test_slo_parameters_are_single_series_the_alerts_read():
     rules = [r for p in H.rules_files() for r in H.rules(p)]
     params = {r["record"] for r in rules if r.get("record", "").startswith("llm_otel:slo_param:")}
-    assert {"llm_otel:slo_param:ttft_objective", "llm_otel:slo_param:availability_objective",
-            "llm_otel:slo_param:itl_drift_factor"} <= params
+    assert {
+        "llm_otel:slo_param:ttft_objective",
+        "llm_otel:slo_param:availability_objective",
+        "llm_otel:slo_param:itl_drift_factor",
+    } <= params
     read = set().union(*(H.metric_names(r["expr"]) for r in rules if "alert" in r))
     assert params <= read, f"parameters no alert reads: {params - read}"
 
@@ -99,8 +105,18 @@ def test_latency_panels_show_exemplars():
     for panel in latency:
         assert all(t.get("exemplar") is True for t in panel["targets"]), panel["title"]
     titles = " ".join(p["title"] for p in doc["panels"])
-    for needed in ("Time to first token", "Time per output token", "Queue time", "Tokens/s", "Prefix-cache",
-                   "KV-cache", "GPU utilisation by phase", "sampling probability", "burn rate", "Errors"):
+    for needed in (
+        "Time to first token",
+        "Time per output token",
+        "Queue time",
+        "Tokens/s",
+        "Prefix-cache",
+        "KV-cache",
+        "GPU utilisation by phase",
+        "sampling probability",
+        "burn rate",
+        "Errors",
+    ):
         assert needed in titles, needed
 
 
@@ -114,6 +130,8 @@ def test_grafana_exemplars_link_to_the_jaeger_datasource():
 
 
 def test_metric_names_finds_series_not_functions_labels_or_keywords():
-    expr = ('histogram_quantile(0.99, sum by (job, le) (rate(foo_bucket{le="0.5", a=~"x|y"}[5m]))) '
-            '> on() group_left() 14.4 * (1 - scalar(llm_otel:slo_param:x)) and bar offset 1h or vector(0)')
+    expr = (
+        'histogram_quantile(0.99, sum by (job, le) (rate(foo_bucket{le="0.5", a=~"x|y"}[5m]))) '
+        "> on() group_left() 14.4 * (1 - scalar(llm_otel:slo_param:x)) and bar offset 1h or vector(0)"
+    )
     assert H.metric_names(expr) == {"foo_bucket", "llm_otel:slo_param:x", "bar"}

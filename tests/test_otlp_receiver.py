@@ -261,8 +261,15 @@ def test_gzip_compressed_http_export_is_received_as_gzip(rx, make_tracer_provide
     (span,) = rx.wait_for_spans(1, timeout=5, name="compressed")
     assert span["transport"] == "http"
     assert rx.requests() == [
-        {"transport": "http", "signal": "traces", "content_encoding": "gzip", "status": 200, "error": None,
-         "peer": None, "size": None}
+        {
+            "transport": "http",
+            "signal": "traces",
+            "content_encoding": "gzip",
+            "status": 200,
+            "error": None,
+            "peer": None,
+            "size": None,
+        }
     ]
 
 
@@ -518,17 +525,37 @@ def test_http_rejects_unknown_paths_and_non_otlp_content(rx):
 
 def test_http_accepts_otlp_json_with_hex_ids(rx):
     # the shape Triton's C++ OTLP/HTTP exporter posts: hex ids, application/json
-    body = {"resourceSpans": [{"resource": {"attributes": [
-        {"key": "service.name", "value": {"stringValue": "triton"}}]},
-        "scopeSpans": [{"scope": {"name": "triton-server"}, "spans": [{
-            "traceId": "0af7651916cd43dd8448eb211c80319c", "spanId": "b7ad6b7169203331",
-            "parentSpanId": "00f067aa0ba902b7", "name": "InferRequest", "kind": 2,
-            "startTimeUnixNano": "1", "endTimeUnixNano": "2"}]}]}]}
+    body = {
+        "resourceSpans": [
+            {
+                "resource": {"attributes": [{"key": "service.name", "value": {"stringValue": "triton"}}]},
+                "scopeSpans": [
+                    {
+                        "scope": {"name": "triton-server"},
+                        "spans": [
+                            {
+                                "traceId": "0af7651916cd43dd8448eb211c80319c",
+                                "spanId": "b7ad6b7169203331",
+                                "parentSpanId": "00f067aa0ba902b7",
+                                "name": "InferRequest",
+                                "kind": 2,
+                                "startTimeUnixNano": "1",
+                                "endTimeUnixNano": "2",
+                            }
+                        ],
+                    }
+                ],
+            }
+        ]
+    }
     status = _post(rx.http_traces_url, json.dumps(body).encode(), {"Content-Type": "application/json"})[0]
     assert status == 200
     (span,) = rx.wait_for_spans(1)
     assert (span["trace_id"], span["span_id"], span["parent_span_id"]) == (
-        "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331", "00f067aa0ba902b7")
+        "0af7651916cd43dd8448eb211c80319c",
+        "b7ad6b7169203331",
+        "00f067aa0ba902b7",
+    )
     assert span["kind"] == "SPAN_KIND_SERVER" and span["scope_name"] == "triton-server"
 
 

@@ -21,15 +21,23 @@ def _fresh():
 
 def test_single_frontend_keeps_the_configured_ports():
     rows, problems = ports.scheme(9464, api_servers=1, dp_size=1, health_base=8081)
-    assert rows == [("frontend", "prometheus", 9464), ("frontend", "healthz", 8081), ("engine_core", "prometheus", 9465)]
+    assert rows == [
+        ("frontend", "prometheus", 9464),
+        ("frontend", "healthz", 8081),
+        ("engine_core", "prometheus", 9465),
+    ]
     assert problems == []
 
 
 def test_api_servers_count_down_engine_cores_up():
     rows, problems = ports.scheme(9464, api_servers=3, dp_size=2)
-    assert rows == [("ApiServer_0", "prometheus", 9464), ("ApiServer_1", "prometheus", 9463),
-                    ("ApiServer_2", "prometheus", 9462), ("EngineCore_DP0", "prometheus", 9465),
-                    ("EngineCore_DP1", "prometheus", 9466)]
+    assert rows == [
+        ("ApiServer_0", "prometheus", 9464),
+        ("ApiServer_1", "prometheus", 9463),
+        ("ApiServer_2", "prometheus", 9462),
+        ("EngineCore_DP0", "prometheus", 9465),
+        ("EngineCore_DP1", "prometheus", 9466),
+    ]
     assert problems == []
 
 
@@ -80,8 +88,11 @@ def test_deferred_prometheus_reader_binds_its_api_server_port_when_serving(monke
         base = s.getsockname()[1] + 1  # API server 1 serves on base - 1 = the port just freed
     monkeypatch.setattr(multiprocessing.current_process(), "name", "ApiServer_1")
     ports.defer_frontend_endpoints()
-    env = {"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_PORT": str(base),
-           "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1"}
+    env = {
+        "OTEL_METRICS_EXPORTER": "prometheus",
+        "OTEL_EXPORTER_PROMETHEUS_PORT": str(base),
+        "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
+    }
     reader = prometheus_reader(env, "frontend")
     assert reader is not None
     with pytest.raises(httpx.ConnectError):
@@ -97,9 +108,18 @@ def test_doctor_reports_the_scheme_and_a_collision():
         s.bind(("127.0.0.1", 0))
         base = s.getsockname()[1]
     out = io.StringIO()
-    code = doctor({"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_PORT": str(base),
-                   "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1", "OTEL_TRACES_EXPORTER": "none"}, out,
-                  api_servers=2, dp_size=2, serve_port=base - 1)
+    code = doctor(
+        {
+            "OTEL_METRICS_EXPORTER": "prometheus",
+            "OTEL_EXPORTER_PROMETHEUS_PORT": str(base),
+            "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
+            "OTEL_TRACES_EXPORTER": "none",
+        },
+        out,
+        api_servers=2,
+        dp_size=2,
+        serve_port=base - 1,
+    )
     text = out.getvalue()
     assert code == 1
     assert "ports for 2 API server(s) and 2 engine core(s)" in text

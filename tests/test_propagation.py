@@ -19,10 +19,22 @@ def test_valid_traceparent_and_tracestate_are_kept_case_insensitively():
     assert sc.trace_state.get("ot") == "th:8"
 
 
-@pytest.mark.parametrize("value", [
-    "garbage", "", None, 42, f"00-{'0' * 32}-{SID}-01", f"00-{TID}-{'0' * 16}-01", f"00-{TID.upper()}-{SID}-01",
-    f"ff-{TID}-{SID}-01", f"00-{TID}-{SID}-01-extra", f"00-{TID}-{SID}", "00-" + "a" * 1000,
-])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "garbage",
+        "",
+        None,
+        42,
+        f"00-{'0' * 32}-{SID}-01",
+        f"00-{TID}-{'0' * 16}-01",
+        f"00-{TID.upper()}-{SID}-01",
+        f"ff-{TID}-{SID}-01",
+        f"00-{TID}-{SID}-01-extra",
+        f"00-{TID}-{SID}",
+        "00-" + "a" * 1000,
+    ],
+)
 def test_malformed_traceparent_is_ignored(value):
     assert parse_traceparent(value) is None
     assert extract_carrier({"traceparent": value}) is None
@@ -52,8 +64,10 @@ def test_carrier_from_span_writes_what_the_w3c_propagator_injects(state, flags):
     from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    spans = [NonRecordingSpan(SpanContext(int(TID, 16), int(SID, 16), False, TraceFlags(flags), TraceState(state))),
-             trace.INVALID_SPAN]
+    spans = [
+        NonRecordingSpan(SpanContext(int(TID, 16), int(SID, 16), False, TraceFlags(flags), TraceState(state))),
+        trace.INVALID_SPAN,
+    ]
     for span in spans:
         expected: dict = {}
         TraceContextTextMapPropagator().inject(expected, context=trace.set_span_in_context(span))
@@ -71,11 +85,10 @@ def test_a_malformed_tracestate_is_one_log_line_not_one_per_request(caplog):
     from llm_otel.propagation import context_from_carrier, extract_carrier
 
     caplog.set_level(logging.DEBUG)
-    headers = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
-               "tracestate": "a=" + "b" * 300}
+    headers = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "tracestate": "a=" + "b" * 300}
     for _ in range(5):
         ctx = context_from_carrier(extract_carrier(headers))
         sc = otel_trace.get_current_span(ctx).get_span_context()
-        assert sc.trace_id == 0x0af7651916cd43dd8448eb211c80319c and not sc.trace_state
+        assert sc.trace_id == 0x0AF7651916CD43DD8448EB211C80319C and not sc.trace_state
     echoes = [r for r in caplog.records if "bbbbbbbbbb" in r.getMessage() and r.levelno >= logging.WARNING]
     assert len(echoes) <= 1, [r.getMessage()[:120] for r in echoes]

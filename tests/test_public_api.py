@@ -60,13 +60,16 @@ def test_instrument_is_idempotent_and_uninstrument_restores_every_attribute_exac
 @needs_vllm
 @pytest.mark.slow
 def test_zero_code_opentelemetry_instrument_applies_the_vllm_hooks():
-    out = run_py("""
+    out = run_py(
+        """
         from opentelemetry import trace
         from vllm.v1.engine.output_processor import OutputProcessor
         import wrapt
         print(type(vars(OutputProcessor)["process_outputs"]).__name__, type(trace.get_tracer_provider()).__name__)
-    """, env={"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"},
-        argv_prefix=[os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")])
+    """,
+        env={"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"},
+        argv_prefix=[os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")],
+    )
     assert out.split() == ["FunctionWrapper", "TracerProvider"]
 
 
@@ -92,7 +95,8 @@ def test_instrument_without_endpoint_sets_up_console_output_and_without_vllm_is_
 
 
 def test_instrument_with_otlp_endpoint_uses_a_batch_otlp_exporter():
-    out = run_py("""
+    out = run_py(
+        """
         import importlib.util
         real = importlib.util.find_spec
         importlib.util.find_spec = lambda name, *a: None if name == "vllm" else real(name, *a)
@@ -103,13 +107,23 @@ def test_instrument_with_otlp_endpoint_uses_a_batch_otlp_exporter():
         # the OTLP exporter inside llm-otel's wrapper: per process, size-capped, drops counted and logged once
         exporter = proc._batch_processor._exporter
         print(type(proc).__name__, type(exporter).__name__, type(exporter.inner()).__module__)
-    """, env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-              "LLM_OTEL_EXPORT_PROCESS": "false"})
-    assert out.split() == ["BatchSpanProcessor", "ProcessSpanExporter", "opentelemetry.exporter.otlp.proto.http.trace_exporter"]
+    """,
+        env={
+            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "LLM_OTEL_EXPORT_PROCESS": "false",
+        },
+    )
+    assert out.split() == [
+        "BatchSpanProcessor",
+        "ProcessSpanExporter",
+        "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    ]
 
 
 def test_instrument_with_otlp_endpoint_exports_spans_from_an_exporter_process_by_default():
-    out = run_py("""
+    out = run_py(
+        """
         import importlib.util
         real = importlib.util.find_spec
         importlib.util.find_spec = lambda name, *a: None if name == "vllm" else real(name, *a)
@@ -118,7 +132,9 @@ def test_instrument_with_otlp_endpoint_exports_spans_from_an_exporter_process_by
         llm_otel.instrument()
         provider = trace.get_tracer_provider()
         print(type(provider).__name__, provider.buffer.endpoint)
-    """, env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
+    """,
+        env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"},
+    )
     assert out.split() == ["OffloadTracerProvider", "http://127.0.0.1:9/v1/traces"]
 
 
@@ -142,8 +158,11 @@ def _closed_port() -> int:
 @pytest.mark.case("C04")
 def test_doctor_reports_a_broken_exporter(protocol, capsys):
     port = _closed_port()
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
-           "OTEL_METRICS_EXPORTER": "none"}
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+        "OTEL_METRICS_EXPORTER": "none",
+    }
     assert doctor(env) == 1
     out = capsys.readouterr().out
     assert "[FAIL] OTLP exporter" in out and "did not accept a probe span" in out
@@ -168,14 +187,19 @@ def test_doctor_rejects_an_unsupported_protocol(capsys):
     assert "[  ok]" not in out  # never "configuration valid" and then a failure of the same thing
 
 
-@pytest.mark.parametrize("env, name", [
-    ({"OTEL_METRICS_EXPORTER": "prometeus"}, "OTEL_METRICS_EXPORTER"),
-    ({"OTEL_METRICS_EXPORTER": "foo"}, "OTEL_METRICS_EXPORTER"),
-    ({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER"),
-    ({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpcc"}, "OTEL_EXPORTER_OTLP_PROTOCOL"),  # no endpoint set
-    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpcc"},
-     "OTEL_EXPORTER_OTLP_PROTOCOL"),
-])
+@pytest.mark.parametrize(
+    "env, name",
+    [
+        ({"OTEL_METRICS_EXPORTER": "prometeus"}, "OTEL_METRICS_EXPORTER"),
+        ({"OTEL_METRICS_EXPORTER": "foo"}, "OTEL_METRICS_EXPORTER"),
+        ({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER"),
+        ({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpcc"}, "OTEL_EXPORTER_OTLP_PROTOCOL"),  # no endpoint set
+        (
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpcc"},
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+        ),
+    ],
+)
 def test_doctor_fails_the_configuration_on_a_bad_exporter_variable(env, name, capsys):
     assert doctor(env) == 1
     out = capsys.readouterr().out
@@ -183,8 +207,11 @@ def test_doctor_fails_the_configuration_on_a_bad_exporter_variable(env, name, ca
 
 
 def test_doctor_says_where_spans_go_when_exporters_are_off(capsys):
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{_closed_port()}", "OTEL_TRACES_EXPORTER": "none",
-           "OTEL_METRICS_EXPORTER": "none"}
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{_closed_port()}",
+        "OTEL_TRACES_EXPORTER": "none",
+        "OTEL_METRICS_EXPORTER": "none",
+    }
     assert doctor(env) == 0
     out = capsys.readouterr().out
     assert "OTEL_TRACES_EXPORTER=none: spans are not exported" in out
@@ -217,7 +244,8 @@ def test_instrument_rejects_a_bad_exporter_variable_before_creating_providers():
 
 
 def test_instrument_takes_one_engine_name_as_a_string():
-    out = run_py("""
+    out = run_py(
+        """
         import llm_otel
         try:
             llm_otel.instrument(engines="nope")
@@ -226,7 +254,9 @@ def test_instrument_takes_one_engine_name_as_a_string():
         import importlib.util
         print(llm_otel.instrument(engines="vllm") == (["vllm"] if importlib.util.find_spec("vllm") else []))
         llm_otel.uninstrument()
-    """, env={"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"})
+    """,
+        env={"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"},
+    )
     assert out.split() == ["True", "True"]
 
 
@@ -256,8 +286,11 @@ def test_prometheus_port_is_applied_only_after_the_rest_validates(monkeypatch):
 
 @pytest.mark.case("C04")
 def test_doctor_probes_the_metrics_exporter_too(receiver, capsys):
-    env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.grpc_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-           "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": f"http://127.0.0.1:{_closed_port()}"}
+    env = {
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.grpc_endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": f"http://127.0.0.1:{_closed_port()}",
+    }
     assert doctor(env) == 1
     out = capsys.readouterr().out
     assert "[  ok] OTLP exporter" in out and "[FAIL] OTLP metric exporter" in out
@@ -273,6 +306,7 @@ def test_version_lives_in_version_py_matches_pyproject_and_no_layer_imports_the_
     version; no module under src/llm_otel/ takes the version from the package face (``from
     llm_otel import __version__`` was the core's one upward import)."""
     import pathlib
+
     import tomllib
 
     from llm_otel.version import __version__
@@ -280,8 +314,11 @@ def test_version_lives_in_version_py_matches_pyproject_and_no_layer_imports_the_
     root = pathlib.Path(__file__).resolve().parents[1]
     assert llm_otel.__version__ is __version__
     assert tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"] == __version__
-    offenders = [str(p.relative_to(root)) for p in (root / "src" / "llm_otel").rglob("*.py")
-                 if "from llm_otel import __version__" in p.read_text()]
+    offenders = [
+        str(p.relative_to(root))
+        for p in (root / "src" / "llm_otel").rglob("*.py")
+        if "from llm_otel import __version__" in p.read_text()
+    ]
     assert offenders == []
 
 
@@ -294,14 +331,21 @@ def test_a_bad_variable_under_opentelemetry_instrument_is_one_error_line_and_oth
     import sys
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
-    env.update(LLM_OTEL_TOKEN_EVENTS="bad", OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none",
-               OTEL_LOGS_EXPORTER="none")
+    env.update(
+        LLM_OTEL_TOKEN_EVENTS="bad",
+        OTEL_TRACES_EXPORTER="none",
+        OTEL_METRICS_EXPORTER="none",
+        OTEL_LOGS_EXPORTER="none",
+    )
     instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
-    app = ("from llm_otel.instrumentation.vllm import VLLMInstrumentor\n"
-           "from llm_otel.instrumentation.triton import TritonClientInstrumentor\n"
-           "print('app ran', VLLMInstrumentor().adapter is None, TritonClientInstrumentor().adapter is None)\n")
-    out = subprocess.run([instrument, sys.executable, "-c", app], env=env, capture_output=True, text=True,
-                         timeout=300, cwd=str(tmp_path))
+    app = (
+        "from llm_otel.instrumentation.vllm import VLLMInstrumentor\n"
+        "from llm_otel.instrumentation.triton import TritonClientInstrumentor\n"
+        "print('app ran', VLLMInstrumentor().adapter is None, TritonClientInstrumentor().adapter is None)\n"
+    )
+    out = subprocess.run(
+        [instrument, sys.executable, "-c", app], env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path)
+    )
     assert out.returncode == 0 and "app ran True True" in out.stdout, out.stderr[-3000:]
     ours = [line for line in out.stderr.splitlines() if "llm-otel" in line]
     assert len(ours) == 1 and "LLM_OTEL_TOKEN_EVENTS" in ours[0], out.stderr[-3000:]
@@ -314,7 +358,8 @@ def test_application_providers_get_no_second_global_pipeline_from_the_vllm_plugi
     frontend when ``LLM()`` is built) calls ``llm_otel.instrument(engines=["vllm"])``, which must
     stay a no-op - no global providers from ``OTEL_*`` and no exporter process beside the
     application's pipeline (fresh-install review of issue 19, F5; fails on the old code)."""
-    out = run_py("""
+    out = run_py(
+        """
         from opentelemetry import trace
         from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.trace import TracerProvider
@@ -323,7 +368,9 @@ def test_application_providers_get_no_second_global_pipeline_from_the_vllm_plugi
         llm_otel.instrument(tracer_provider=TracerProvider(), meter_provider=MeterProvider(), engines=["vllm"])
         plugin.register()
         print("RESULT", type(trace.get_tracer_provider()).__name__)
-    """, env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{_closed_port()}", "LLM_OTEL_ENABLED": "1"})
+    """,
+        env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{_closed_port()}", "LLM_OTEL_ENABLED": "1"},
+    )
     line = [x for x in out.splitlines() if x.startswith("RESULT")]
     assert line == ["RESULT ProxyTracerProvider"], out[-3000:]
 
@@ -356,7 +403,8 @@ ENGINE_PROCESS_APP = """
 @pytest.mark.slow
 @pytest.mark.parametrize("name, role", [("EngineCore", "engine_core"), ("VllmWorker-0", "worker")])
 def test_vllm_engine_processes_export_in_process_and_start_no_exporter_process_under_opentelemetry_instrument(
-        name, role, receiver):
+    name, role, receiver
+):
     """docs/architecture.md: engine-core and worker processes export in process, on providers of
     their own. ``opentelemetry-instrument`` runs every installed instrumentor in every process; the
     Triton and LightLLM instrumentors installed global providers at ``instrument()`` whatever the
@@ -368,16 +416,24 @@ def test_vllm_engine_processes_export_in_process_and_start_no_exporter_process_u
     real engine process: after vLLM loads its plugins) are exported from it, with its role (review
     of the F2 fix: they were lost)."""
     service = f"start-up-{name}"
-    out = run_py(ENGINE_PROCESS_APP.replace("sys.argv[1]", repr(name)),
-                 env={"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-                      "OTEL_METRICS_EXPORTER": "none", "OTEL_SERVICE_NAME": service})
+    out = run_py(
+        ENGINE_PROCESS_APP.replace("sys.argv[1]", repr(name)),
+        env={
+            "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+            "OTEL_METRICS_EXPORTER": "none",
+            "OTEL_SERVICE_NAME": service,
+        },
+    )
     line = [x for x in out.splitlines() if x.startswith("RESULT")]
     assert line == ["RESULT TracerProvider 0"], out[-3000:]
     mine: list = []
     deadline = time.monotonic() + 15
     while not mine and time.monotonic() < deadline:
         time.sleep(0.2)
-        mine = [sp for sp in receiver.spans(name="EngineCoreProc init") if sp["resource"].get("service.name") == service]
+        mine = [
+            sp for sp in receiver.spans(name="EngineCoreProc init") if sp["resource"].get("service.name") == service
+        ]
     assert [sp["resource"].get("llm.process.role") for sp in mine] == [role]
 
 
@@ -386,7 +442,8 @@ def test_triton_instrumentation_builds_providers_and_hooks_at_the_first_tritoncl
     no providers and no import of it at ``instrument()``; the import wraps its targets, on global
     providers built from ``OTEL_*`` then, and ``uninstrument()`` restores them."""
     pytest.importorskip("tritonclient.grpc")
-    out = run_py("""
+    out = run_py(
+        """
         import sys
         from opentelemetry import trace
         from llm_otel.instrumentation.triton import TritonClientInstrumentor
@@ -399,10 +456,15 @@ def test_triton_instrumentation_builds_providers_and_hooks_at_the_first_tritoncl
         print("AFTER", type(trace.get_tracer_provider()).__name__, inst.adapter is not None, wrapped)
         inst.uninstrument()
         print("RESTORED", type(grpcclient.InferenceServerClient.__dict__["infer"]).__name__)
-    """, env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{_closed_port()}", "OTEL_METRICS_EXPORTER": "none"})
+    """,
+        env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{_closed_port()}", "OTEL_METRICS_EXPORTER": "none"},
+    )
     lines = [x for x in out.splitlines() if x.split(" ")[0] in ("BEFORE", "AFTER", "RESTORED")]
-    assert lines == ["BEFORE ProxyTracerProvider True False", "AFTER OffloadTracerProvider True FunctionWrapper",
-                     "RESTORED function"], out[-3000:]
+    assert lines == [
+        "BEFORE ProxyTracerProvider True False",
+        "AFTER OffloadTracerProvider True FunctionWrapper",
+        "RESTORED function",
+    ], out[-3000:]
 
 
 @needs_vllm
@@ -413,7 +475,8 @@ def test_vllm_instrumentation_waits_for_the_process_to_import_vllm_under_opentel
     uses vLLM, grew from 63 to 455 MB RSS (300 MB USS). Now nothing of vLLM is imported until the
     process imports ``vllm`` itself; then every hook is applied at once."""
     instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
-    out = run_py("""
+    out = run_py(
+        """
         import sys
         from llm_otel.instrumentation.vllm import VLLMInstrumentor
         from llm_otel.instrumentation.vllm.hooks import HOOKS
@@ -430,7 +493,9 @@ def test_vllm_instrumentation_waits_for_the_process_to_import_vllm_under_opentel
                 pass  # another layout's target
         wrapped = sum(type(vars(owner)[name]).__name__ == "FunctionWrapper" for owner, name in resolvable)
         print("AFTER", inst.adapter is not None, len(inst._applied) == wrapped == len(resolvable) > 0)
-    """, env={"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none", "OTEL_LOGS_EXPORTER": "none"},
-        argv_prefix=[instrument])
+    """,
+        env={"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none", "OTEL_LOGS_EXPORTER": "none"},
+        argv_prefix=[instrument],
+    )
     lines = [x for x in out.splitlines() if x.split(" ")[0] in ("BEFORE", "AFTER")]
     assert lines == ["BEFORE True True False False", "AFTER True True"], out[-3000:]

@@ -13,8 +13,8 @@ import types
 import pytest
 
 from llm_otel.instrumentation.vllm import process as vllm_process
-from llm_otel.process import identity
 from llm_otel.instrumentation.vllm.ray_handoff import PREFIXES_ENV, hand_off_environment, restore_environment
+from llm_otel.process import identity
 
 
 def test_hand_off_adds_our_prefixes_and_keeps_the_users():
@@ -33,8 +33,12 @@ def test_vllm_copies_our_configuration_to_its_ray_actors(monkeypatch):
     pytest.importorskip("vllm")
     from vllm.ray.ray_env import get_env_vars_to_copy  # what vLLM's Ray executor and DP actors copy
 
-    for name, value in {"LLM_OTEL_ENABLED": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317",
-                        "OTEL_SERVICE_NAME": "fleet", "LLM_OTEL_LOGIT_DIST_RATIO": "0.1"}.items():
+    for name, value in {
+        "LLM_OTEL_ENABLED": "1",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317",
+        "OTEL_SERVICE_NAME": "fleet",
+        "LLM_OTEL_LOGIT_DIST_RATIO": "0.1",
+    }.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv(PREFIXES_ENV, raising=False)
     before = get_env_vars_to_copy(destination="workers")
@@ -44,7 +48,12 @@ def test_vllm_copies_our_configuration_to_its_ray_actors(monkeypatch):
         copied = get_env_vars_to_copy(destination="workers")
     finally:
         restore_environment(previous)
-    assert {"LLM_OTEL_ENABLED", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SERVICE_NAME", "LLM_OTEL_LOGIT_DIST_RATIO"} <= copied
+    assert {
+        "LLM_OTEL_ENABLED",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_SERVICE_NAME",
+        "LLM_OTEL_LOGIT_DIST_RATIO",
+    } <= copied
 
 
 def test_ray_worker_detected_from_rays_global_worker(monkeypatch):
@@ -76,8 +85,9 @@ def _actor_report():
 
     from llm_otel.instrumentation.vllm.process import vllm_process_identity
 
-    return vllm_process_identity("frontend", env=os.environ), {k: v for k, v in os.environ.items()
-                                                                 if k.startswith(("OTEL_", "LLM_OTEL_"))}
+    return vllm_process_identity("frontend", env=os.environ), {
+        k: v for k, v in os.environ.items() if k.startswith(("OTEL_", "LLM_OTEL_"))
+    }
 
 
 @pytest.mark.slow
@@ -96,9 +106,18 @@ def test_real_ray_actor_is_detected_and_gets_the_configuration(monkeypatch):
         env_vars = {n: os.environ[n] for n in get_env_vars_to_copy(destination="EngineCoreActor") if n in os.environ}
     finally:
         restore_environment(previous)
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
-                 [os.path.dirname(__file__), *os.environ.get("PYTHONPATH", "").split(os.pathsep)])}})
+    ray.init(
+        num_cpus=1,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={
+            "env_vars": {
+                "PYTHONPATH": os.pathsep.join(
+                    [os.path.dirname(__file__), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+                )
+            }
+        },
+    )
     try:
         probe = ray.remote(num_cpus=0)(type("Probe", (), {"report": lambda self: _actor_report()}))
         actor = probe.options(runtime_env=RuntimeEnv(env_vars=env_vars)).remote()  # as vLLM starts its actors

@@ -13,8 +13,9 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "llm_otel"
 
 def _read_in(slot: str, text: str) -> bool:
     """``.slot`` other than as the target of a plain assignment, or ``getattr(x, "slot"...)``."""
-    return bool(re.search(r"\." + slot + r"\b(?!\s*=[^=])", text)
-                or re.search(r"getattr\([^)]*[\"']" + slot + r"[\"']", text))
+    return bool(
+        re.search(r"\." + slot + r"\b(?!\s*=[^=])", text) or re.search(r"getattr\([^)]*[\"']" + slot + r"[\"']", text)
+    )
 
 
 def test_every_request_record_field_is_read_somewhere_under_src():
@@ -28,6 +29,5 @@ def test_dead_fields_found_by_issue_21_are_gone():
     """``context``, ``first_token_mono``/``last_token_mono`` were never read; ``engine_version``,
     ``choice_index``, ``user_logprobs`` were write-only copies of what ``Telemetry.start_request``
     puts on the request span."""
-    for name in ("context", "first_token_mono", "last_token_mono", "engine_version", "choice_index",
-                 "user_logprobs"):
+    for name in ("context", "first_token_mono", "last_token_mono", "engine_version", "choice_index", "user_logprobs"):
         assert not hasattr(RequestRecord, name), name

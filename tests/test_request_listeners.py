@@ -5,12 +5,11 @@ test_sampling.py and test_telemetry_core.py; these tests register one of their o
 
 from __future__ import annotations
 
+from conftest import make_captured
 from opentelemetry.trace import SpanKind
 
 from llm_otel.listeners import RequestFacts, SpanNotes
 from llm_otel.sampling import UtilizationPolicy, adaptive_sampler
-
-from conftest import make_captured
 
 
 class Recorder:
@@ -23,8 +22,11 @@ class Recorder:
 
     def on_start(self, rec, facts):
         self.calls.append(("start", rec.request_id, facts.headers, facts.engine_fields, facts.kv))
-        return SpanNotes({"llm.request.tenant": "acme"}, {"llm.request.tier": "premium"},
-                         (("llm.vram.pressure", {"llm.vram.pressure.level": "warn"}),))
+        return SpanNotes(
+            {"llm.request.tenant": "acme"},
+            {"llm.request.tier": "premium"},
+            (("llm.vram.pressure", {"llm.vram.pressure.level": "warn"}),),
+        )
 
     def on_tokens(self, count, engine_mono):
         self.calls.append(("tokens", count, engine_mono))
@@ -35,8 +37,16 @@ class Recorder:
 
 
 def start(cap, facts=None, request_id="r1"):
-    return cap.telemetry.start_request(request_id, operation="chat", provider="vllm", model="m", arrival_s=1000.0,
-                                       input_tokens=3, kind=SpanKind.SERVER, facts=facts)
+    return cap.telemetry.start_request(
+        request_id,
+        operation="chat",
+        provider="vllm",
+        model="m",
+        arrival_s=1000.0,
+        input_tokens=3,
+        kind=SpanKind.SERVER,
+        facts=facts,
+    )
 
 
 def test_a_registered_listener_sees_start_every_step_and_finish_and_its_notes_land_on_the_span():
@@ -47,14 +57,19 @@ def test_a_registered_listener_sees_start_every_step_and_finish_and_its_notes_la
     cap.telemetry.on_tokens(2, 5.0)  # two listeners count tokens now (signals and this one): the loop
     cap.telemetry.on_tokens(0, 5.1)
     cap.telemetry.finish(rec, end_ns=rec.arrival_ns + 250_000_000)
-    assert listener.calls == [("start", "r1", [("x-tenant-id", "acme")], {"engine:priority": "1"}, None),
-                              ("tokens", 2, 5.0), ("tokens", 0, 5.1), ("finish", "r1", 0.25)]
+    assert listener.calls == [
+        ("start", "r1", [("x-tenant-id", "acme")], {"engine:priority": "1"}, None),
+        ("tokens", 2, 5.0),
+        ("tokens", 0, 5.1),
+        ("finish", "r1", 0.25),
+    ]
     assert sum(n for _, n in cap.telemetry.signals._steps) == 2  # the signals still count tokens (0: none)
     (span,) = [s for s in cap.finished() if s.name == "chat m"]
     assert span.attributes["llm.request.tenant"] == "acme" and span.attributes["llm.request.tier"] == "premium"
     assert span.attributes["llm.request.model.revision"] == "canary"
-    assert [(e.name, dict(e.attributes)) for e in span.events if e.name == "llm.vram.pressure"] == \
-        [("llm.vram.pressure", {"llm.vram.pressure.level": "warn"})]
+    assert [(e.name, dict(e.attributes)) for e in span.events if e.name == "llm.vram.pressure"] == [
+        ("llm.vram.pressure", {"llm.vram.pressure.level": "warn"})
+    ]
     # request attributes are the record's too (an outlier root is rebuilt from them)
     assert rec.request_attributes["llm.request.tenant"] == "acme"
 

@@ -67,12 +67,11 @@ def test_thresholds_from_the_specification_parse_to_their_probability_and_serial
 def test_quantised_thresholds_are_short_and_close(p, th):
     q = quantize_threshold(p)
     assert serialize_th(q) == th
-    assert (MAX_THRESHOLD - q) / MAX_THRESHOLD == pytest.approx(p, abs=2 ** -12)
+    assert (MAX_THRESHOLD - q) / MAX_THRESHOLD == pytest.approx(p, abs=2**-12)
 
 
 def test_policy_lowers_probability_with_utilisation_within_bounds_and_steps():
-    policy = UtilizationPolicy(floor=0.01, ceiling=1.0, low=0.5, high=0.9, max_step=2.0, hysteresis=0.0,
-                               interval_s=1.0)
+    policy = UtilizationPolicy(floor=0.01, ceiling=1.0, low=0.5, high=0.9, max_step=2.0, hysteresis=0.0, interval_s=1.0)
     assert policy.target(0.2) == 1.0 and policy.target(1.0) == pytest.approx(0.01)
     assert policy.update(1.0, now=0.0) == 0.5  # at most a factor 2 per interval
     assert policy.update(1.0, now=0.5) == 0.5  # not before the interval
@@ -100,8 +99,11 @@ def test_policy_hysteresis_ignores_small_moves():
 @given(st.integers(1, (1 << 128) - 1), st.floats(0.001, 1.0), st.floats(0.001, 1.0))
 def test_consistency_higher_probability_keeps_a_superset(trace_id, p1, p2):
     lo, hi = sorted((p1, p2))
-    keep = [decide(adaptive_sampler(UtilizationPolicy(floor=p, ceiling=p), poller=poller_at(0.0)),
-                   trace_id).decision == Decision.RECORD_AND_SAMPLE for p in (lo, hi)]
+    keep = [
+        decide(adaptive_sampler(UtilizationPolicy(floor=p, ceiling=p), poller=poller_at(0.0)), trace_id).decision
+        == Decision.RECORD_AND_SAMPLE
+        for p in (lo, hi)
+    ]
     assert not keep[0] or keep[1]
 
 
@@ -110,9 +112,12 @@ def test_threshold_does_not_depend_on_the_traces_randomness():
     thresholds = {root.sampling_intent(None, "s", None, {}, None).threshold for _ in range(100)}
     assert len(thresholds) == 1
     sampler = adaptive_sampler(UtilizationPolicy(floor=0.3, ceiling=0.3), poller=poller_at(0.0))
-    kept = [probability_of(r) for r in (decide(sampler, random.getrandbits(128)) for _ in range(500))
-            if r.decision == Decision.RECORD_AND_SAMPLE]
-    assert kept and len(set(kept)) == 1 and kept[0] == pytest.approx(0.3, abs=2 ** -12)
+    kept = [
+        probability_of(r)
+        for r in (decide(sampler, random.getrandbits(128)) for _ in range(500))
+        if r.decision == Decision.RECORD_AND_SAMPLE
+    ]
+    assert kept and len(set(kept)) == 1 and kept[0] == pytest.approx(0.3, abs=2**-12)
 
 
 @pytest.mark.case("C27")
@@ -139,8 +144,9 @@ def test_real_tracer_children_keep_their_attributes_and_the_roots_threshold():
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     exporter = InMemorySpanExporter()
-    provider = TracerProvider(sampler=adaptive_sampler(UtilizationPolicy(floor=0.5, ceiling=0.5),
-                                                       poller=poller_at(0.0)))
+    provider = TracerProvider(
+        sampler=adaptive_sampler(UtilizationPolicy(floor=0.5, ceiling=0.5), poller=poller_at(0.0))
+    )
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("t")
     for _ in range(20):
@@ -159,8 +165,7 @@ def test_adjusted_counts_estimate_the_request_count_within_three_sigma_under_var
     rng = random.Random(7)
     source = FixedSource(0.0)
     poller = UtilizationPoller(source, alpha=1.0)
-    policy = UtilizationPolicy(floor=0.02, ceiling=1.0, low=0.3, high=0.9, max_step=4.0, hysteresis=0.0,
-                               interval_s=0.0)
+    policy = UtilizationPolicy(floor=0.02, ceiling=1.0, low=0.3, high=0.9, max_step=4.0, hysteresis=0.0, interval_s=0.0)
     sampler = adaptive_sampler(policy, poller=poller)
     root = sampler.root
     n, estimate, variance = 100_000, 0.0, 0.0
@@ -211,8 +216,9 @@ def test_outliers_dropped_by_the_head_are_kept_as_linked_roots_without_threshold
     assert cap.telemetry.sampling_root is sampler.root
     recs = []
     for i, (ttft, error) in enumerate([(0.1, None), (0.9, None), (0.1, "aborted")]):
-        rec = cap.telemetry.start_request(f"r{i}", operation="chat", provider="vllm", model="m",
-                                          arrival_s=1000.0, input_tokens=3)
+        rec = cap.telemetry.start_request(
+            f"r{i}", operation="chat", provider="vllm", model="m", arrival_s=1000.0, input_tokens=3
+        )
         rec.mono_offset_ns = 0
         rec.on_tokens([1], 1000.0 + ttft)
         rec.error_type = error
@@ -261,8 +267,9 @@ def test_otel_traces_sampler_entry_point(monkeypatch):
     monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.05,0.5")
     sampler = _import_sampler("llm_otel_adaptive")
     assert sampler.root.policy.floor == 0.05 and sampler.root.policy.ceiling == 0.5
-    tp, _ = build_providers(Settings(console="off"), env={"OTEL_TRACES_SAMPLER": "llm_otel_adaptive",
-                                                          "OTEL_TRACES_SAMPLER_ARG": "0.2"})
+    tp, _ = build_providers(
+        Settings(console="off"), env={"OTEL_TRACES_SAMPLER": "llm_otel_adaptive", "OTEL_TRACES_SAMPLER_ARG": "0.2"}
+    )
     assert tp.sampler.root.policy.floor == 0.2
 
 
@@ -345,12 +352,14 @@ def test_reason_and_threshold_change_together():
 
 def test_a_bare_signal_source_is_wrapped_in_a_started_poller():
     """docs/sampling.md: queue depth, KV usage... plug in as a SignalSource with read() -> [0, 1]."""
+
     class QueueDepth:
         def read(self) -> float:
             return 1.0
 
-    sampler = adaptive_sampler(UtilizationPolicy(floor=0.01, ceiling=1.0, interval_s=0.0, hysteresis=0.0),
-                               poller=QueueDepth())
+    sampler = adaptive_sampler(
+        UtilizationPolicy(floor=0.01, ceiling=1.0, interval_s=0.0, hysteresis=0.0), poller=QueueDepth()
+    )
     poller = sampler.root.poller
     try:
         assert isinstance(poller, UtilizationPoller) and isinstance(poller.source, QueueDepth)
@@ -359,7 +368,7 @@ def test_a_bare_signal_source_is_wrapped_in_a_started_poller():
         assert decide(sampler, 1).decision == Decision.RECORD_AND_SAMPLE  # no reading yet: base rate 1
         poller.sample()  # what the poller thread does every period_s
         sampler.root._next_update = 0.0
-        assert sampler.root.current_probability() == pytest.approx(0.5, abs=2 ** -12)  # one step toward floor
+        assert sampler.root.current_probability() == pytest.approx(0.5, abs=2**-12)  # one step toward floor
         provider = TracerProvider(sampler=sampler)
         with provider.get_tracer("t").start_as_current_span("root"):
             pass  # a span can be created (it used to raise AttributeError: no .utilization)

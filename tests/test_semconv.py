@@ -23,8 +23,11 @@ def test_registry_is_valid():
 
 def test_generated_code_and_docs_are_up_to_date():
     reg = load_registry()
-    stale = [str(p.relative_to(REPO)) for p, content in generated_files(reg).items()
-             if not p.exists() or p.read_text() != content]
+    stale = [
+        str(p.relative_to(REPO))
+        for p, content in generated_files(reg).items()
+        if not p.exists() or p.read_text() != content
+    ]
     assert stale == [], "run `python -m llm_otel._semconv_registry` to regenerate"
 
 
@@ -59,28 +62,42 @@ def _edit(path: pathlib.Path, fn) -> None:
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
 
 
-@pytest.mark.parametrize("mutation, expected", [
-    (lambda d: d["groups"][0]["attributes"].append(dict(d["groups"][0]["attributes"][0])), "duplicate attribute id"),
-    (lambda d: d["groups"][0]["attributes"][0].update(type="float"), "unknown type"),
-    (lambda d: d["groups"][0]["attributes"][0].pop("examples"), "string attributes need examples"),
-    (lambda d: d["groups"][0]["attributes"].append(
-        {"id": "vendor.thing", "type": "int", "stability": "development", "brief": "x", "examples": [1]}),
-     "live under 'llm.'"),
-])
+@pytest.mark.parametrize(
+    "mutation, expected",
+    [
+        (
+            lambda d: d["groups"][0]["attributes"].append(dict(d["groups"][0]["attributes"][0])),
+            "duplicate attribute id",
+        ),
+        (lambda d: d["groups"][0]["attributes"][0].update(type="float"), "unknown type"),
+        (lambda d: d["groups"][0]["attributes"][0].pop("examples"), "string attributes need examples"),
+        (
+            lambda d: d["groups"][0]["attributes"].append(
+                {"id": "vendor.thing", "type": "int", "stability": "development", "brief": "x", "examples": [1]}
+            ),
+            "live under 'llm.'",
+        ),
+    ],
+)
 def test_validator_rejects_broken_registries(registry_copy, mutation, expected):
     _edit(registry_copy / "llm" / "registry.yaml", mutation)
     problems = validate(load_registry(registry_copy))
     assert any(expected in p for p in problems), problems
 
 
-@pytest.mark.parametrize("mutation, expected", [
-    (lambda d: d["groups"][0]["attributes"].append({"ref": "llm.nope", "requirement_level": "required"}),
-     "does not resolve"),
-    (lambda d: d["groups"][0]["attributes"][0].update(requirement_level="sometimes"), "unknown requirement_level"),
-    (lambda d: d["groups"][0].update(span_kind="sideways"), "span_kind"),
-    # a second group for an existing span name would silently replace the first generated constant
-    (lambda d: d["groups"].append(dict(d["groups"][0], id=d["groups"][0]["id"] + ".again")), "already declared"),
-])
+@pytest.mark.parametrize(
+    "mutation, expected",
+    [
+        (
+            lambda d: d["groups"][0]["attributes"].append({"ref": "llm.nope", "requirement_level": "required"}),
+            "does not resolve",
+        ),
+        (lambda d: d["groups"][0]["attributes"][0].update(requirement_level="sometimes"), "unknown requirement_level"),
+        (lambda d: d["groups"][0].update(span_kind="sideways"), "span_kind"),
+        # a second group for an existing span name would silently replace the first generated constant
+        (lambda d: d["groups"].append(dict(d["groups"][0], id=d["groups"][0]["id"] + ".again")), "already declared"),
+    ],
+)
 def test_validator_rejects_broken_span_groups(registry_copy, mutation, expected):
     _edit(registry_copy / "llm" / "spans.yaml", mutation)
     assert any(expected in p for p in validate(load_registry(registry_copy)))
@@ -90,6 +107,7 @@ def test_validator_rejects_bad_metric_units_and_buckets(registry_copy):
     def mutate(d):
         d["groups"][0]["unit"] = "seconds"
         d["groups"][1]["annotations"]["bucket_boundaries"] = [1, 0.5]
+
     _edit(registry_copy / "llm" / "metrics.yaml", mutate)
     problems = validate(load_registry(registry_copy))
     assert any("UCUM" in p for p in problems) and any("strictly increasing" in p for p in problems)
@@ -97,19 +115,25 @@ def test_validator_rejects_bad_metric_units_and_buckets(registry_copy):
 
 def test_live_check_flags_undeclared_names_and_wrong_types():
     log = SpanLog()
-    log.add("llm_otel.instrumentation.vllm", "llm.prompt",
-            {"gen_ai.usage.input_tokens": "12", "llm.made_up": 1}, [("llm.token", {"llm.token.index": 0.5})])
+    log.add(
+        "llm_otel.instrumentation.vllm",
+        "llm.prompt",
+        {"gen_ai.usage.input_tokens": "12", "llm.made_up": 1},
+        [("llm.token", {"llm.token.index": 0.5})],
+    )
     log.add("llm_otel", "llm.mystery", {}, [("llm.nope", {})])
     log.add("someone.else", "whatever", {"x": 1}, [])  # not our scope: ignored
     log.add("llm_otel", "chat tiny", {"gen_ai.operation.name": "chat", "gen_ai.request.model": "tiny"}, [])
     problems = check(log, load_registry())
-    assert problems == sorted([
-        "event 'llm.token': attribute 'llm.token.index' emitted as double, declared int",
-        "span 'llm.mystery' is not declared in semconv/",
-        "span 'llm.mystery': event 'llm.nope' is not declared in semconv/",
-        "span 'llm.prompt': attribute 'gen_ai.usage.input_tokens' emitted as string, declared int",
-        "span 'llm.prompt': attribute 'llm.made_up' is not declared in semconv/",
-    ])
+    assert problems == sorted(
+        [
+            "event 'llm.token': attribute 'llm.token.index' emitted as double, declared int",
+            "span 'llm.mystery' is not declared in semconv/",
+            "span 'llm.mystery': event 'llm.nope' is not declared in semconv/",
+            "span 'llm.prompt': attribute 'gen_ai.usage.input_tokens' emitted as string, declared int",
+            "span 'llm.prompt': attribute 'llm.made_up' is not declared in semconv/",
+        ]
+    )
 
 
 @pytest.mark.case("C07")
@@ -127,10 +151,15 @@ def test_names_come_only_from_our_generated_module():
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
                 for m in mods:
-                    if m.startswith(("opentelemetry.semconv", "opentelemetry_semantic_conventions",
-                                     "opentelemetry.semconv_ai")):
+                    if m.startswith(
+                        ("opentelemetry.semconv", "opentelemetry_semantic_conventions", "opentelemetry.semconv_ai")
+                    ):
                         offenders.append(f"{rel}: imports {m}")
-            if (rel.parts[0] != "semconv" and isinstance(node, ast.Constant) and isinstance(node.value, str)
-                    and node.value in names):
+            if (
+                rel.parts[0] != "semconv"
+                and isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and node.value in names
+            ):
                 offenders.append(f"{rel}:{node.lineno}: literal {node.value!r}")
     assert offenders == []

@@ -38,7 +38,7 @@ GIB = 1 << 30
 def metric_points(reader: InMemoryMetricReader, name: str) -> list:
     data = reader.get_metrics_data()
     out = []
-    for rm in (data.resource_metrics if data else []):
+    for rm in data.resource_metrics if data else []:
         for sm in rm.scope_metrics:
             for m in sm.metrics:
                 if m.name == name:
@@ -54,8 +54,9 @@ def headers(*pairs: tuple[str, str]) -> Headers:
 # --- request classes -----------------------------------------------------------------------------
 def extractor(collapses=None, **kwargs) -> ClassExtractor:
     sources = parse_class_sources("tenant:X-Tenant-Id, priority:x-priority, operation:x-op")
-    return ClassExtractor(sources, on_collapse=lambda d, r: collapses.append((d, r)) if collapses is not None else None,
-                          **kwargs)
+    return ClassExtractor(
+        sources, on_collapse=lambda d, r: collapses.append((d, r)) if collapses is not None else None, **kwargs
+    )
 
 
 def test_class_headers_are_read_case_insensitively():
@@ -78,16 +79,19 @@ def test_duplicated_class_header_with_different_values_collapses_and_is_counted(
     assert values == {"tenant": "acme"}  # the same value twice is not ambiguous
 
 
-@pytest.mark.parametrize("value, reason", [
-    ("a" * 65, "oversized"),
-    ("ａｃｍｅ", "invalid"),                      # full-width letters: non-ASCII
-    ("müller", "invalid"),
-    ('acme"} or 1=1 --', "invalid"),          # label/PromQL injection
-    ("acme,evil", "invalid"),                 # combined duplicate header
-    ("acme\r\nx-admin: 1", "invalid"),
-    ("${jndi:ldap://x}", "invalid"),
-    ("<script>", "invalid"),
-])
+@pytest.mark.parametrize(
+    "value, reason",
+    [
+        ("a" * 65, "oversized"),
+        ("ａｃｍｅ", "invalid"),  # full-width letters: non-ASCII
+        ("müller", "invalid"),
+        ('acme"} or 1=1 --', "invalid"),  # label/PromQL injection
+        ("acme,evil", "invalid"),  # combined duplicate header
+        ("acme\r\nx-admin: 1", "invalid"),
+        ("${jndi:ldap://x}", "invalid"),
+        ("<script>", "invalid"),
+    ],
+)
 def test_hostile_class_values_collapse_to_other(value, reason):
     collapses = []
     ex = extractor(collapses)
@@ -128,8 +132,9 @@ def test_engine_request_fields_as_class_sources():
     assert ex.extract(None, class_fields(Request()))[0] == {"priority": "0", "revision": "canary-7"}
 
 
-@pytest.mark.parametrize("raw", ["tenant", "colour:x-colour", "tenant:bad header", "tenant:engine:foo",
-                                 "tenant:a,tenant:b"])
+@pytest.mark.parametrize(
+    "raw", ["tenant", "colour:x-colour", "tenant:bad header", "tenant:engine:foo", "tenant:a,tenant:b"]
+)
 def test_bad_class_header_config_is_refused(raw):
     with pytest.raises(ConfigError, match="LLM_OTEL_CLASS_HEADERS"):
         parse_class_sources(raw)
@@ -155,16 +160,19 @@ def test_tier_table_first_matching_rule_wins():
     assert table.reserved() == {"priority": {"high", "low"}, "tenant": {"acme", "free"}}
 
 
-@pytest.mark.parametrize("line, message", [
-    ("premium priority=high", "expected 'tier match target=seconds"),
-    ("premium colour=red ttft=1", "match term 'colour=red'"),
-    ("premium tenant=a b ttft=1", "target 'b'"),
-    ("premium tenant=a ttft=fast", "'fast' is not a number"),
-    ("premium tenant=a ttft=-1", "seconds must be in"),
-    ("premium tenant=a ttft=1 ttft=2", "given twice"),
-    ("premium tenant=\"x\" ttft=1", "can never occur"),
-    ("premium tenant=b ttft=0.5", "other targets on line 2"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("premium priority=high", "expected 'tier match target=seconds"),
+        ("premium colour=red ttft=1", "match term 'colour=red'"),
+        ("premium tenant=a b ttft=1", "target 'b'"),
+        ("premium tenant=a ttft=fast", "'fast' is not a number"),
+        ("premium tenant=a ttft=-1", "seconds must be in"),
+        ("premium tenant=a ttft=1 ttft=2", "given twice"),
+        ('premium tenant="x" ttft=1', "can never occur"),
+        ("premium tenant=b ttft=0.5", "other targets on line 2"),
+    ],
+)
 def test_bad_tier_line_fails_naming_the_line(tmp_path, line, message):
     path = tmp_path / "tiers.conf"
     path.write_text("# comment\npremium tenant=a ttft=1\n" + line + "\n")
@@ -189,11 +197,16 @@ def test_misconfigured_tier_table_fails_at_startup(monkeypatch):
         Telemetry(make_captured().tracer_provider, MeterProvider())
 
 
-@pytest.mark.parametrize("env", [{"LLM_OTEL_VRAM_WARN": "0.95", "LLM_OTEL_VRAM_CRITICAL": "0.9"},
-                                 {"LLM_OTEL_HEALTH_WEIGHTS": "latency=1,cpu=2"},
-                                 {"LLM_OTEL_HEALTH_WEIGHTS": "latency=0"},
-                                 {"LLM_OTEL_MODEL_REVISION": "canary v2"},
-                                 {"LLM_OTEL_VRAM_SOURCE": "disk"}])
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"LLM_OTEL_VRAM_WARN": "0.95", "LLM_OTEL_VRAM_CRITICAL": "0.9"},
+        {"LLM_OTEL_HEALTH_WEIGHTS": "latency=1,cpu=2"},
+        {"LLM_OTEL_HEALTH_WEIGHTS": "latency=0"},
+        {"LLM_OTEL_MODEL_REVISION": "canary v2"},
+        {"LLM_OTEL_VRAM_SOURCE": "disk"},
+    ],
+)
 def test_bad_signal_settings_are_refused(env):
     with pytest.raises(ConfigError):
         SignalsConfig.from_env(env)
@@ -239,12 +252,12 @@ def test_critical_then_recovery_steps_down_with_hysteresis(caplog):
     m = PressureMonitor()
     with caplog.at_level(logging.INFO, logger="llm_otel"):
         levels = run(m, [(0.92, 11), (0.87, 60), (0.84, 35), (0.78, 60), (0.70, 31)])
-    assert levels[9] == "ok"         # above critical for 9 s (warn needs 30 s)
+    assert levels[9] == "ok"  # above critical for 9 s (warn needs 30 s)
     assert levels[10] == "critical"  # held >= 0.90 for 10 s: straight to critical
-    assert set(levels[10:101]) == {"critical"}         # 0.87 >= 0.90 - 0.05 does not clear; 0.84 for < 30 s
-    assert levels[101] == "warn"                       # below 0.85 for 30 s; above warn for > 30 s
-    assert set(levels[101:196]) == {"warn"}            # 0.78 is not below 0.80 - 0.05: stays warn
-    assert levels[196] == "ok"                         # below 0.75 for 30 s
+    assert set(levels[10:101]) == {"critical"}  # 0.87 >= 0.90 - 0.05 does not clear; 0.84 for < 30 s
+    assert levels[101] == "warn"  # below 0.85 for 30 s; above warn for > 30 s
+    assert set(levels[101:196]) == {"warn"}  # 0.78 is not below 0.80 - 0.05: stays warn
+    assert levels[196] == "ok"  # below 0.75 for 30 s
     assert [(a, b) for _, a, b in m.transitions] == [("ok", "critical"), ("critical", "warn"), ("warn", "ok")]
     assert len([r for r in caplog.records if "VRAM pressure" in r.getMessage()]) == 3
 
@@ -333,8 +346,10 @@ def test_health_gpu_factor_and_weights():
     assert h.compute()[0] == pytest.approx(0.5) and h.compute()[1] == "gpu"  # half-way from knee 0.85 to 1
     util["v"] = 0.5
     assert h.compute()[:2] == (1.0, "none")
-    assert score({"latency": None, "errors": None, "gpu": None, "uptime": None},
-                 {"latency": 1, "errors": 1, "gpu": 1, "uptime": 1}) == (1.0, "none")
+    assert score(
+        {"latency": None, "errors": None, "gpu": None, "uptime": None},
+        {"latency": 1, "errors": 1, "gpu": 1, "uptime": 1},
+    ) == (1.0, "none")
 
 
 # --- /healthz ------------------------------------------------------------------------------------
@@ -346,14 +361,17 @@ def get(url: str) -> tuple[int, dict]:
         return e.code, json.loads(e.read() or b"{}") if e.code != 404 else {}
 
 
-@pytest.mark.parametrize("report, code, reason", [
-    ((0.9, "none", {"latency": 1.0}, "ok", True), 200, None),
-    ((0.9, "none", {"latency": 1.0}, None, None), 200, None),
-    ((0.3, "latency", {"latency": 0.0}, "ok", True), 503, "score 0.300 < 0.5 (dominant factor latency)"),
-    ((0.9, "none", {"latency": 1.0}, "critical", True), 503, "VRAM pressure critical"),
-    ((0.9, "none", {"latency": 1.0}, "warn", True), 200, None),
-    ((0.9, "none", {"latency": 1.0}, "ok", False), 503, "telemetry exporter unreachable"),
-])
+@pytest.mark.parametrize(
+    "report, code, reason",
+    [
+        ((0.9, "none", {"latency": 1.0}, "ok", True), 200, None),
+        ((0.9, "none", {"latency": 1.0}, None, None), 200, None),
+        ((0.3, "latency", {"latency": 0.0}, "ok", True), 503, "score 0.300 < 0.5 (dominant factor latency)"),
+        ((0.9, "none", {"latency": 1.0}, "critical", True), 503, "VRAM pressure critical"),
+        ((0.9, "none", {"latency": 1.0}, "warn", True), 200, None),
+        ((0.9, "none", {"latency": 1.0}, "ok", False), 503, "telemetry exporter unreachable"),
+    ],
+)
 def test_healthz_answers_503_with_the_reason_when_unhealthy_and_200_otherwise(report, code, reason):
     server = HealthServer(lambda: report, port=0).start()
     try:
@@ -373,13 +391,17 @@ def test_healthz_is_503_when_the_report_fails():
     server = HealthServer(broken, port=0).start()
     try:
         assert get(f"http://127.0.0.1:{server.port}/healthz") == (
-            503, {"status": "unhealthy", "reasons": ["health report failed: RuntimeError"]})
+            503,
+            {"status": "unhealthy", "reasons": ["health report failed: RuntimeError"]},
+        )
     finally:
         server.stop()
 
 
-@pytest.mark.parametrize("report, code", [((0.9, "none", {"latency": 1.0}, "ok", True), 200),
-                                          ((0.9, "none", {"latency": 1.0}, "critical", True), 503)])
+@pytest.mark.parametrize(
+    "report, code",
+    [((0.9, "none", {"latency": 1.0}, "ok", True), 200), ((0.9, "none", {"latency": 1.0}, "critical", True), 503)],
+)
 def test_healthz_head_has_the_get_status_and_no_body(report, code):
     import http.client
 
@@ -421,10 +443,15 @@ def test_signals_with_a_bad_health_port_log_and_run_without_endpoint(caplog):
         signals.stop()
 
 
-@pytest.mark.parametrize("port, message", [("99999", "invalid port 99999: must be 0..65535"),
-                                           ("-1", "invalid port -1: must be 0..65535"),
-                                           ("65536", "invalid port 65536"),
-                                           ("http", "invalid port 'http': not an integer")])
+@pytest.mark.parametrize(
+    "port, message",
+    [
+        ("99999", "invalid port 99999: must be 0..65535"),
+        ("-1", "invalid port -1: must be 0..65535"),
+        ("65536", "invalid port 65536"),
+        ("http", "invalid port 'http': not an integer"),
+    ],
+)
 def test_cli_serve_health_rejects_a_bad_port(port, message, capsys):
     from llm_otel.cli import main
 
@@ -440,8 +467,13 @@ def test_cli_serve_health_rejects_a_bad_port(port, message, capsys):
 def test_cli_serve_health_answers_healthz_with_the_warmup_applied(warmup, code):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
     env.update(LLM_OTEL_HEALTH_WARMUP_S=warmup, LLM_OTEL_HEALTH_WEIGHTS="gpu=1,uptime=1", OTEL_TRACES_EXPORTER="none")
-    proc = subprocess.Popen([sys.executable, "-m", "llm_otel.cli", "serve-health", "--port", "0"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llm_otel.cli", "serve-health", "--port", "0"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert "healthz on http://127.0.0.1:" in line, line
@@ -460,25 +492,39 @@ def test_cli_serve_health_answers_healthz_with_the_warmup_applied(warmup, code):
 def signals_captured(env: dict):
     cap = make_captured()
     reader = InMemoryMetricReader()
-    signals = Signals(MeterProvider(metric_readers=[reader]).get_meter("t"), SignalsConfig.from_env(env),
-                      poller=UtilizationPoller(None))
+    signals = Signals(
+        MeterProvider(metric_readers=[reader]).get_meter("t"),
+        SignalsConfig.from_env(env),
+        poller=UtilizationPoller(None),
+    )
     cap.telemetry.signals = signals
     return cap, signals, reader
 
 
 def start(cap, signals, hdrs, kv=None, input_tokens=40):
     span_attrs, labels, tier = signals.classify(hdrs)
-    rec = cap.telemetry.start_request("r1", operation="text_completion", provider="vllm", model="m",
-                                      arrival_s=1000.0, input_tokens=input_tokens, kind=SpanKind.SERVER,
-                                      request_attributes=span_attrs)
+    rec = cap.telemetry.start_request(
+        "r1",
+        operation="text_completion",
+        provider="vllm",
+        model="m",
+        arrival_s=1000.0,
+        input_tokens=input_tokens,
+        kind=SpanKind.SERVER,
+        request_attributes=span_attrs,
+    )
     signals.admit(rec, labels, tier, kv)
     return rec
 
 
 def test_classes_and_tier_on_span_and_genai_metrics_and_slo_checks():
-    cap, signals, reader = signals_captured({"LLM_OTEL_CLASS_HEADERS": "tenant:x-tenant-id",
-                                             "LLM_OTEL_TIERS": "premium tenant=acme ttft=0.3 tpot=0.05",
-                                             "LLM_OTEL_MODEL_REVISION": "canary"})
+    cap, signals, reader = signals_captured(
+        {
+            "LLM_OTEL_CLASS_HEADERS": "tenant:x-tenant-id",
+            "LLM_OTEL_TIERS": "premium tenant=acme ttft=0.3 tpot=0.05",
+            "LLM_OTEL_MODEL_REVISION": "canary",
+        }
+    )
     rec = start(cap, signals, headers(("x-tenant-id", "acme")))
     t0 = rec.arrival_s - rec.mono_offset_ns / 1e9  # engine monotonic time of arrival
     rec.on_tokens([1], t0 + 0.2)
@@ -490,10 +536,13 @@ def test_classes_and_tier_on_span_and_genai_metrics_and_slo_checks():
     assert span.attributes[A.LLM_REQUEST_TIER] == "premium"
     assert span.attributes[A.LLM_REQUEST_MODEL_REVISION] == "canary"
     (ttft,) = cap.metric_points(M.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN)
-    assert {k: ttft.attributes[k] for k in (A.LLM_REQUEST_TENANT, A.LLM_REQUEST_TIER, A.LLM_REQUEST_MODEL_REVISION)} \
-        == {A.LLM_REQUEST_TENANT: "acme", A.LLM_REQUEST_TIER: "premium", A.LLM_REQUEST_MODEL_REVISION: "canary"}
-    checks = {(p.attributes[A.LLM_SLO_OBJECTIVE], p.attributes[A.LLM_SLO_OUTCOME]): p.value
-              for p in metric_points(reader, M.LLM_SERVER_SLO_CHECKS)}
+    assert {
+        k: ttft.attributes[k] for k in (A.LLM_REQUEST_TENANT, A.LLM_REQUEST_TIER, A.LLM_REQUEST_MODEL_REVISION)
+    } == {A.LLM_REQUEST_TENANT: "acme", A.LLM_REQUEST_TIER: "premium", A.LLM_REQUEST_MODEL_REVISION: "canary"}
+    checks = {
+        (p.attributes[A.LLM_SLO_OBJECTIVE], p.attributes[A.LLM_SLO_OUTCOME]): p.value
+        for p in metric_points(reader, M.LLM_SERVER_SLO_CHECKS)
+    }
     assert checks == {("availability", "met"): 1, ("ttft", "met"): 1, ("tpot", "breached"): 1}
 
 
@@ -502,8 +551,10 @@ def test_failed_request_counts_against_availability_only():
     rec = start(cap, signals, None)
     rec.error_type = "EngineDeadError"
     cap.telemetry.finish(rec)
-    checks = {(p.attributes[A.LLM_SLO_OBJECTIVE], p.attributes[A.LLM_SLO_OUTCOME], p.attributes[A.LLM_REQUEST_TIER]):
-              p.value for p in metric_points(reader, M.LLM_SERVER_SLO_CHECKS)}
+    checks = {
+        (p.attributes[A.LLM_SLO_OBJECTIVE], p.attributes[A.LLM_SLO_OUTCOME], p.attributes[A.LLM_REQUEST_TIER]): p.value
+        for p in metric_points(reader, M.LLM_SERVER_SLO_CHECKS)
+    }
     assert checks == {("availability", "breached", "free"): 1}
     assert signals.health.factors()["errors"] < 1.0
 
@@ -520,12 +571,15 @@ def test_client_disconnect_is_not_a_server_failure():
 
 
 def test_collapsed_class_values_are_counted_in_a_metric():
-    cap, signals, reader = signals_captured({"LLM_OTEL_CLASS_HEADERS": "tenant:x-tenant-id",
-                                             "LLM_OTEL_CLASS_MAX_VALUES": "1"})
+    cap, signals, reader = signals_captured(
+        {"LLM_OTEL_CLASS_HEADERS": "tenant:x-tenant-id", "LLM_OTEL_CLASS_MAX_VALUES": "1"}
+    )
     for value in ("a", "b", "c", "bad value"):
         signals.classify(headers(("x-tenant-id", value)))
-    counts = {p.attributes[A.LLM_REQUEST_CLASS_REASON]: p.value
-              for p in metric_points(reader, M.LLM_OTEL_REQUEST_CLASS_COLLAPSED)}
+    counts = {
+        p.attributes[A.LLM_REQUEST_CLASS_REASON]: p.value
+        for p in metric_points(reader, M.LLM_OTEL_REQUEST_CLASS_COLLAPSED)
+    }
     # every reason's series exists from the start (at 0), so alerts can rate() the first collapse
     assert counts == {"overflow": 2, "invalid": 1, "duplicate": 0, "oversized": 0}
 
@@ -543,17 +597,25 @@ def test_request_admitted_under_pressure_gets_an_event_and_kv_attributes():
     cap.telemetry.finish(rec)
     (span,) = [s for s in cap.finished() if s.name == "text_completion m"]
     (event,) = [e for e in span.events if e.name == "llm.vram.pressure"]
-    assert dict(event.attributes) == {A.LLM_VRAM_PRESSURE_LEVEL: "critical", A.LLM_VRAM_USAGE: 0.9,
-                                      A.LLM_VRAM_SOURCE: "kv_cache"}
+    assert dict(event.attributes) == {
+        A.LLM_VRAM_PRESSURE_LEVEL: "critical",
+        A.LLM_VRAM_USAGE: 0.9,
+        A.LLM_VRAM_SOURCE: "kv_cache",
+    }
     per_block = 32 * 2 * 2 * 2 * 16 * 4
     assert span.attributes[A.LLM_REQUEST_KV_CACHE_PROMPT_BYTES] == 2 * per_block  # 40 tokens: 2 blocks
     assert span.attributes[A.LLM_REQUEST_KV_CACHE_FINAL_BYTES] == 2 * per_block  # 42 tokens written: 2 blocks
     assert span.attributes[A.LLM_REQUEST_KV_CACHE_BLOCKS] == 2
-    sizes = {p.attributes[A.LLM_KV_CACHE_PHASE]: (p.count, p.sum) for p in metric_points(reader, M.LLM_SERVER_REQUEST_KV_CACHE_SIZE)}
+    sizes = {
+        p.attributes[A.LLM_KV_CACHE_PHASE]: (p.count, p.sum)
+        for p in metric_points(reader, M.LLM_SERVER_REQUEST_KV_CACHE_SIZE)
+    }
     assert sizes == {"admission": (1, 2 * per_block), "finish": (1, 2 * per_block)}
     (level,) = metric_points(reader, M.LLM_SERVER_VRAM_PRESSURE)
-    assert level.value == 2 and level.attributes == {A.LLM_VRAM_PRESSURE_LEVEL: "critical",
-                                                     A.LLM_VRAM_SOURCE: "kv_cache"}
+    assert level.value == 2 and level.attributes == {
+        A.LLM_VRAM_PRESSURE_LEVEL: "critical",
+        A.LLM_VRAM_SOURCE: "kv_cache",
+    }
 
 
 def test_no_event_while_pressure_is_ok():

@@ -23,8 +23,15 @@ PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not on PATH (apt-get install prometheus)")
 
 # OpenTelemetry Prometheus exporter: dots -> "_", unit suffix, "_total" for counters
-_UNIT_SUFFIX = {"s": "_seconds", "ms": "_milliseconds", "By": "_bytes", "KiBy": "_kibibytes", "MiBy": "_mebibytes",
-                "1": "", "%": "_percent"}
+_UNIT_SUFFIX = {
+    "s": "_seconds",
+    "ms": "_milliseconds",
+    "By": "_bytes",
+    "KiBy": "_kibibytes",
+    "MiBy": "_mebibytes",
+    "1": "",
+    "%": "_percent",
+}
 _METRIC_TOKEN = re.compile(r"\b((?:gen_ai_server|gen_ai_client|llm_server|llm_otel)_[a-zA-Z0-9_]+)")
 
 
@@ -54,9 +61,16 @@ def dashboard_exprs() -> list[str]:
 
 def test_exporter_naming_of_signal_metrics():
     names = exported_prometheus_names()
-    assert {"llm_server_slo_checks_total", "llm_server_request_kv_cache_size_bytes_bucket", "llm_server_vram_pressure",
-            "llm_server_vram_usage", "llm_server_health_score", "llm_server_token_efficiency",
-            "llm_otel_request_class_collapsed_total", "gen_ai_server_time_to_first_token_seconds_bucket"} <= names
+    assert {
+        "llm_server_slo_checks_total",
+        "llm_server_request_kv_cache_size_bytes_bucket",
+        "llm_server_vram_pressure",
+        "llm_server_vram_usage",
+        "llm_server_health_score",
+        "llm_server_token_efficiency",
+        "llm_otel_request_class_collapsed_total",
+        "gen_ai_server_time_to_first_token_seconds_bucket",
+    } <= names
 
 
 @pytest.mark.parametrize("source", ["rules", "dashboard"])
@@ -82,17 +96,26 @@ def test_signal_rules_pass_promtool_check():
 
 @needs_promtool
 def test_signal_alerts_fire_and_stay_silent_per_promtool_unit_tests():
-    result = subprocess.run([PROMTOOL, "test", "rules", str(RULE_TESTS)], capture_output=True, text=True,
-                            timeout=300, cwd=RULE_TESTS.parent)
+    result = subprocess.run(
+        [PROMTOOL, "test", "rules", str(RULE_TESTS)], capture_output=True, text=True, timeout=300, cwd=RULE_TESTS.parent
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 @needs_promtool
 def test_every_dashboard_query_parses_as_promql(tmp_path):
     # Grafana's $__rate_interval becomes a concrete range; promtool parses each as a recording rule
-    rules = {"groups": [{"name": "dashboard", "rules": [
-        {"record": f"dashboard:query_{i}", "expr": e.replace("$__rate_interval", "5m")}
-        for i, e in enumerate(dashboard_exprs())]}]}
+    rules = {
+        "groups": [
+            {
+                "name": "dashboard",
+                "rules": [
+                    {"record": f"dashboard:query_{i}", "expr": e.replace("$__rate_interval", "5m")}
+                    for i, e in enumerate(dashboard_exprs())
+                ],
+            }
+        ]
+    }
     path = tmp_path / "dashboard-rules.yml"
     path.write_text(yaml.safe_dump(rules))
     result = subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True, text=True, timeout=120)

@@ -33,23 +33,34 @@ def adapter_state(engine):
 
 def points(reader, name):
     data = reader.get_metrics_data()
-    return [p for rm in (data.resource_metrics if data else []) for sm in rm.scope_metrics
-            for m in sm.metrics if m.name == name for p in m.data.data_points]
+    return [
+        p
+        for rm in (data.resource_metrics if data else [])
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == name
+        for p in m.data.data_points
+    ]
 
 
 def generate(engine, prompt_ids: list[int], max_tokens: int):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    return engine.llm.generate([TokensPrompt(prompt_token_ids=prompt_ids)],
-                               SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0),
-                               use_tqdm=False)
+    return engine.llm.generate(
+        [TokensPrompt(prompt_token_ids=prompt_ids)],
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0),
+        use_tqdm=False,
+    )
 
 
 def request_span(engine, request_id: str):
     """The request span of ``RequestOutput.request_id`` (vLLM's engine id adds a ``-suffix``)."""
-    (span,) = [s for s in engine.captured.finished()
-               if str(s.attributes.get(A.LLM_REQUEST_ID, "")).partition("-")[0] == request_id]
+    (span,) = [
+        s
+        for s in engine.captured.finished()
+        if str(s.attributes.get(A.LLM_REQUEST_ID, "")).partition("-")[0] == request_id
+    ]
     return span
 
 
@@ -63,8 +74,11 @@ def signals(engine):
 
     def make(env: dict) -> tuple[Signals, InMemoryMetricReader]:
         reader = InMemoryMetricReader()
-        sig = Signals(MeterProvider(metric_readers=[reader]).get_meter("test"), SignalsConfig.from_env(env),
-                      poller=original.poller)
+        sig = Signals(
+            MeterProvider(metric_readers=[reader]).get_meter("test"),
+            SignalsConfig.from_env(env),
+            poller=original.poller,
+        )
         sig.attach_kv_source(kv_source_for(state, lambda s: s.kv))
         telemetry.signals = sig
         made.append(sig)
@@ -81,8 +95,14 @@ def test_kv_geometry_matches_the_engines_kv_pool(engine, tiny_model):
     spec = state.kv
     config = json.loads((tiny_model / "config.json").read_text())
     cache = engine.llm.llm_engine.vllm_config.cache_config
-    assert spec == KVSpec(layers=config["num_hidden_layers"], kv_heads=config["num_key_value_heads"],
-                          head_dim=config["head_dim"], dtype_bytes=4, block_size=32, num_blocks=cache.num_gpu_blocks)
+    assert spec == KVSpec(
+        layers=config["num_hidden_layers"],
+        kv_heads=config["num_key_value_heads"],
+        head_dim=config["head_dim"],
+        dtype_bytes=4,
+        block_size=32,
+        num_blocks=cache.num_gpu_blocks,
+    )
     assert spec.bytes_per_token == 2 * 2 * 2 * 64 * 4
     # vLLM sized its pool from VLLM_CPU_KVCACHE_SPACE=1 (GiB) with its own per-layer page size:
     # our bytes per block must divide that budget into exactly the blocks vLLM made
@@ -122,17 +142,24 @@ def test_kv_footprint_follows_the_engines_own_block_accounting(engine, prompt_le
     assert span.attributes[A.LLM_REQUEST_KV_CACHE_FINAL_BYTES] == spec.bytes(prompt_len + 29)
     assert span.attributes[A.LLM_REQUEST_KV_CACHE_BLOCKS] == spec.blocks(prompt_len + 29) >= max(used_blocks)
     assert span.attributes[A.LLM_REQUEST_KV_CACHE_CACHED_BLOCKS] == 0
-    sizes = {(p.attributes[A.LLM_KV_CACHE_PHASE]) for p in engine.captured.metric_points(M.LLM_SERVER_REQUEST_KV_CACHE_SIZE)}
+    sizes = {
+        (p.attributes[A.LLM_KV_CACHE_PHASE]) for p in engine.captured.metric_points(M.LLM_SERVER_REQUEST_KV_CACHE_SIZE)
+    }
     assert sizes == {"admission", "finish"}
 
 
 def test_engine_request_classes_tier_slo_checks_and_pressure_event(engine, signals):
     from llm_otel.instrumentation.vllm import inbound as vllm_inbound
 
-    sig, reader = signals({"LLM_OTEL_CLASS_HEADERS": "priority:engine:priority,tenant:x-tenant-id",
-                           "LLM_OTEL_TIERS": "premium tenant=acme ttft=120 tpot=60; standard * e2e=120",
-                           "LLM_OTEL_MODEL_REVISION": "stable",
-                           "LLM_OTEL_VRAM_WARN_HOLD_S": "0", "LLM_OTEL_VRAM_CRITICAL_HOLD_S": "0"})
+    sig, reader = signals(
+        {
+            "LLM_OTEL_CLASS_HEADERS": "priority:engine:priority,tenant:x-tenant-id",
+            "LLM_OTEL_TIERS": "premium tenant=acme ttft=120 tpot=60; standard * e2e=120",
+            "LLM_OTEL_MODEL_REVISION": "stable",
+            "LLM_OTEL_VRAM_WARN_HOLD_S": "0",
+            "LLM_OTEL_VRAM_CRITICAL_HOLD_S": "0",
+        }
+    )
     engine.clear()
     # as vLLM's OpenAI handler sees it: raw_request.headers is a Starlette Headers
     inbound = vllm_inbound.Inbound(None, "text_completion", Headers({"x-tenant-id": "acme"}))
@@ -145,19 +172,31 @@ def test_engine_request_classes_tier_slo_checks_and_pressure_event(engine, signa
     sig.pressure.update(0.95, 0.0, "kv_cache")  # held 0 s is enough with these hold times
     (standard,) = generate(engine, [21, 22, 23, 24, 25], 4)
     a = request_span(engine, premium.request_id).attributes
-    assert (a[A.LLM_REQUEST_TENANT], a[A.LLM_REQUEST_PRIORITY], a[A.LLM_REQUEST_TIER], a[A.LLM_REQUEST_MODEL_REVISION]) \
-        == ("acme", "0", "premium", "stable")
+    assert (
+        a[A.LLM_REQUEST_TENANT],
+        a[A.LLM_REQUEST_PRIORITY],
+        a[A.LLM_REQUEST_TIER],
+        a[A.LLM_REQUEST_MODEL_REVISION],
+    ) == ("acme", "0", "premium", "stable")
     span = request_span(engine, standard.request_id)
     assert span.attributes[A.LLM_REQUEST_TIER] == "standard" and A.LLM_REQUEST_TENANT not in span.attributes
     (event,) = [e for e in span.events if e.name == "llm.vram.pressure"]
     assert event.attributes[A.LLM_VRAM_PRESSURE_LEVEL] == "critical"
     assert not [e for e in request_span(engine, premium.request_id).events if e.name == "llm.vram.pressure"]
-    checks = {(p.attributes[A.LLM_REQUEST_TIER], p.attributes[A.LLM_SLO_OBJECTIVE], p.attributes[A.LLM_SLO_OUTCOME]): p.value
-              for p in points(reader, M.LLM_SERVER_SLO_CHECKS)}
-    assert checks == {("premium", "availability", "met"): 1, ("premium", "ttft", "met"): 1,
-                      ("premium", "tpot", "met"): 1, ("standard", "availability", "met"): 1,
-                      ("standard", "e2e", "met"): 1}
-    tiers = {p.attributes.get(A.LLM_REQUEST_TIER) for p in engine.captured.metric_points(M.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN)}
+    checks = {
+        (p.attributes[A.LLM_REQUEST_TIER], p.attributes[A.LLM_SLO_OBJECTIVE], p.attributes[A.LLM_SLO_OUTCOME]): p.value
+        for p in points(reader, M.LLM_SERVER_SLO_CHECKS)
+    }
+    assert checks == {
+        ("premium", "availability", "met"): 1,
+        ("premium", "ttft", "met"): 1,
+        ("premium", "tpot", "met"): 1,
+        ("standard", "availability", "met"): 1,
+        ("standard", "e2e", "met"): 1,
+    }
+    tiers = {
+        p.attributes.get(A.LLM_REQUEST_TIER) for p in engine.captured.metric_points(M.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN)
+    }
     assert {"premium", "standard"} <= tiers
 
 
@@ -165,14 +204,20 @@ def test_token_efficiency_is_absent_on_cpu_while_tokens_flow(engine, signals):
     sig, reader = signals({})
     generate(engine, [31, 32, 33], 8)
     assert sum(n for _, n in sig._steps) == 8  # the engine's steps were counted...
-    assert sig.token_efficiency() is None       # ...but without NVML there is no GiB to divide by
+    assert sig.token_efficiency() is None  # ...but without NVML there is no GiB to divide by
     assert points(reader, M.LLM_SERVER_TOKEN_EFFICIENCY) == []
-    assert sig.usage()[1] == "kv_cache"         # pressure comes from the engine's KV pool instead
+    assert sig.usage()[1] == "kv_cache"  # pressure comes from the engine's KV pool instead
 
 
 def test_in_process_healthz_on_the_engine(engine, signals):
-    sig, _ = signals({"LLM_OTEL_HEALTH_PORT": "0", "LLM_OTEL_HEALTH_WARMUP_S": "0",
-                      "LLM_OTEL_HEALTH_TTFT_TARGET_S": "60", "LLM_OTEL_VRAM_CRITICAL_HOLD_S": "0"})
+    sig, _ = signals(
+        {
+            "LLM_OTEL_HEALTH_PORT": "0",
+            "LLM_OTEL_HEALTH_WARMUP_S": "0",
+            "LLM_OTEL_HEALTH_TTFT_TARGET_S": "60",
+            "LLM_OTEL_VRAM_CRITICAL_HOLD_S": "0",
+        }
+    )
     generate(engine, [41, 42, 43], 4)
     sig.tick()  # (the signals thread does this every second)
     url = f"http://127.0.0.1:{sig.health_server.port}/healthz"

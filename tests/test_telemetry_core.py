@@ -28,8 +28,15 @@ def at(wall_s: float):
 
 
 def start(cap, rid="r1", input_tokens=7, **kw) -> RequestRecord:
-    rec = cap.telemetry.start_request(rid, operation="text_completion", provider="vllm", model="tiny",
-                                      arrival_s=ARRIVAL, input_tokens=input_tokens, **kw)
+    rec = cap.telemetry.start_request(
+        rid,
+        operation="text_completion",
+        provider="vllm",
+        model="tiny",
+        arrival_s=ARRIVAL,
+        input_tokens=input_tokens,
+        **kw,
+    )
     rec.mono_offset_ns = OFFSET_NS
     return rec
 
@@ -166,8 +173,22 @@ def test_metrics_are_recorded_for_requests_the_sampler_dropped():
     assert ttft.count == 1 and ttft.sum == pytest.approx(0.050, abs=1e-6)
     (dur,) = cap.metric_points("gen_ai.server.request.duration")
     assert dur.count == 1
-    assert list(dur.explicit_bounds) == [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12,
-                                         10.24, 20.48, 40.96, 81.92]
+    assert list(dur.explicit_bounds) == [
+        0.01,
+        0.02,
+        0.04,
+        0.08,
+        0.16,
+        0.32,
+        0.64,
+        1.28,
+        2.56,
+        5.12,
+        10.24,
+        20.48,
+        40.96,
+        81.92,
+    ]
     (tpot,) = cap.metric_points("gen_ai.server.time_per_output_token")
     assert tpot.sum == pytest.approx(0.010, abs=1e-6)
     usage = {p.attributes["gen_ai.token.type"]: p.sum for p in cap.metric_points("llm.server.token.usage")}
@@ -226,19 +247,34 @@ def test_request_span_is_child_of_the_current_span(captured):
 def test_rejection_messages_quoting_the_prompt_are_not_exported_unless_capture_is_on():
     secret = "SECRET-7f3a9c"
     cap = make_captured()
-    cap.telemetry.reject(operation="chat", provider="vllm", model="m", arrival_s=ARRIVAL,
-                         error=ValueError(f"template error near {secret}"))
+    cap.telemetry.reject(
+        operation="chat",
+        provider="vllm",
+        model="m",
+        arrival_s=ARRIVAL,
+        error=ValueError(f"template error near {secret}"),
+    )
     (span,) = cap.finished()
     assert secret not in span.to_json() and span.status.description == "ValueError"
     cap = make_captured(Settings(capture_content=True))
-    cap.telemetry.reject(operation="chat", provider="vllm", model="m", arrival_s=ARRIVAL,
-                         error=ValueError(f"template error near {secret}"))
+    cap.telemetry.reject(
+        operation="chat",
+        provider="vllm",
+        model="m",
+        arrival_s=ARRIVAL,
+        error=ValueError(f"template error near {secret}"),
+    )
     assert secret in cap.finished()[0].status.description
 
 
 def test_rejected_request_yields_one_error_span_and_duration_metric(captured):
-    captured.telemetry.reject(operation="text_completion", provider="vllm", model="tiny", arrival_s=ARRIVAL,
-                              error=ValueError("prompt too long"))
+    captured.telemetry.reject(
+        operation="text_completion",
+        provider="vllm",
+        model="tiny",
+        arrival_s=ARRIVAL,
+        error=ValueError("prompt too long"),
+    )
     (span,) = captured.finished()
     assert span.name == "text_completion tiny"
     assert span.attributes["error.type"] == "ValueError"
@@ -258,7 +294,7 @@ def test_logit_dist_span_from_engine_logprobs():
     lp = np.log(np.array([[0.5, 0.5, 0.3, 0.2], [0.7, 0.7, 0.2, 0.1], [0.4, 0.4, 0.4, 0.2]]))
     ids = np.array([[9, 9, 3, 1], [4, 4, 2, 0], [7, 7, 6, 5]])
     for i in range(3):
-        rec.on_logprobs(ids[i:i + 1], lp[i:i + 1])
+        rec.on_logprobs(ids[i : i + 1], lp[i : i + 1])
         rec.on_tokens([int(ids[i, 0])], mono(ARRIVAL + 0.01 * (i + 1)))
     cap.telemetry.finish(rec)
     spans = {s.name: s for s in cap.finished()}
@@ -366,7 +402,8 @@ def test_completion_text_needs_content_capture():
     cap.telemetry.finish(rec)
     root = next(s for s in cap.finished() if s.parent is None)
     assert json.loads(root.attributes["gen_ai.output.messages"]) == [
-        {"role": "assistant", "parts": [{"type": "text", "content": "hello"}], "finish_reason": "stop"}]
+        {"role": "assistant", "parts": [{"type": "text", "content": "hello"}], "finish_reason": "stop"}
+    ]
 
 
 def test_token_ids_are_content_and_stay_out_of_spans_without_content_capture():
@@ -380,7 +417,7 @@ def test_token_ids_are_content_and_stay_out_of_spans_without_content_capture():
     lp = np.log(np.array([[0.5, 0.5, 0.3, 0.2], [0.7, 0.7, 0.2, 0.1]]))
     ids = np.array([[9, 9, 3, 1], [4, 4, 2, 0]])
     for i in range(2):
-        rec.on_logprobs(ids[i:i + 1], lp[i:i + 1])
+        rec.on_logprobs(ids[i : i + 1], lp[i : i + 1])
         rec.on_tokens([int(ids[i, 0])], mono(ARRIVAL + 0.01 * (i + 1)))
     cap.telemetry.finish(rec)
     spans = {s.name: s for s in cap.finished()}
@@ -400,10 +437,13 @@ def test_requests_sharing_attribute_sets_keep_their_own_error_type_and_finish_re
         rec.on_tokens([5, 6], mono(ARRIVAL + 0.02))
         rec.finish_reason, rec.error_type = reason, error
         captured.telemetry.finish(rec, end_ns=round((ARRIVAL + 0.03) * 1e9))
-    counts = {(p.attributes.get("llm.response.finish_reason"), p.attributes.get("error.type")): p.value
-              for p in captured.metric_points("llm.server.requests")}
+    counts = {
+        (p.attributes.get("llm.response.finish_reason"), p.attributes.get("error.type")): p.value
+        for p in captured.metric_points("llm.server.requests")
+    }
     assert counts == {("length", None): 2, ("abort", "aborted"): 1, ("stop", None): 1}
     usage = sorted((p.attributes["gen_ai.token.type"], p.sum) for p in captured.metric_points("llm.server.token.usage"))
     assert usage == [("input", 28), ("output", 8)]
     assert {tuple(sorted(p.attributes)) for p in captured.metric_points("llm.server.token.usage")} == {
-        ("gen_ai.operation.name", "gen_ai.provider.name", "gen_ai.request.model", "gen_ai.token.type")}
+        ("gen_ai.operation.name", "gen_ai.provider.name", "gen_ai.request.model", "gen_ai.token.type")
+    }

@@ -145,9 +145,7 @@ def test_failed_build_leaves_nothing(tmp_path: pathlib.Path, monkeypatch: pytest
     assert [p for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
 
 
-def test_stale_and_empty_targets_are_replaced(
-    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_stale_and_empty_targets_are_replaced(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tiny_model, "_build", _fake_build)
     stale = tmp_path / "stale"
     stale.mkdir()

@@ -89,12 +89,12 @@ def test_a_burst_from_idle_spends_at_most_the_bucket():
     ps = budget_probabilities(times, traces_per_s=10.0)
     assert ps[:6] == [1.0] * 6  # the first ~2/3 of the bucket is traced whole
     assert max(ps[16:]) < 0.5 and sum(ps[128:]) < 2.0  # the rest of a large one is not
-    bound = max(1.0, 10.0) + 10.0 * (times[-1] - times[0]) + len(times) * 2 ** -12
+    bound = max(1.0, 10.0) + 10.0 * (times[-1] - times[0]) + len(times) * 2**-12
     assert sum(ps) <= bound
     assert sum(ps) / len(ps) < 0.05
     # a burst ten times larger spends no more than the bucket either
     big = budget_probabilities([50.0 + 0.2 * i / 2560 for i in range(2560)], traces_per_s=10.0)
-    assert sum(big) <= 10.0 + 10.0 * 0.2 + 2560 * 2 ** -12
+    assert sum(big) <= 10.0 + 10.0 * 0.2 + 2560 * 2**-12
 
 
 def test_below_the_budget_every_root_is_kept_and_above_it_the_rate_is_the_budget():
@@ -108,7 +108,7 @@ def test_below_the_budget_every_root_is_kept_and_above_it_the_rate_is_the_budget
         seconds = 60.0
         ps = budget_probabilities(poisson_times(rng, rate, seconds), traces_per_s=10.0)
         # expected kept roots per second: the budget (quantisation rounds each p up by < 2**-12)
-        assert 0.9 * 10.0 <= sum(ps) / seconds <= 10.0 + 1.0 + rate * 2 ** -12
+        assert 0.9 * 10.0 <= sum(ps) / seconds <= 10.0 + 1.0 + rate * 2**-12
 
 
 def test_the_budget_never_raises_the_policys_probability_and_holds_over_any_window():
@@ -131,8 +131,8 @@ def test_the_budget_never_raises_the_policys_probability_and_holds_over_any_wind
         used.append(p_of(threshold))
     for i in range(0, len(times), 97):  # every window [times[i], times[j]]
         for j in range(i, len(times), 131):
-            spent = sum(used[i:j + 1])
-            assert spent <= 10.0 + 10.0 * (times[j] - times[i]) + (j - i + 1) * 2 ** -12 + 1e-9
+            spent = sum(used[i : j + 1])
+            assert spent <= 10.0 + 10.0 * (times[j] - times[i]) + (j - i + 1) * 2**-12 + 1e-9
 
 
 def test_adjusted_counts_stay_unbiased_through_the_full_sampler():
@@ -175,8 +175,13 @@ def test_children_of_a_sampled_parent_are_not_subject_to_the_budget():
         sampler.should_sample(None, random.getrandbits(128), "root")
     assert p_of(budget.thresholds[-1]) < 0.01
     decided = len(budget.thresholds)
-    parent = SpanContext(trace_id=0x1234 << 64 | 5, span_id=7, is_remote=True, trace_flags=TraceFlags(1),
-                         trace_state=TraceState([("ot", "th:0")]))
+    parent = SpanContext(
+        trace_id=0x1234 << 64 | 5,
+        span_id=7,
+        is_remote=True,
+        trace_flags=TraceFlags(1),
+        trace_state=TraceState([("ot", "th:0")]),
+    )
     ctx = trace.set_span_in_context(trace.NonRecordingSpan(parent))
     for _ in range(50):
         result = sampler.should_sample(ctx, parent.trace_id, "request")
@@ -187,8 +192,9 @@ def test_children_of_a_sampled_parent_are_not_subject_to_the_budget():
 
 def test_a_lower_policy_probability_is_reported_as_head():
     clock = Clock()
-    sampler = adaptive_sampler(UtilizationPolicy(floor=0.01, ceiling=0.01), poller=idle_poller(),
-                               budget=TraceBudget(10.0, clock=clock))
+    sampler = adaptive_sampler(
+        UtilizationPolicy(floor=0.01, ceiling=0.01), poller=idle_poller(), budget=TraceBudget(10.0, clock=clock)
+    )
     result = sampler.should_sample(None, RANDOMNESS, "root")  # kept at any p
     assert result.attributes["llm.sampling.reason"] == "head"
     assert OtelTraceState.parse(result.trace_state).threshold == quantize_threshold(0.01)
@@ -229,8 +235,15 @@ def test_the_sdk_entry_point_reads_the_budget_from_the_environment(monkeypatch):
     assert _import_sampler("llm_otel_adaptive").root.budget.traces_per_s == 7.0
 
 
-@pytest.mark.parametrize("kwargs", [dict(traces_per_s=0), dict(traces_per_s=1, burst_s=0),
-                                    dict(traces_per_s=1, time_constant_s=-1), dict(traces_per_s=-2)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(traces_per_s=0),
+        dict(traces_per_s=1, burst_s=0),
+        dict(traces_per_s=1, time_constant_s=-1),
+        dict(traces_per_s=-2),
+    ],
+)
 def test_budget_rejects_invalid_parameters(kwargs):
     with pytest.raises(ValueError):
         TraceBudget(**kwargs)
@@ -245,13 +258,12 @@ def test_a_lone_request_after_a_quiet_spell_is_kept_even_with_a_tiny_budget():
 class _DecisionLog:
     """The real adaptive sampler, remembering each root decision's threshold by trace id."""
 
-    def __init__(self, sampler, budget: "RecordingBudget") -> None:
+    def __init__(self, sampler, budget: RecordingBudget) -> None:
         self.sampler, self.budget = sampler, budget
         self.thresholds: dict[int, int] = {}
         self.times: list[float] = []
 
-    def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None,
-                      trace_state=None):
+    def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None, trace_state=None):
         before = len(self.budget.thresholds)
         result = self.sampler.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
         if len(self.budget.thresholds) > before:
@@ -278,8 +290,9 @@ def test_an_offline_batch_at_an_idle_engine_is_kept_within_the_budget_and_counts
     engine.clear()
     n = 256
     prompts = [f"item {i}: the quick brown fox" for i in range(n)]
-    outputs = engine.llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.8, seed=1, ignore_eos=True),
-                                  use_tqdm=False)
+    outputs = engine.llm.generate(
+        prompts, SamplingParams(max_tokens=4, temperature=0.8, seed=1, ignore_eos=True), use_tqdm=False
+    )
     engine.captured.tracer_provider.force_flush()
     assert len(outputs) == n and len(log.thresholds) == n  # one root decision per request
     roots = [s for s in engine.captured.finished() if s.parent is None and s.name == f"text_completion {engine.model}"]
@@ -292,13 +305,15 @@ def test_an_offline_batch_at_an_idle_engine_is_kept_within_the_budget_and_counts
         assert OtelTraceState.parse(span.context.trace_state).threshold == log.thresholds[trace_id]
     expected = sum(ps.values())
     window = log.times[-1] - log.times[0]
-    assert expected <= max(1.0, traces_per_s) + traces_per_s * window + n * 2 ** -12
+    assert expected <= max(1.0, traces_per_s) + traces_per_s * window + n * 2**-12
     assert len(kept) <= expected + 4 * math.sqrt(expected) + 1
     assert len(kept) < n / 4  # before the budget: all 256 (an idle engine's policy says p = 1)
     estimate = sum(1 / ps[t] for t in kept)
     sigma = math.sqrt(sum((1 - p) / p for p in ps.values()))
-    print(f"\ntrace budget {traces_per_s}/s: {n} requests added in {window:.3f} s, kept {len(kept)} "
-          f"(expected {expected:.1f}), sum(1/p) = {estimate:.0f} +- {sigma:.0f}")
+    print(
+        f"\ntrace budget {traces_per_s}/s: {n} requests added in {window:.3f} s, kept {len(kept)} "
+        f"(expected {expected:.1f}), sum(1/p) = {estimate:.0f} +- {sigma:.0f}"
+    )
     assert abs(estimate - n) <= 4 * sigma
     assert any(s.attributes.get("llm.sampling.reason") == "budget" for s in kept.values()) or len(kept) <= 3
 

@@ -28,8 +28,8 @@ import tritonclient.http as httpclient  # noqa: E402
 import tritonclient.http.aio as httpaio  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from llm_otel.instrumentation.triton import HOOKS, TritonClientInstrumentor  # noqa: E402
 from llm_otel.instrumentation._hooks import missing_hooks  # noqa: E402
+from llm_otel.instrumentation.triton import HOOKS, TritonClientInstrumentor  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
@@ -50,8 +50,9 @@ def triton(receiver, tmp_path_factory):
 def _instrumented():
     cap = make_captured()
     inst = TritonClientInstrumentor()
-    inst.instrument(tracer_provider=cap.tracer_provider, meter_provider=cap.meter_provider,
-                    settings=Settings.from_env({}))
+    inst.instrument(
+        tracer_provider=cap.tracer_provider, meter_provider=cap.meter_provider, settings=Settings.from_env({})
+    )
     yield cap, inst
     inst.uninstrument()
 
@@ -103,8 +104,9 @@ def assert_grpc_joins(receiver, cap, name: str, call) -> object:
         call()
         (span,) = ours(cap, name)
         try:
-            spans = receiver.wait_for_spans(1, timeout=3, name="InferRequest",
-                                            trace_id=hexid(span.context.trace_id, 32))
+            spans = receiver.wait_for_spans(
+                1, timeout=3, name="InferRequest", trace_id=hexid(span.context.trace_id, 32)
+            )
         except TimeoutError:
             continue
         assert [s["parent_span_id"] for s in spans] == [hexid(span.context.span_id, 16)]
@@ -116,8 +118,9 @@ def stream_server_children(receiver, stream, request_ids: set[str]) -> None:
     """Triton's InferRequest spans of a stream are children of the stream span; see GRPC_ATTEMPTS
     for why one of them may have become a root of its own."""
     try:
-        spans = receiver.wait_for_spans(len(request_ids), timeout=5, name="InferRequest",
-                                        trace_id=hexid(stream.context.trace_id, 32))
+        spans = receiver.wait_for_spans(
+            len(request_ids), timeout=5, name="InferRequest", trace_id=hexid(stream.context.trace_id, 32)
+        )
     except TimeoutError:
         spans = receiver.spans(name="InferRequest", trace_id=hexid(stream.context.trace_id, 32))
     assert spans, "no Triton span joined the stream's trace"
@@ -194,6 +197,7 @@ def test_http_async_infer_span_ends_when_result_is_retrieved(triton, receiver, c
 def test_http_aio_infer_gets_a_client_span_whose_child_is_the_triton_server_span(triton, receiver, cap):
     """C11 (Triton client and server traces not joined): ``tritonclient.http.aio``'s ``infer`` gets a CLIENT
     span with the call's attributes, and Triton's own server span is its child."""
+
     async def main():
         async with httpaio.InferenceServerClient(triton.http_url) as client:
             return await client.infer("text_echo", text_inputs(httpaio), request_id="hx1")
@@ -290,8 +294,12 @@ def _grpc_stream_session(triton, cap):
     with tracer.start_as_current_span("app") as app:
         client.start_stream(callback, headers=headers)
         client.async_stream_infer("tok_stream", text_inputs(grpcclient, max_tokens=4), request_id="s-last")
-        client.async_stream_infer("tok_stream_empty_final", text_inputs(grpcclient, max_tokens=3),
-                                  request_id="s-empty", enable_empty_final_response=True)
+        client.async_stream_infer(
+            "tok_stream_empty_final",
+            text_inputs(grpcclient, max_tokens=3),
+            request_id="s-empty",
+            enable_empty_final_response=True,
+        )
         client.async_stream_infer("tok_err", text_inputs(grpcclient, max_tokens=4), request_id="s-err")
         client.stop_stream()
     assert headers == {"x-user": "1"}
@@ -344,10 +352,12 @@ def test_grpc_stream_requests_timed_and_server_spans_under_the_stream(triton, re
 
 @pytest.mark.case("C11")
 def test_grpc_aio_unary_call_joins_the_server_trace_and_stream_requests_nest_under_the_stream_span(
-        triton, receiver, cap):
+    triton, receiver, cap
+):
     """C11 (Triton client and server traces not joined): ``tritonclient.grpc.aio``'s ``infer`` joins the
     server's trace; each request of ``stream_infer`` gets its own span, timed, under ``llm.triton.stream``
     (the stream's one traceparent), with the server's spans under the stream."""
+
     async def requests():
         for rid in ("a1", "a2"):
             yield {"model_name": "tok_stream", "inputs": text_inputs(grpcclient, max_tokens=3), "request_id": rid}
@@ -413,7 +423,9 @@ def test_bad_model_name_grpc_and_async_callback_once(triton, cap):
         client.infer("no_such_model", text_inputs(grpcclient))
     assert info.value.status() == "StatusCode.NOT_FOUND"
     calls, done = [], threading.Event()
-    client.async_infer("no_such_model", text_inputs(grpcclient), lambda result, error: (calls.append(error), done.set()))
+    client.async_infer(
+        "no_such_model", text_inputs(grpcclient), lambda result, error: (calls.append(error), done.set())
+    )
     assert done.wait(10)
     sync_span, async_span = ours(cap, "text_completion no_such_model")
     for span in (sync_span, async_span):
@@ -503,12 +515,20 @@ def test_stop_stream_with_cancel_ends_open_requests_as_cancelled(triton, cap):
 def test_metrics_duration_and_chunk_timing(triton, cap):
 
     def point(name):
-        found = [p for p in cap.metric_points(name) if p.attributes.get("gen_ai.request.model") == "tok_stream"
-                 and p.attributes.get("server.port") == triton.grpc_port and "error.type" not in p.attributes]
+        found = [
+            p
+            for p in cap.metric_points(name)
+            if p.attributes.get("gen_ai.request.model") == "tok_stream"
+            and p.attributes.get("server.port") == triton.grpc_port
+            and "error.type" not in p.attributes
+        ]
         return found[0] if found else None
 
-    names = ("gen_ai.client.operation.time_to_first_chunk", "gen_ai.client.operation.time_per_output_chunk",
-             "gen_ai.client.operation.duration")
+    names = (
+        "gen_ai.client.operation.time_to_first_chunk",
+        "gen_ai.client.operation.time_per_output_chunk",
+        "gen_ai.client.operation.duration",
+    )
     before = {n: (point(n).count, point(n).sum) if point(n) else (0, 0.0) for n in names}
     client = grpcclient.InferenceServerClient(triton.grpc_url)
     client.start_stream(lambda result, error: None)
@@ -536,8 +556,11 @@ def test_with_grpc_instrumentation_one_chain_client_grpc_server(triton, receiver
     from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
 
     plain = grpc.insecure_channel
-    monkeypatch.setattr(grpc, "insecure_channel", lambda *a, **k: intercept_channel(
-        plain(*a, **k), client_interceptor(tracer_provider=cap.tracer_provider)))
+    monkeypatch.setattr(
+        grpc,
+        "insecure_channel",
+        lambda *a, **k: intercept_channel(plain(*a, **k), client_interceptor(tracer_provider=cap.tracer_provider)),
+    )
     client = grpcclient.InferenceServerClient(triton.grpc_url)
     headers = {"x-user": "1"}
     for _ in range(GRPC_ATTEMPTS):
@@ -548,8 +571,9 @@ def test_with_grpc_instrumentation_one_chain_client_grpc_server(triton, receiver
         (rpc,) = [s for s in cap.finished() if s.name == "/inference.GRPCInferenceService/ModelInfer"]
         assert rpc.kind is SpanKind.CLIENT and rpc.parent.span_id == span.context.span_id
         try:
-            (server,) = receiver.wait_for_spans(1, timeout=3, name="InferRequest",
-                                                trace_id=hexid(span.context.trace_id, 32))
+            (server,) = receiver.wait_for_spans(
+                1, timeout=3, name="InferRequest", trace_id=hexid(span.context.trace_id, 32)
+            )
         except TimeoutError:
             continue  # see GRPC_ATTEMPTS
         # its traceparent replaced ours in the metadata: Triton hangs under the gRPC span, one chain
@@ -594,8 +618,9 @@ def test_uninstrument_restores_and_instrument_twice_is_noop(_instrumented):
         inst.uninstrument()
         assert all(vars(owner)[attr] is original for owner, attr, original in applied)
     finally:
-        inst.instrument(tracer_provider=cap.tracer_provider, meter_provider=cap.meter_provider,
-                        settings=Settings.from_env({}))
+        inst.instrument(
+            tracer_provider=cap.tracer_provider, meter_provider=cap.meter_provider, settings=Settings.from_env({})
+        )
     patched = {(id(o), a): vars(o)[a] for o, a, _ in applied}
     inst.instrument(tracer_provider=cap.tracer_provider, meter_provider=cap.meter_provider)
     assert all(vars(o)[a] is patched[(id(o), a)] for o, a, _ in applied)
@@ -609,17 +634,28 @@ def test_entry_point_and_instrument_pick_up_the_triton_instrumentor():
     (ep,) = [e for e in entry_points(group="opentelemetry_instrumentor") if e.name == "triton"]
     assert ep.load() is TritonClientInstrumentor
     # a fresh process: llm_otel.instrument() finds tritonclient installed and wraps it
-    code = ("import llm_otel, tritonclient.grpc._client as c, wrapt\n"
-            "assert llm_otel.instrument(engines=['triton']) == ['triton']\n"
-            "assert isinstance(vars(c.InferenceServerClient)['infer'], wrapt.FunctionWrapper)\n"
-            "llm_otel.uninstrument()\n"
-            "assert not isinstance(vars(c.InferenceServerClient)['infer'], wrapt.FunctionWrapper)\n"
-            "print('OK')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none", "LLM_OTEL_CONSOLE": "off",
-                              "PATH": "/usr/bin:/bin",
-                              # this checkout's llm_otel when the caller points at one
-                              **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}})
+    code = (
+        "import llm_otel, tritonclient.grpc._client as c, wrapt\n"
+        "assert llm_otel.instrument(engines=['triton']) == ['triton']\n"
+        "assert isinstance(vars(c.InferenceServerClient)['infer'], wrapt.FunctionWrapper)\n"
+        "llm_otel.uninstrument()\n"
+        "assert not isinstance(vars(c.InferenceServerClient)['infer'], wrapt.FunctionWrapper)\n"
+        "print('OK')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            "OTEL_TRACES_EXPORTER": "none",
+            "OTEL_METRICS_EXPORTER": "none",
+            "LLM_OTEL_CONSOLE": "off",
+            "PATH": "/usr/bin:/bin",
+            # this checkout's llm_otel when the caller points at one
+            **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"},
+        },
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["OK"]
 
@@ -631,14 +667,23 @@ def test_request_attributes_from_inputs_and_sampling_parameters():
 
     for mod in (httpclient, grpcclient):
         sp = mod.InferInput("sampling_parameters", [1], "BYTES")
-        sp.set_data_from_numpy(np.array([json.dumps({"temperature": 0.5, "top_p": 0.9, "seed": 3,
-                                                      "max_tokens": 12}).encode()], dtype=np.object_))
+        sp.set_data_from_numpy(
+            np.array(
+                [json.dumps({"temperature": 0.5, "top_p": 0.9, "seed": 3, "max_tokens": 12}).encode()], dtype=np.object_
+            )
+        )
         stream = mod.InferInput("stream", [1], "BOOL")
         stream.set_data_from_numpy(np.array([True]))
         llm, attrs = request_attributes(text_inputs(mod) + [sp, stream], {"top_k": 5})
         assert llm is True
-        assert attrs == {"gen_ai.request.temperature": 0.5, "gen_ai.request.top_p": 0.9, "gen_ai.request.seed": 3,
-                         "gen_ai.request.max_tokens": 12, "gen_ai.request.stream": True, "gen_ai.request.top_k": 5.0}
+        assert attrs == {
+            "gen_ai.request.temperature": 0.5,
+            "gen_ai.request.top_p": 0.9,
+            "gen_ai.request.seed": 3,
+            "gen_ai.request.max_tokens": 12,
+            "gen_ai.request.stream": True,
+            "gen_ai.request.top_k": 5.0,
+        }
     # http JSON (non-binary) inputs are read too
     llm, attrs = request_attributes(text_inputs(httpclient, max_tokens=9, binary=False), None)
     assert llm and attrs == {"gen_ai.request.max_tokens": 9}
@@ -795,14 +840,18 @@ def test_truncated_sync_stream_is_an_error_span(triton, cap):
 
 
 @pytest.mark.parametrize("flavour", ["http", "grpc", "grpc.aio", "http.aio", "grpc.async_infer"])
-@pytest.mark.parametrize("model, requested, problem", [
-    ("no_output", False, "response has no outputs"),
-    ("no_output", True, "response lacks requested output(s) text_output"),
-    ("wrong_dtype", False, "text_output is FP32, expected BYTES"),
-])
+@pytest.mark.parametrize(
+    "model, requested, problem",
+    [
+        ("no_output", False, "response has no outputs"),
+        ("no_output", True, "response lacks requested output(s) text_output"),
+        ("wrong_dtype", False, "text_output is FP32, expected BYTES"),
+    ],
+)
 @pytest.mark.case("C19")
 def test_malformed_response_is_a_clear_error_span_and_reaches_the_application(
-        triton, cap, errors, flavour, model, requested, problem):
+    triton, cap, errors, flavour, model, requested, problem
+):
     """Triton passes these through as successes; the application gets tritonclient's result
     unchanged, the span says what is wrong (output names and types only), nothing is raised."""
     before = dict(errors.counts)
@@ -815,13 +864,18 @@ def test_malformed_response_is_a_clear_error_span_and_reaches_the_application(
     elif flavour == "grpc.async_infer":
         client = grpcclient.InferenceServerClient(triton.grpc_url)
         got, done = [], threading.Event()
-        client.async_infer(model, text_inputs(grpcclient), callback=lambda result, error: (got.append((result, error)), done.set()),
-                           **kwargs)
+        client.async_infer(
+            model,
+            text_inputs(grpcclient),
+            callback=lambda result, error: (got.append((result, error)), done.set()),
+            **kwargs,
+        )
         assert done.wait(10)
         ((result, error),) = got
         assert error is None
         client.close()
     else:
+
         async def run():
             aio = grpcaio if flavour == "grpc.aio" else httpaio
             async with aio.InferenceServerClient(triton.grpc_url if flavour == "grpc.aio" else triton.http_url) as c:
@@ -852,7 +906,9 @@ def test_malformed_stream_response_and_unreadable_results_never_raise(_instrumen
     assert response_problem(response, (), streaming=True) == "text_output is INT32, expected BYTES"
     assert response_problem(service_pb2.ModelInferResponse(), (), streaming=True) is None  # empty final marker
     assert response_problem(service_pb2.ModelInferResponse(), (), streaming=False) == "response has no outputs"
-    assert response_problem({"outputs": [{"name": "text_output", "datatype": "BYTES"}]}, ("text_output",), False) is None
+    assert (
+        response_problem({"outputs": [{"name": "text_output", "datatype": "BYTES"}]}, ("text_output",), False) is None
+    )
     assert response_problem(object(), (), False) == "unreadable response (AttributeError)"
     call = adapter._start_call("grpc", object(), "m", "", "r1", None, None, streaming=False)
     assert str(adapter._malformed(call, object())) == "unreadable response (AttributeError)"

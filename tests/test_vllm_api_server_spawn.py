@@ -57,12 +57,21 @@ def test_a_spawned_api_server_under_opentelemetry_instrument_is_instrumented(tmp
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
     env.update(OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none", OTEL_LOGS_EXPORTER="none")
     instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
-    out = subprocess.run([instrument, sys.executable, str(app)], env=env, capture_output=True, text=True,
-                         timeout=400, cwd=str(tmp_path))
+    out = subprocess.run(
+        [instrument, sys.executable, str(app)], env=env, capture_output=True, text=True, timeout=400, cwd=str(tmp_path)
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     (line,) = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-    result = json.loads(line[len("RESULT "):])
-    assert result == {"name": "ApiServer_0", "role": "frontend", "adapter": True, "pending": False,
-                      "hooked": True,
-                      "resource": {"llm.process.role": "frontend", "llm.process.name": "ApiServer_0",
-                                   "llm.process.api_server.index": 0}}, (result, out.stderr[-3000:])
+    result = json.loads(line[len("RESULT ") :])
+    assert result == {
+        "name": "ApiServer_0",
+        "role": "frontend",
+        "adapter": True,
+        "pending": False,
+        "hooked": True,
+        "resource": {
+            "llm.process.role": "frontend",
+            "llm.process.name": "ApiServer_0",
+            "llm.process.api_server.index": 0,
+        },
+    }, (result, out.stderr[-3000:])

@@ -60,30 +60,39 @@ def run_layout(layout: str, tmp_path) -> dict:
 
 # each layout: the targets llm-otel warns about, and how many targets do not resolve at all
 # (the OpenAI handlers of the other layout resolve under their alternative module: no warning)
-@pytest.mark.parametrize("layout, version, missing, unresolved", [
-    ("v0_7", "0.7.3", {
-        "vllm.v1.engine.core_client:EngineCoreClient.make_async_mp_client",
-        "vllm.v1.core.sched.scheduler:Scheduler.schedule",
-        "vllm.v1.core.sched.scheduler:Scheduler.make_stats",
-        "vllm.v1.engine.core:EngineCore.step_with_batch_queue",
-        "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
-        "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens",
-        "vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample_tokens",
-        "vllm.v1.worker.gpu.sample.sampler:Sampler.add_request",
-        "vllm.v1.worker.gpu.sample.sampler:Sampler.__call__",
-        "vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler.__call__",
-        "vllm.v1.engine.utils:shutdown",
-        "vllm.v1.utils:shutdown",
-        "vllm.v1.engine.core:EngineCore.shutdown",
-        "vllm.v1.executor.multiproc_executor:WorkerProc.shutdown",
-    }, 17),
-    # 0.33 has every target (tests/contracts/vllm-0.33.0.json); only the old OpenAI handler
-    # modules of the <= 0.11 layout do not resolve, and their 0.33 alternatives do: no warning
-    ("v0_33", "0.33.0", set(), 2),
-])
+@pytest.mark.parametrize(
+    "layout, version, missing, unresolved",
+    [
+        (
+            "v0_7",
+            "0.7.3",
+            {
+                "vllm.v1.engine.core_client:EngineCoreClient.make_async_mp_client",
+                "vllm.v1.core.sched.scheduler:Scheduler.schedule",
+                "vllm.v1.core.sched.scheduler:Scheduler.make_stats",
+                "vllm.v1.engine.core:EngineCore.step_with_batch_queue",
+                "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
+                "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens",
+                "vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample_tokens",
+                "vllm.v1.worker.gpu.sample.sampler:Sampler.add_request",
+                "vllm.v1.worker.gpu.sample.sampler:Sampler.__call__",
+                "vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler.__call__",
+                "vllm.v1.engine.utils:shutdown",
+                "vllm.v1.utils:shutdown",
+                "vllm.v1.engine.core:EngineCore.shutdown",
+                "vllm.v1.executor.multiproc_executor:WorkerProc.shutdown",
+            },
+            17,
+        ),
+        # 0.33 has every target (tests/contracts/vllm-0.33.0.json); only the old OpenAI handler
+        # modules of the <= 0.11 layout do not resolve, and their 0.33 alternatives do: no warning
+        ("v0_33", "0.33.0", set(), 2),
+    ],
+)
 @pytest.mark.case("C06")
-def test_other_vllm_layouts_skip_missing_hooks_with_one_warning_each_and_still_trace(layout, version, missing,
-                                                                                       unresolved, tmp_path):
+def test_other_vllm_layouts_skip_missing_hooks_with_one_warning_each_and_still_trace(
+    layout, version, missing, unresolved, tmp_path
+):
     result = run_layout(layout, tmp_path)
     assert result["version"] == version  # the stand-in tree, not the installed vLLM
     assert len(result["warnings"]) == len(missing)

@@ -28,11 +28,16 @@ ENGINE_METRIC = "llm.server.kv_cache.usage"  # recorded by the engine core's own
 
 
 def _env(rx: OTLPReceiver, **extra: str) -> dict[str, str]:
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": rx.grpc_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-           "OTEL_SERVICE_NAME": "vllm-lifecycle", "LLM_OTEL_LOGIT_DIST_RATIO": "1",
-           # the real defaults: spans leave after 5 s, metrics after 60 s - later than the SIGTERM
-           "OTEL_BSP_SCHEDULE_DELAY": "5000", "OTEL_METRIC_EXPORT_INTERVAL": "60000",
-           "VLLM_LOGGING_LEVEL": "INFO"}
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": rx.grpc_endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "OTEL_SERVICE_NAME": "vllm-lifecycle",
+        "LLM_OTEL_LOGIT_DIST_RATIO": "1",
+        # the real defaults: spans leave after 5 s, metrics after 60 s - later than the SIGTERM
+        "OTEL_BSP_SCHEDULE_DELAY": "5000",
+        "OTEL_METRIC_EXPORT_INTERVAL": "60000",
+        "VLLM_LOGGING_LEVEL": "INFO",
+    }
     env.update(extra)
     return env
 
@@ -51,14 +56,16 @@ def _assert_whole_story(rx: OTLPReceiver, tokens: int) -> dict[str, dict]:
     (root,) = rx.wait_for_spans(1, trace_id=TRACE, kind="SPAN_KIND_SERVER", timeout=10)
     kids = {s["name"]: s for s in rx.spans(parent_span_id=root["span_id"])}
     assert {"llm.prompt", "llm.token_stream", "llm.logit_dist"} <= set(kids), sorted(kids)
-    steps = [s for s in rx.spans(name="llm.engine.step")
-             if any(link["span_id"] == root["span_id"] for link in s["links"])]
+    steps = [
+        s for s in rx.spans(name="llm.engine.step") if any(link["span_id"] == root["span_id"] for link in s["links"])
+    ]
     assert steps, "no llm.engine.step linked to the request arrived"
     assert sum(s["attributes"]["llm.engine.step.decode_tokens"] for s in steps) >= tokens - 1
     device = [d for s in steps for d in rx.spans(name="llm.engine.step.device", parent_span_id=s["span_id"])]
     assert len(device) >= len(steps) - 1 >= 0 and device, "llm.engine.step.device children are missing"
-    points = [p for p in rx.metrics(ENGINE_METRIC, latest=False)
-              if p["resource"].get("llm.process.role") == "engine_core"]
+    points = [
+        p for p in rx.metrics(ENGINE_METRIC, latest=False) if p["resource"].get("llm.process.role") == "engine_core"
+    ]
     assert points, "the engine core's metric points did not arrive"
     record_received([root, *kids.values(), *steps, *device])
     return {"frontend": root, "engine_core": steps[0], "worker": device[0], "logit": kids["llm.logit_dist"]}
@@ -122,7 +129,9 @@ def test_forked_engine_processes_tell_their_own_story(fork_restart):
     for span in rx.spans():
         if span["scope_name"].startswith("llm_otel") and span["name"].startswith("llm.engine.step"):
             assert span["resource"].get("process.pid") != server.proc.pid
-    frontend_points = {p["resource"].get("process.pid") for p in rx.metrics("gen_ai.server.request.duration", latest=False)}
+    frontend_points = {
+        p["resource"].get("process.pid") for p in rx.metrics("gen_ai.server.request.duration", latest=False)
+    }
     assert frontend_points == {server.proc.pid}
 
 
@@ -136,12 +145,18 @@ def engine_death(tiny_model, tmp_path_factory):
             chunks = []
 
             def stream(i: int) -> None:
-                body = {"model": "tiny", "prompt": f"import os {i}", "max_tokens": 490, "stream": True,
-                        "ignore_eos": True}
+                body = {
+                    "model": "tiny",
+                    "prompt": f"import os {i}",
+                    "max_tokens": 490,
+                    "stream": True,
+                    "ignore_eos": True,
+                }
                 headers = {"traceparent": f"00-{i:032x}-{PARENT}-01"}
                 try:
-                    with httpx.stream("POST", server.base + "/v1/completions", json=body, headers=headers,
-                                      timeout=60) as r:
+                    with httpx.stream(
+                        "POST", server.base + "/v1/completions", json=body, headers=headers, timeout=60
+                    ) as r:
                         for line in r.iter_lines():
                             chunks.append((i, line))
                 except httpx.HTTPError:
@@ -176,8 +191,11 @@ def test_engine_core_death_ends_every_in_flight_request_with_the_error(engine_de
         produced = len([line for j, line in chunks if j == i and line.startswith("data: {")])
         assert 0 < root["attributes"]["gen_ai.usage.output_tokens"] <= produced
         record_received([root])
-    failed = [p for p in rx.metrics("gen_ai.server.request.duration", latest=False)
-              if p["attributes"].get("error.type") == "EngineDeadError"]
+    failed = [
+        p
+        for p in rx.metrics("gen_ai.server.request.duration", latest=False)
+        if p["attributes"].get("error.type") == "EngineDeadError"
+    ]
     assert failed and failed[-1]["count"] == 2, failed
 
 
@@ -189,13 +207,22 @@ def collector_down(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("lifecycle") / "down.log"
     try:
         with OTLPReceiver() as rx:  # only for the environment's shape; the endpoint is the black hole
-            env = _env(rx, OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{hole.port}",
-                       LLM_OTEL_FLUSH_DEADLINE_S="1", OTEL_BSP_SCHEDULE_DELAY="200")
+            env = _env(
+                rx,
+                OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{hole.port}",
+                LLM_OTEL_FLUSH_DEADLINE_S="1",
+                OTEL_BSP_SCHEDULE_DELAY="200",
+            )
         server = start_server(tiny_model, log, env)
         try:
-            codes = [httpx.post(server.base + "/v1/completions", timeout=60,
-                                json={"model": "tiny", "prompt": f"x{i}", "max_tokens": 4}).status_code
-                     for i in range(3)]
+            codes = [
+                httpx.post(
+                    server.base + "/v1/completions",
+                    timeout=60,
+                    json={"model": "tiny", "prompt": f"x{i}", "max_tokens": 4},
+                ).status_code
+                for i in range(3)
+            ]
             shutdown_s = server.sigterm()
         finally:
             server.kill()

@@ -38,8 +38,9 @@ SIDS = {"a": "00f067aa0ba902b7", "c": "00f067aa0ba902c7"}
 
 
 def chosen_params(rid: str, k: int = 3, max_tokens: int = 2) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, extra_args={CARRIER_KEY: f"00-{TID}-{SIDS[rid]}-01",
-                                                            CARRIER_TOPK_KEY: k})
+    return SamplingParams(
+        max_tokens=max_tokens, extra_args={CARRIER_KEY: f"00-{TID}-{SIDS[rid]}-01", CARRIER_TOPK_KEY: k}
+    )
 
 
 def make_sampler() -> Sampler:
@@ -63,17 +64,25 @@ def batch(req_ids, slots, *, cu=None, computed=None, scheduled=None, prefill=Non
     n = len(req_ids)
     base = InputBatch.make_dummy(n, max(n, 8), InputBuffers(16, 64, torch.device("cpu")))
     return dataclasses.replace(
-        base, req_ids=list(req_ids), idx_mapping_np=np.array(slots, dtype=np.intp),
+        base,
+        req_ids=list(req_ids),
+        idx_mapping_np=np.array(slots, dtype=np.intp),
         cu_num_logits_np=np.array(cu if cu is not None else range(n + 1), dtype=np.int32),
         num_computed_tokens_np=np.array(computed or [10] * n, dtype=np.int32),
         num_scheduled_tokens=np.array(scheduled or [1] * n, dtype=np.int32),
-        prefill_len_np=np.array(prefill or [4] * n, dtype=np.int32))
+        prefill_len_np=np.array(prefill or [4] * n, dtype=np.int32),
+    )
 
 
 def sampler_output(sampled: torch.Tensor) -> SamplerOutput:
     n = sampled.shape[0]
-    return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None, num_nans=None,
-                         num_sampled=torch.ones(n, dtype=torch.int32), num_rejected=torch.zeros(n, dtype=torch.int32))
+    return SamplerOutput(
+        sampled_token_ids=sampled,
+        logprobs_tensors=None,
+        num_nans=None,
+        num_sampled=torch.ones(n, dtype=torch.int32),
+        num_rejected=torch.zeros(n, dtype=torch.int32),
+    )
 
 
 def greedy(logits, input_batch):
@@ -288,7 +297,8 @@ def test_the_hook_table_wraps_the_real_mrv2_classes_and_restores_them():
         "vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample_tokens",
         "vllm.v1.worker.gpu.sample.sampler:Sampler.add_request",
         "vllm.v1.worker.gpu.sample.sampler:Sampler.__call__",
-        "vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler.__call__"}
+        "vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler.__call__",
+    }
     originals = {h.qualname: vars(Sampler).get(h.target.split(".")[1]) for h in rows if "Sampler." in h.target}
     applied = apply_hooks(rows, VLLMAdapter(make_captured().telemetry), "vllm")
     try:

@@ -56,8 +56,9 @@ def frontend_logprobs(eng, monkeypatch):
 
 def worker_logit_dist(eng, root) -> dict:
     """The llm.logit_dist span the worker process emitted under ``root`` (from the receiver)."""
-    (span,) = eng.receiver.wait_for_spans(1, name="llm.logit_dist", parent_span_id=f"{root.context.span_id:016x}",
-                                          transport="grpc", timeout=15)
+    (span,) = eng.receiver.wait_for_spans(
+        1, name="llm.logit_dist", parent_span_id=f"{root.context.span_id:016x}", transport="grpc", timeout=15
+    )
     return span
 
 
@@ -175,8 +176,9 @@ def test_n_greater_than_one_gives_one_tree_per_choice(eng):
 def test_chat_requests_are_named_chat(eng):
     from vllm import SamplingParams
 
-    (out,) = eng.llm.chat([{"role": "user", "content": "hello"}], SamplingParams(max_tokens=5, ignore_eos=True),
-                          use_tqdm=False)
+    (out,) = eng.llm.chat(
+        [{"role": "user", "content": "hello"}], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False
+    )
     ((root, kids),) = trees(eng, "chat").values()
     assert root.name == f"chat {eng.model}"
     assert root.attributes["gen_ai.operation.name"] == "chat"
@@ -195,7 +197,8 @@ def test_worker_logit_statistics_agree_with_the_logprobs_vllm_returns(eng):
             user_top = [k for k, v in sorted(lp.items(), key=lambda kv: kv[1].rank) if v.rank <= 3][:3]
             assert "llm.logit.top_token_ids" not in step["attributes"]  # content: capture is off
             assert list(step["attributes"]["llm.logit.top_logprobs"])[:3] == pytest.approx(
-                [lp[t].logprob for t in user_top], abs=1e-4)
+                [lp[t].logprob for t in user_top], abs=1e-4
+            )
             assert step["attributes"]["llm.logit.sampled_logprob"] == pytest.approx(lp[token_id].logprob, abs=1e-4)
             assert 0.0 <= step["attributes"]["llm.logit.entropy"] <= np.log(2048) + 1e-6
 
@@ -206,11 +209,17 @@ def test_engine_step_spans_link_to_the_request_spans_they_served(eng):
     roots = {f"{root.context.span_id:016x}": (out, root) for out, root, _ in pairs}
     deadline = time.time() + 15
     while True:
-        steps = [s for s in eng.receiver.spans(name="llm.engine.step")
-                 if any(link["span_id"] in roots for link in s["links"])]
+        steps = [
+            s
+            for s in eng.receiver.spans(name="llm.engine.step")
+            if any(link["span_id"] in roots for link in s["links"])
+        ]
         linked = {link["span_id"] for s in steps for link in s["links"]}
-        if set(roots) <= linked and sum(s["attributes"]["llm.engine.step.decode_tokens"] for s in steps) >= 12 \
-                or time.time() > deadline:
+        if (
+            set(roots) <= linked
+            and sum(s["attributes"]["llm.engine.step.decode_tokens"] for s in steps) >= 12
+            or time.time() > deadline
+        ):
             break
         time.sleep(0.2)
     assert set(roots) <= linked
@@ -317,8 +326,11 @@ def test_rejected_prompt_yields_an_error_span_and_the_engine_keeps_serving(eng):
     assert span.name == f"text_completion {eng.model}"
     assert span.attributes["error.type"] == type(err.value).__qualname__
     assert span.status.status_code == StatusCode.ERROR
-    points = [p for p in eng.captured.metric_points("gen_ai.server.request.duration")
-              if p.attributes.get("error.type") == type(err.value).__qualname__]
+    points = [
+        p
+        for p in eng.captured.metric_points("gen_ai.server.request.duration")
+        if p.attributes.get("error.type") == type(err.value).__qualname__
+    ]
     assert points and points[0].count >= 1
     eng.clear()
     (out,) = generate(eng, prompts=["ok"], max_tokens=3)
@@ -392,7 +404,9 @@ def test_spans_reach_a_real_otlp_receiver_over_grpc_and_http(eng):
     for rid, (root, kids) in local.items():
         tid = f"{root.context.trace_id:032x}"
         for transport in ("grpc", "http"):
-            got = eng.receiver.wait_for_spans(3, trace_id=tid, transport=transport, scope_name="llm_otel.instrumentation.vllm")
+            got = eng.receiver.wait_for_spans(
+                3, trace_id=tid, transport=transport, scope_name="llm_otel.instrumentation.vllm"
+            )
             got = [g for g in got if g["resource"].get("llm.process.role") is None]  # the frontend's own
             by_name = {s["name"]: s for s in got}
             r = by_name[root.name]
@@ -431,9 +445,11 @@ def test_uninstrument_while_requests_run_leaves_the_engine_and_the_users_output_
         (again,) = generate(eng, prompts=["x"], max_tokens=3)
         assert len(again.outputs[0].token_ids) == 3
     finally:
-        eng.instrumentor.instrument(tracer_provider=eng.captured.tracer_provider,
-                                    meter_provider=eng.captured.meter_provider,
-                                    settings=Settings(logit_dist_ratio=1.0))
+        eng.instrumentor.instrument(
+            tracer_provider=eng.captured.tracer_provider,
+            meter_provider=eng.captured.meter_provider,
+            settings=Settings(logit_dist_ratio=1.0),
+        )
 
 
 @pytest.mark.case("C12")
@@ -456,8 +472,11 @@ def test_prompt_and_completion_text_only_with_content_capture(eng, monkeypatch):
     (prompt_msg,) = json.loads(root.attributes["gen_ai.input.messages"])
     assert secret in prompt_msg["parts"][0]["content"]
     (completion,) = json.loads(root.attributes["gen_ai.output.messages"])
-    assert completion == {"role": "assistant", "parts": [{"type": "text", "content": out.outputs[0].text[:64]}],
-                          "finish_reason": "length"}
+    assert completion == {
+        "role": "assistant",
+        "parts": [{"type": "text", "content": out.outputs[0].text[:64]}],
+        "finish_reason": "length",
+    }
 
 
 def test_trace_headers_given_to_the_offline_engine_parent_the_request(eng):
@@ -468,8 +487,9 @@ def test_trace_headers_given_to_the_offline_engine_parent_the_request(eng):
     engine = eng.llm.llm_engine
     tid, sid = "5" * 32, "6" * 16
     sp = SamplingParams(max_tokens=3, ignore_eos=True)
-    engine.add_request("th-ok", "def f(x):", sp, trace_headers={"traceparent": f"00-{tid}-{sid}-01",
-                                                                 "tracestate": "vendor=1"})
+    engine.add_request(
+        "th-ok", "def f(x):", sp, trace_headers={"traceparent": f"00-{tid}-{sid}-01", "tracestate": "vendor=1"}
+    )
     engine.add_request("th-bad", "def g(y):", sp, trace_headers={"traceparent": "00-zz-nonsense-01"})
     while engine.has_unfinished_requests():
         engine.step()

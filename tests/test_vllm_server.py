@@ -35,18 +35,42 @@ def server(tiny_model, receiver, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
     env.update(VLLM_ENV)
-    env.update(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
-               OTEL_BSP_SCHEDULE_DELAY="200", OTEL_METRIC_EXPORT_INTERVAL="1000",
-               OTEL_SERVICE_NAME="vllm-server-test", LLM_OTEL_LOGIT_DIST_RATIO="1",
-               VLLM_LOGGING_LEVEL="INFO",
-               # serving signals (test_signals_from_http_headers_and_in_process_healthz)
-               LLM_OTEL_CLASS_HEADERS="tenant:x-tenant-id,priority:x-priority",
-               LLM_OTEL_TIERS="premium tenant=acme ttft=60", LLM_OTEL_MODEL_REVISION="stable",
-               LLM_OTEL_HEALTH_PORT=str(health_port), LLM_OTEL_HEALTH_WARMUP_S="0")
+    env.update(
+        OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint,
+        OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+        OTEL_BSP_SCHEDULE_DELAY="200",
+        OTEL_METRIC_EXPORT_INTERVAL="1000",
+        OTEL_SERVICE_NAME="vllm-server-test",
+        LLM_OTEL_LOGIT_DIST_RATIO="1",
+        VLLM_LOGGING_LEVEL="INFO",
+        # serving signals (test_signals_from_http_headers_and_in_process_healthz)
+        LLM_OTEL_CLASS_HEADERS="tenant:x-tenant-id,priority:x-priority",
+        LLM_OTEL_TIERS="premium tenant=acme ttft=60",
+        LLM_OTEL_MODEL_REVISION="stable",
+        LLM_OTEL_HEALTH_PORT=str(health_port),
+        LLM_OTEL_HEALTH_WARMUP_S="0",
+    )
     instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
-    cmd = [instrument, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
-           "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "2048", "--max-logprobs", "20"]
+    cmd = [
+        instrument,
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(tiny_model),
+        "--served-model-name",
+        SERVED,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "2048",
+        "--max-logprobs",
+        "20",
+    ]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -100,8 +124,11 @@ def test_completion_joins_the_callers_trace_across_all_three_processes(rx, serve
     assert root["start_ns"] <= prompt["start_ns"] <= stream["start_ns"] <= root["end_ns"]
     deadline = time.time() + 20
     while True:  # 8 tokens: one prefill step and 7 decode steps, arriving in export batches
-        steps = [s for s in rx.spans(name="llm.engine.step") if any(link["span_id"] == root["span_id"]
-                                                                    for link in s["links"])]
+        steps = [
+            s
+            for s in rx.spans(name="llm.engine.step")
+            if any(link["span_id"] == root["span_id"] for link in s["links"])
+        ]
         if sum(s["attributes"]["llm.engine.step.decode_tokens"] for s in steps) >= 7:
             break
         assert time.time() < deadline, f"{len(steps)} llm.engine.step span(s) link to the request"
@@ -112,8 +139,14 @@ def test_completion_joins_the_callers_trace_across_all_three_processes(rx, serve
 
 
 def test_streaming_chat_without_traceparent_is_a_new_root_shared_by_every_process(rx, server):
-    body = {"model": SERVED, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body = {
+        "model": SERVED,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 6,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     chunks = []
     with httpx.stream("POST", server["base"] + "/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
@@ -142,8 +175,13 @@ def test_client_disconnect_mid_stream_ends_the_spans_with_error_and_partial_coun
         tid = f"abcdef0123456789abcdef012345678{attempt}"
         body = {"model": SERVED, "prompt": "import os", "max_tokens": 2000, "stream": True, "ignore_eos": True}
         received = 0
-        with httpx.stream("POST", server["base"] + "/v1/completions", json=body, timeout=60,
-                          headers={"traceparent": f"00-{tid}-{TP_PARENT}-01"}) as r:
+        with httpx.stream(
+            "POST",
+            server["base"] + "/v1/completions",
+            json=body,
+            timeout=60,
+            headers={"traceparent": f"00-{tid}-{TP_PARENT}-01"},
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     received += 1
@@ -151,8 +189,11 @@ def test_client_disconnect_mid_stream_ends_the_spans_with_error_and_partial_coun
                     break  # closing the response disconnects the client mid-decode
         (root,) = request_spans(rx, tid)
         attrs = root["attributes"]
-        if not (root["status_code"] == "STATUS_CODE_UNSET" and attrs.get("gen_ai.usage.output_tokens") == 2000
-                and list(attrs.get("gen_ai.response.finish_reasons", ())) == ["length"]):
+        if not (
+            root["status_code"] == "STATUS_CODE_UNSET"
+            and attrs.get("gen_ai.usage.output_tokens") == 2000
+            and list(attrs.get("gen_ai.response.finish_reasons", ())) == ["length"]
+        ):
             break
     assert root["status_code"] == "STATUS_CODE_ERROR", json.dumps(attrs)
     assert attrs["error.type"] == "aborted"
@@ -160,24 +201,34 @@ def test_client_disconnect_mid_stream_ends_the_spans_with_error_and_partial_coun
     (stream,) = children(rx, root, "llm.token_stream")
     assert stream["status_code"] == "STATUS_CODE_ERROR"
     # the engine keeps serving and the next request is traced normally
-    r = httpx.post(server["base"] + "/v1/completions", json={"model": SERVED, "prompt": "x", "max_tokens": 3,
-                                                            "ignore_eos": True},
-                   headers={"traceparent": f"00-{'1' * 32}-{TP_PARENT}-01"}, timeout=60)
+    r = httpx.post(
+        server["base"] + "/v1/completions",
+        json={"model": SERVED, "prompt": "x", "max_tokens": 3, "ignore_eos": True},
+        headers={"traceparent": f"00-{'1' * 32}-{TP_PARENT}-01"},
+        timeout=60,
+    )
     assert r.status_code == 200
     (ok,) = request_spans(rx, "1" * 32)
     assert ok["status_code"] == "STATUS_CODE_UNSET" and ok["attributes"]["gen_ai.usage.output_tokens"] == 3
 
 
-@pytest.mark.parametrize("body, what", [
-    ({"prompt": "word " * 2600, "max_tokens": 4}, "prompt too long"),
-    ({"prompt": "hi", "max_tokens": 4, "temperature": -1.0}, "invalid temperature"),
-])
+@pytest.mark.parametrize(
+    "body, what",
+    [
+        ({"prompt": "word " * 2600, "max_tokens": 4}, "prompt too long"),
+        ({"prompt": "hi", "max_tokens": 4, "temperature": -1.0}, "invalid temperature"),
+    ],
+)
 @pytest.mark.case("C03", "C26")
 def test_rejected_requests_yield_an_error_span_and_the_duration_metric(rx, server, body, what):
     """error.type: the exception vLLM raised in the handler (its HTTP error type when it returned one)."""
     tid = ("c03" + "0" * 29) if "long" in what else ("c03" + "1" * 29)
-    r = httpx.post(server["base"] + "/v1/completions", json={"model": SERVED, **body}, timeout=60,
-                   headers={"traceparent": f"00-{tid}-{TP_PARENT}-01"})
+    r = httpx.post(
+        server["base"] + "/v1/completions",
+        json={"model": SERVED, **body},
+        timeout=60,
+        headers={"traceparent": f"00-{tid}-{TP_PARENT}-01"},
+    )
     assert r.status_code == 400, r.text
     (span,) = request_spans(rx, tid)
     assert span["name"] == f"text_completion {SERVED}"
@@ -185,18 +236,29 @@ def test_rejected_requests_yield_an_error_span_and_the_duration_metric(rx, serve
     etype = span["attributes"]["error.type"]
     assert etype in ("VLLMValidationError", r.json()["error"]["type"])
     assert [e["name"] for e in span["events"]] == ["llm.request.rejected"]
-    points = rx.wait_for_metric("gen_ai.server.request.duration", timeout=20,
-                                predicate=lambda p: p["attributes"].get("error.type") == etype)
+    points = rx.wait_for_metric(
+        "gen_ai.server.request.duration", timeout=20, predicate=lambda p: p["attributes"].get("error.type") == etype
+    )
     assert points and all(p["count"] >= 1 and p["unit"] == "s" for p in points)
 
 
-@pytest.mark.parametrize("traceparent", [
-    "garbage", "00-" + "0" * 32 + "-" + TP_PARENT + "-01", "00-" + "A" * 32 + "-" + TP_PARENT + "-01",
-    "00-" + "a" * 32 + "-" + TP_PARENT + "-01-extra", "00-" + "a" * 1000,
-])
+@pytest.mark.parametrize(
+    "traceparent",
+    [
+        "garbage",
+        "00-" + "0" * 32 + "-" + TP_PARENT + "-01",
+        "00-" + "A" * 32 + "-" + TP_PARENT + "-01",
+        "00-" + "a" * 32 + "-" + TP_PARENT + "-01-extra",
+        "00-" + "a" * 1000,
+    ],
+)
 def test_malformed_traceparent_is_ignored_and_the_request_served_as_a_new_root(rx, server, traceparent):
-    r = httpx.post(server["base"] + "/v1/completions", json={"model": SERVED, "prompt": "x", "max_tokens": 2},
-                   headers={"traceparent": traceparent, "tracestate": "x" * 5000}, timeout=60)
+    r = httpx.post(
+        server["base"] + "/v1/completions",
+        json={"model": SERVED, "prompt": "x", "max_tokens": 2},
+        headers={"traceparent": traceparent, "tracestate": "x" * 5000},
+        timeout=60,
+    )
     assert r.status_code == 200
     (root,) = rx.wait_for_spans(1, name=f"text_completion {SERVED}", timeout=20)
     # a new root: none of the inbound tracestate, only the adaptive sampler's own threshold
@@ -207,9 +269,12 @@ def test_malformed_traceparent_is_ignored_and_the_request_served_as_a_new_root(r
 def test_concurrent_requests_keep_their_own_parents(rx, server):
     def one(i: int):
         tid = f"{i + 1:032x}"
-        r = httpx.post(server["base"] + "/v1/completions",
-                       json={"model": SERVED, "prompt": f"item {i}", "max_tokens": 4 + i % 3, "ignore_eos": True},
-                       headers={"traceparent": f"00-{tid}-{i + 1:016x}-01"}, timeout=120)
+        r = httpx.post(
+            server["base"] + "/v1/completions",
+            json={"model": SERVED, "prompt": f"item {i}", "max_tokens": 4 + i % 3, "ignore_eos": True},
+            headers={"traceparent": f"00-{tid}-{i + 1:016x}-01"},
+            timeout=120,
+        )
         return tid, i, r.json()["usage"]["completion_tokens"]
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -235,8 +300,12 @@ def test_signals_from_http_headers_and_in_process_healthz(rx, server):
     assert r.status_code == 200, r.text
     (root,) = request_spans(rx, trace)
     a = root["attributes"]
-    assert (a["llm.request.tenant"], a["llm.request.priority"], a["llm.request.tier"], a["llm.request.model.revision"]) \
-        == ("acme", "other", "premium", "stable")
+    assert (
+        a["llm.request.tenant"],
+        a["llm.request.priority"],
+        a["llm.request.tier"],
+        a["llm.request.model.revision"],
+    ) == ("acme", "other", "premium", "stable")
     assert a["llm.request.kv_cache.prompt_bytes"] > 0 and a["llm.request.kv_cache.blocks"] >= 1
     health = httpx.get(f"http://127.0.0.1:{server['health_port']}/healthz", timeout=10)
     assert health.status_code == 200, health.text

@@ -22,10 +22,18 @@ SERVICE = "vllm-start-up-spans"
 def start_up_spans(tiny_model, receiver, tmp_path_factory):
     from support.vllm_servers import start_server
 
-    server = start_server(str(tiny_model), tmp_path_factory.mktemp("start-up-spans") / "server.log",
-                          {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-                           "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_METRICS_EXPORTER": "none",
-                           "OTEL_SERVICE_NAME": SERVICE})
+    server = start_server(
+        str(tiny_model),
+        tmp_path_factory.mktemp("start-up-spans") / "server.log",
+        {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+            "OTEL_METRICS_EXPORTER": "none",
+            "OTEL_SERVICE_NAME": SERVICE,
+        },
+    )
+
     def roles_by_name() -> dict[str, list]:
         names: dict[str, list] = {}
         for sp in receiver.spans():

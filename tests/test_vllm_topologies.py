@@ -37,8 +37,13 @@ httpx = pytest.importorskip("httpx")
 psutil = pytest.importorskip("psutil")
 LAUNCHER = os.path.join(os.path.dirname(__file__), "support", "vllm_serve_launcher.py")
 SERVED = "tiny"
-IDENTITY_KEYS = ("llm.process.role", "llm.process.api_server.index", "llm.process.data_parallel.rank",
-                 "llm.process.tensor_parallel.rank", "llm.process.pipeline_parallel.rank")
+IDENTITY_KEYS = (
+    "llm.process.role",
+    "llm.process.api_server.index",
+    "llm.process.data_parallel.rank",
+    "llm.process.tensor_parallel.rank",
+    "llm.process.pipeline_parallel.rank",
+)
 
 
 def _free_port(neighbours: int = 0) -> int:
@@ -65,7 +70,14 @@ def _free_port(neighbours: int = 0) -> int:
 
 class Topology:
     def __init__(self, name: str, proc: subprocess.Popen, base: str, log_path, start_s: float, env: dict):
-        self.name, self.proc, self.base, self.log_path, self.start_s, self.env = name, proc, base, log_path, start_s, env
+        self.name, self.proc, self.base, self.log_path, self.start_s, self.env = (
+            name,
+            proc,
+            base,
+            log_path,
+            start_s,
+            env,
+        )
 
     def processes(self) -> dict[int, str]:
         """pid -> vLLM's process title (``VLLM::ApiServer_0``, ...) of the launcher and its children."""
@@ -95,12 +107,34 @@ def start_topology(name: str, tiny_model, receiver, tmp_path_factory, args: list
     log_path = tmp_path_factory.mktemp(name) / "server.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
     env.update(VLLM_ENV)
-    env.update(LLM_OTEL_ENABLED="1", OTEL_SERVICE_NAME=f"topology-{name}",
-               OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
-               OTEL_BSP_SCHEDULE_DELAY="200", OTEL_METRIC_EXPORT_INTERVAL="1000", VLLM_LOGGING_LEVEL="INFO")
+    env.update(
+        LLM_OTEL_ENABLED="1",
+        OTEL_SERVICE_NAME=f"topology-{name}",
+        OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint,
+        OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+        OTEL_BSP_SCHEDULE_DELAY="200",
+        OTEL_METRIC_EXPORT_INTERVAL="1000",
+        VLLM_LOGGING_LEVEL="INFO",
+    )
     env.update(env_extra)
-    cmd = [sys.executable, LAUNCHER, str(tiny_model), "--served-model-name", SERVED, "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8", *args]
+    cmd = [
+        sys.executable,
+        LAUNCHER,
+        str(tiny_model),
+        "--served-model-name",
+        SERVED,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "8",
+        *args,
+    ]
     log = open(log_path, "w")
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -137,6 +171,7 @@ def stop_topology(top: Topology) -> None:
 def send(top: Topology, count: int, max_tokens: int = 4, **extra) -> list[dict]:
     """``count`` completions at once, each on its own connection (so the kernel spreads them over the
     API servers sharing the listening socket); returns the response bodies."""
+
     def one(i: int) -> dict:
         body = {"model": SERVED, "prompt": f"def f{i}():", "max_tokens": max_tokens, "ignore_eos": True}
         body.update(extra)
@@ -162,12 +197,15 @@ def summary(receiver, service: str) -> str:
             spans[(identity(s["resource"]), s["resource"].get("process.pid"))][s["name"]] += 1
     for m in latest_points(receiver, service):
         series[(identity(m["resource"]), m["resource"].get("process.pid"))].add(
-            (m["name"], tuple(sorted(m["attributes"].items()))))
+            (m["name"], tuple(sorted(m["attributes"].items())))
+        )
     lines = []
     for key in sorted(set(spans) | set(series), key=str):
         names = collections.Counter(name for name, _ in series.get(key, ()))
-        lines.append(f"  {dict(zip(IDENTITY_KEYS, key[0]))} pid={key[1]}: spans {dict(spans.get(key, {}))}; "
-                     f"metric series {len(series.get(key, ()))} {dict(names)}")
+        lines.append(
+            f"  {dict(zip(IDENTITY_KEYS, key[0]))} pid={key[1]}: spans {dict(spans.get(key, {}))}; "
+            f"metric series {len(series.get(key, ()))} {dict(names)}"
+        )
     return "\n".join(lines)
 
 
@@ -204,10 +242,24 @@ def api2(tiny_model, receiver, tmp_path_factory):
     prom = _free_port(neighbours=2)
     health = _free_port(neighbours=2)
     lora = ensure_tiny_lora(tiny_model, tmp_path_factory.mktemp("lora") / "sql")
-    args = ["--api-server-count", "2", "--enable-lora", "--lora-modules", f"sql={lora}", "--max-lora-rank", "8",
-            "--max-loras", "1"]
-    env = {"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_PORT": str(prom),
-           "LLM_OTEL_HEALTH_PORT": str(health), "LLM_OTEL_HEALTH_WARMUP_S": "0", "LLM_OTEL_LOGIT_DIST_RATIO": "0"}
+    args = [
+        "--api-server-count",
+        "2",
+        "--enable-lora",
+        "--lora-modules",
+        f"sql={lora}",
+        "--max-lora-rank",
+        "8",
+        "--max-loras",
+        "1",
+    ]
+    env = {
+        "OTEL_METRICS_EXPORTER": "prometheus",
+        "OTEL_EXPORTER_PROMETHEUS_PORT": str(prom),
+        "LLM_OTEL_HEALTH_PORT": str(health),
+        "LLM_OTEL_HEALTH_WARMUP_S": "0",
+        "LLM_OTEL_LOGIT_DIST_RATIO": "0",
+    }
     with running("api2", tiny_model, receiver, tmp_path_factory, args, env) as top:
         top.prom, top.health = prom, health
         top.responses = send(top, TestApiServers.N)
@@ -222,8 +274,12 @@ class TestApiServers:
     N = 8
 
     def test_request_spans_name_the_api_server_that_served_them(self, api2, receiver):
-        roots = wait_until(lambda: (lambda r: r if len(r) >= self.N + 3 else None)(
-            [s for s in top_spans(receiver, api2) if s["name"] == f"text_completion {SERVED}"]), what="request spans")
+        roots = wait_until(
+            lambda: (lambda r: r if len(r) >= self.N + 3 else None)(
+                [s for s in top_spans(receiver, api2) if s["name"] == f"text_completion {SERVED}"]
+            ),
+            what="request spans",
+        )
         assert len(roots) == self.N + 3  # a span per choice of the n=3 request
         for s in roots:
             res = s["resource"]
@@ -233,7 +289,8 @@ class TestApiServers:
         by_index = {}
         for s in roots:
             by_index.setdefault(s["resource"]["llm.process.api_server.index"], set()).add(
-                (s["resource"]["process.pid"], s["resource"]["service.instance.id"]))
+                (s["resource"]["process.pid"], s["resource"]["service.instance.id"])
+            )
         assert all(len(v) == 1 for v in by_index.values())  # one process, one identity per index
         assert len({v for vs in by_index.values() for v in vs}) == len(by_index)
 
@@ -243,8 +300,9 @@ class TestApiServers:
         out = {}
         for index in (0, 1):
             text = httpx.get(f"http://localhost:{api2.prom - index}/metrics", timeout=10).text
-            out[index] = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                             if line.startswith(prefix) and label in line)
+            out[index] = sum(
+                float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix) and label in line
+            )
         return out
 
     def test_each_api_server_serves_its_own_prometheus_port_and_counts_add_up(self, api2):
@@ -253,8 +311,10 @@ class TestApiServers:
         for index in (0, 1):
             text = httpx.get(f"http://localhost:{api2.prom - index}/metrics", timeout=10).text
             samples = [line for line in text.splitlines() if line and not line.startswith("#")]
-            print(f"\n[topology api2] ApiServer_{index} Prometheus :{api2.prom - index}: {len(samples)} samples, "
-                  f"{served[index]:.0f} requests")
+            print(
+                f"\n[topology api2] ApiServer_{index} Prometheus :{api2.prom - index}: {len(samples)} samples, "
+                f"{served[index]:.0f} requests"
+            )
         ports = api2.listening_ports()
         launcher = ports.pop(api2.proc.pid)
         assert not launcher & {api2.prom, api2.prom - 1, api2.prom + 1}  # it serves no request: no port
@@ -280,8 +340,10 @@ class TestApiServers:
     @pytest.mark.case("C22")
     def test_lora_request_names_the_adapter_and_keeps_the_base_model(self, api2, receiver):
         assert api2.lora["model"] == "sql"
-        (span,) = wait_until(lambda: [s for s in top_spans(receiver, api2) if s["name"] == "text_completion sql"]
-                             or None, what="the LoRA request's span")
+        (span,) = wait_until(
+            lambda: [s for s in top_spans(receiver, api2) if s["name"] == "text_completion sql"] or None,
+            what="the LoRA request's span",
+        )
         a = span["attributes"]
         assert a["gen_ai.request.model"] == "sql" and a["llm.lora.name"] == "sql"
         assert a["llm.lora.base_model"] == SERVED
@@ -296,8 +358,12 @@ class TestApiServers:
         """Eight requests at once against one engine core: later ones wait for the step it is in.
         On one host the engine's stamps are used as they are (no clock mapping), and frontend work
         plus the engine input wait is exactly arrival -> QUEUED."""
-        prompts = wait_until(lambda: (lambda p: p if len(p) >= self.N + 4 else None)(
-            [s for s in top_spans(receiver, api2) if s["name"] == "llm.prompt"]), what="llm.prompt spans")
+        prompts = wait_until(
+            lambda: (lambda p: p if len(p) >= self.N + 4 else None)(
+                [s for s in top_spans(receiver, api2) if s["name"] == "llm.prompt"]
+            ),
+            what="llm.prompt spans",
+        )
         for p in prompts:
             a = p["attributes"]
             assert a["llm.request.timing.source"] == "engine_events"
@@ -308,8 +374,11 @@ class TestApiServers:
             assert 0 <= a["llm.request.frontend.duration"] and 0 <= a["llm.request.engine_input_wait.duration"]
 
     def test_healthz_per_api_server_that_served_a_request(self, api2, receiver):
-        servers = {s["resource"]["llm.process.api_server.index"] for s in top_spans(receiver, api2)
-                   if s["name"] == f"text_completion {SERVED}"}
+        servers = {
+            s["resource"]["llm.process.api_server.index"]
+            for s in top_spans(receiver, api2)
+            if s["name"] == f"text_completion {SERVED}"
+        }
         for index in servers:
             r = httpx.get(f"http://127.0.0.1:{api2.health - index}/healthz", timeout=10)
             assert r.status_code in (200, 503) and "score" in r.text
@@ -318,8 +387,9 @@ class TestApiServers:
 # --- data parallelism -------------------------------------------------------------------------
 @pytest.fixture(scope="class")
 def dp2(tiny_model, receiver, tmp_path_factory):
-    with running("dp2", tiny_model, receiver, tmp_path_factory, ["--data-parallel-size", "2"],
-                 {"LLM_OTEL_LOGIT_DIST_RATIO": "0"}) as top:
+    with running(
+        "dp2", tiny_model, receiver, tmp_path_factory, ["--data-parallel-size", "2"], {"LLM_OTEL_LOGIT_DIST_RATIO": "0"}
+    ) as top:
         top.responses = send(top, TestDataParallel.N)
         yield top
 
@@ -335,8 +405,11 @@ class TestDataParallel:
         def ready():
             pts = self._points(receiver)
             served = sum(m["count"] for m in pts if m["name"] == "gen_ai.server.request.duration")
-            cores = {m["resource"].get("llm.process.data_parallel.rank") for m in pts
-                     if m["resource"].get("llm.process.role") == "engine_core"}
+            cores = {
+                m["resource"].get("llm.process.data_parallel.rank")
+                for m in pts
+                if m["resource"].get("llm.process.role") == "engine_core"
+            }
             return pts if served == self.N and cores == {0, 1} else None
 
         points = wait_until(ready, timeout=60, what="metrics of both API servers' requests and both engine cores")
@@ -353,25 +426,34 @@ class TestDataParallel:
         assert roles["frontend"] == 2 and roles["engine_core"] == 2
         assert {i[1] for i in idents if i[0] == "frontend"} == {0, 1}
         assert {i[2] for i in idents if i[0] == "engine_core"} == {0, 1}
-        series = collections.Counter((m["name"], tuple(sorted(m["attributes"].items())), m["resource"]["service.instance.id"])
-                                     for m in points)
+        series = collections.Counter(
+            (m["name"], tuple(sorted(m["attributes"].items())), m["resource"]["service.instance.id"]) for m in points
+        )
         assert max(series.values()) == 1
         # the request counts of the two API servers add up to the requests sent
         assert sum(m["count"] for m in points if m["name"] == "gen_ai.server.request.duration") == self.N
 
     def test_engine_state_metrics_carry_the_dp_rank_like_vllms_engine_label(self, dp2, receiver):
-        points = wait_until(lambda: [m for m in self._points(receiver) if m["name"] == "llm.server.kv_cache.usage"]
-                            or None, timeout=60, what="kv cache usage")
-        ranks = {(m["resource"]["llm.process.data_parallel.rank"], m["attributes"].get("llm.process.data_parallel.rank"))
-                 for m in points}
+        points = wait_until(
+            lambda: [m for m in self._points(receiver) if m["name"] == "llm.server.kv_cache.usage"] or None,
+            timeout=60,
+            what="kv cache usage",
+        )
+        ranks = {
+            (m["resource"]["llm.process.data_parallel.rank"], m["attributes"].get("llm.process.data_parallel.rank"))
+            for m in points
+        }
         assert ranks <= {(0, 0), (1, 1)} and ranks
 
     def test_engine_and_worker_spans_name_their_dp_rank(self, dp2, receiver):
-        steps = wait_until(lambda: [s for s in top_spans(receiver, dp2) if s["name"] == "llm.engine.step"] or None,
-                           what="step spans")
+        steps = wait_until(
+            lambda: [s for s in top_spans(receiver, dp2) if s["name"] == "llm.engine.step"] or None, what="step spans"
+        )
         for s in steps:
             assert s["resource"]["llm.process.role"] == "engine_core"
-            assert s["resource"]["llm.process.name"] == f"EngineCore_DP{s['resource']['llm.process.data_parallel.rank']}"
+            assert (
+                s["resource"]["llm.process.name"] == f"EngineCore_DP{s['resource']['llm.process.data_parallel.rank']}"
+            )
         workers = [s for s in top_spans(receiver, dp2) if s["resource"].get("llm.process.role") == "worker"]
         for s in workers:
             assert s["resource"]["llm.process.tensor_parallel.rank"] == 0
@@ -386,9 +468,14 @@ class TestDataParallel:
 def tp2(tiny_model, receiver, tmp_path_factory):
     # two CPU workers on one NUMA node: vLLM's automatic thread binding refuses ("Not enough
     # allowed NUMA nodes"), so each worker gets one core by hand (vllm/utils/ompmultiprocessing.py)
-    with running("tp2", tiny_model, receiver, tmp_path_factory, ["--tensor-parallel-size", "2"],
-                 {"LLM_OTEL_LOGIT_DIST_RATIO": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1",
-                  "OTEL_METRICS_EXPORTER": "none"}) as top:
+    with running(
+        "tp2",
+        tiny_model,
+        receiver,
+        tmp_path_factory,
+        ["--tensor-parallel-size", "2"],
+        {"LLM_OTEL_LOGIT_DIST_RATIO": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1", "OTEL_METRICS_EXPORTER": "none"},
+    ) as top:
         top.responses = send(top, TestTensorParallel.N, max_tokens=6)
         yield top
 
@@ -397,10 +484,16 @@ class TestTensorParallel:
     N = 3
 
     def test_one_logit_dist_per_request_from_tp_rank_0(self, tp2, receiver):
-        roots = wait_until(lambda: (lambda r: r if len(r) >= self.N else None)(
-            [s for s in top_spans(receiver, tp2) if s["name"] == f"text_completion {SERVED}"]), what="request spans")
-        wait_until(lambda: len([s for s in top_spans(receiver, tp2) if s["name"] == "llm.logit_dist"]) >= self.N,
-                   what="logit_dist spans")
+        roots = wait_until(
+            lambda: (lambda r: r if len(r) >= self.N else None)(
+                [s for s in top_spans(receiver, tp2) if s["name"] == f"text_completion {SERVED}"]
+            ),
+            what="request spans",
+        )
+        wait_until(
+            lambda: len([s for s in top_spans(receiver, tp2) if s["name"] == "llm.logit_dist"]) >= self.N,
+            what="logit_dist spans",
+        )
         time.sleep(3)  # a second rank's duplicate would arrive within the same export interval
         dists = [s for s in top_spans(receiver, tp2) if s["name"] == "llm.logit_dist"]
         per_trace = collections.Counter(s["trace_id"] for s in dists)
@@ -412,9 +505,17 @@ class TestTensorParallel:
             assert s["attributes"]["llm.logit.steps"] == 6
 
     def test_each_tp_rank_has_its_own_identity(self, tp2, receiver):
-        workers = wait_until(lambda: {s["resource"]["process.pid"]: s["resource"] for s in top_spans(receiver, tp2)
-                                      if s["resource"].get("llm.process.role") == "worker"} or None,
-                             what="worker spans")
+        workers = wait_until(
+            lambda: (
+                {
+                    s["resource"]["process.pid"]: s["resource"]
+                    for s in top_spans(receiver, tp2)
+                    if s["resource"].get("llm.process.role") == "worker"
+                }
+                or None
+            ),
+            what="worker spans",
+        )
         ranks = {r["llm.process.tensor_parallel.rank"] for r in workers.values()}
         assert ranks <= {0, 1} and 0 in ranks
         assert len({r["service.instance.id"] for r in workers.values()}) == len(workers)

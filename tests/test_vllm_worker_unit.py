@@ -11,7 +11,6 @@ import pytest
 from conftest import make_captured
 
 from llm_otel.config import Settings
-
 from llm_otel.instrumentation.vllm.carrier import CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY
 from llm_otel.instrumentation.vllm.worker import WorkerAdapter
 
@@ -89,8 +88,10 @@ def test_a_failing_reduction_is_counted_and_sampling_still_runs(monkeypatch):
 def test_the_request_spans_tracestate_reaches_the_worker_span():
     cap = make_captured()
     worker = WorkerAdapter(cap.telemetry)
-    r = runner({"a": {CARRIER_KEY: f"00-{TID}-{SID}-01", CARRIER_STATE_KEY: "ot=th:c,vendor=x",
-                      CARRIER_TOPK_KEY: 2}}, max_tokens=1)
+    r = runner(
+        {"a": {CARRIER_KEY: f"00-{TID}-{SID}-01", CARRIER_STATE_KEY: "ot=th:c,vendor=x", CARRIER_TOPK_KEY: 2}},
+        max_tokens=1,
+    )
     worker.sample("hook")(sample_fn, r, (torch.randn(1, 8),), {})
     (span,) = cap.finished()
     assert span.context.trace_state.get("ot") == "th:c" and span.context.trace_state.get("vendor") == "x"
@@ -117,8 +118,9 @@ def test_engine_dying_mid_generate_ends_every_request_in_flight_with_the_error()
     llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(output_processor=output_processor))
     state = adapter._state_for(output_processor)
     for rid in ("a", "b"):
-        rec = cap.telemetry.start_request(rid, operation="text_completion", provider="vllm", model="tiny",
-                                          arrival_s=time.time(), input_tokens=3)
+        rec = cap.telemetry.start_request(
+            rid, operation="text_completion", provider="vllm", model="tiny", arrival_s=time.time(), input_tokens=3
+        )
         rec.on_tokens([5], time.monotonic())
         state.records[rid] = rec
 

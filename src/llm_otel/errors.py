@@ -54,9 +54,11 @@ class HookErrors:
         self._counter: Counter | None = None
         if meter is not None:
             self._counter = meter.create_counter(
-                M.LLM_OTEL_INSTRUMENTATION_ERRORS, unit=M.LLM_OTEL_INSTRUMENTATION_ERRORS_UNIT,
+                M.LLM_OTEL_INSTRUMENTATION_ERRORS,
+                unit=M.LLM_OTEL_INSTRUMENTATION_ERRORS_UNIT,
                 description="Exceptions raised inside llm-otel (its hooks, exporters, lifecycle, GPU helpers), "
-                            "caught and kept away from the engine.")
+                "caught and kept away from the engine.",
+            )
         self._logged: set[str] = set()
         self._lock = threading.Lock()
         self.counts: dict[str, int] = {}
@@ -74,11 +76,20 @@ class HookErrors:
                 first = hook not in self._logged
                 self._logged.add(hook)
             if first and message is None:
-                logger.warning("llm-otel: hook %s failed; the engine is unaffected and further "
-                               "failures of this hook are only counted", hook, exc_info=exc)
+                logger.warning(
+                    "llm-otel: hook %s failed; the engine is unaffected and further "
+                    "failures of this hook are only counted",
+                    hook,
+                    exc_info=exc,
+                )
             elif first:
-                logger.warning("llm-otel: %s (%s: %s); further failures of %s are only counted",
-                               message, type(exc).__name__, exc, hook)
+                logger.warning(
+                    "llm-otel: %s (%s: %s); further failures of %s are only counted",
+                    message,
+                    type(exc).__name__,
+                    exc,
+                    hook,
+                )
             self._count(hook, type(exc).__qualname__)
         except Exception:  # noqa: BLE001 - silent: telemetry about telemetry must not raise either
             pass
@@ -92,8 +103,12 @@ class HookErrors:
                 first = key not in self._logged
                 self._logged.add(key)
             if first:
-                logger.warning("llm-otel: %s ignored a call with bad input (%s); the engine is unaffected and "
-                               "further bad input here is only counted", hook, problem)
+                logger.warning(
+                    "llm-otel: %s ignored a call with bad input (%s); the engine is unaffected and "
+                    "further bad input here is only counted",
+                    hook,
+                    problem,
+                )
             self._count(hook, "invalid_input")
         except Exception:  # noqa: BLE001 - silent: the error counter itself; nothing left to report to
             pass
@@ -156,8 +171,9 @@ class guard:  # noqa: N801 - used like a function: ``with guard("site"):``
     def __enter__(self) -> guard:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> bool:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
         if not isinstance(exc, Exception):  # None: no exception; BaseException passes through
             return False
         self.failed = True

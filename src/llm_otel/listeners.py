@@ -75,5 +75,4 @@ class RequestListener(Protocol):
 
 def token_hooks(listeners: Iterable[object]) -> tuple[Callable[[int, float], None], ...]:
     """The bound ``on_tokens`` methods of ``listeners`` that have one, in order."""
-    return tuple(hook for hook in (getattr(listener, "on_tokens", None) for listener in listeners)
-                 if hook is not None)
+    return tuple(hook for hook in (getattr(listener, "on_tokens", None) for listener in listeners) if hook is not None)

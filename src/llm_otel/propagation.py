@@ -97,7 +97,9 @@ def context_from_carrier(carrier: Mapping[str, str] | None) -> Context | None:
                 raise ValueError("a member is not key=value in W3C tracestate format")
             sc = SpanContext(sc.trace_id, sc.span_id, True, sc.trace_flags, TraceState.from_header([ts]))
         except Exception:  # noqa: BLE001 - a caller's header, not our bug
-            process_errors().bad_input("propagation.tracestate", f"malformed tracestate {ts!r:.80}; the parent is kept without it")
+            process_errors().bad_input(
+                "propagation.tracestate", f"malformed tracestate {ts!r:.80}; the parent is kept without it"
+            )
     return trace.set_span_in_context(trace.NonRecordingSpan(sc))
 
 

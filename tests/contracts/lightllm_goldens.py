@@ -95,8 +95,11 @@ def ctypes_fields(source: signatures.Source, module: str, name: str) -> dict[str
         return None
     for stmt in cls.body:
         if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_fields_" for t in stmt.targets):
-            return {elt.elts[0].value: ast.unparse(elt.elts[1]) for elt in stmt.value.elts
-                    if isinstance(elt, ast.Tuple) and isinstance(elt.elts[0], ast.Constant)}
+            return {
+                elt.elts[0].value: ast.unparse(elt.elts[1])
+                for elt in stmt.value.elts
+                if isinstance(elt, ast.Tuple) and isinstance(elt.elts[0], ast.Constant)
+            }
     return None
 
 
@@ -104,8 +107,11 @@ def dataclass_fields(source: signatures.Source, module: str, name: str) -> dict[
     cls = _class(source, module, name)
     if cls is None:
         return None
-    return {stmt.target.id: ast.unparse(stmt.annotation) for stmt in cls.body
-            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)}
+    return {
+        stmt.target.id: ast.unparse(stmt.annotation)
+        for stmt in cls.body
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+    }
 
 
 def self_attributes(source: signatures.Source, module: str, name: str) -> list[str] | None:
@@ -115,11 +121,17 @@ def self_attributes(source: signatures.Source, module: str, name: str) -> list[s
         return None
     names = set()
     for node in ast.walk(cls):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
         for target in targets:
             for sub in ast.walk(target):
-                if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id == "self" \
-                        and isinstance(sub.ctx, ast.Store):
+                if (
+                    isinstance(sub, ast.Attribute)
+                    and isinstance(sub.value, ast.Name)
+                    and sub.value.id == "self"
+                    and isinstance(sub.ctx, ast.Store)
+                ):
                     names.add(sub.attr)
     return sorted(names)
 
@@ -162,8 +174,12 @@ def metadata_keys(source: signatures.Source) -> list[str] | None:
             for target in node.targets:
                 if isinstance(target, ast.Name) and target.id == "metadata" and isinstance(node.value, ast.Dict):
                     keys.update(k.value for k in node.value.keys if isinstance(k, ast.Constant))
-                if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name) \
-                        and target.value.id == "metadata" and isinstance(target.slice, ast.Constant):
+                if (
+                    isinstance(target, ast.Subscript)
+                    and isinstance(target.value, ast.Name)
+                    and target.value.id == "metadata"
+                    and isinstance(target.slice, ast.Constant)
+                ):
                     keys.add(target.slice.value)
     return sorted(keys)
 
@@ -194,8 +210,9 @@ def build(root: str, **meta: Any) -> dict[str, Any]:
         "InferenceContext.self": self_attributes(source, INFER, "InferenceContext"),
         "RouterManager.self": self_attributes(source, ROUTER, "RouterManager"),
     }
-    return signatures.golden("ModelTC/lightllm", signatures.extract(source, hook_targets()), types=types,
-                             modules=modules(root), **meta)
+    return signatures.golden(
+        "ModelTC/lightllm", signatures.extract(source, hook_targets()), types=types, modules=modules(root), **meta
+    )
 
 
 def write(document: dict[str, Any], name: str) -> str:
@@ -208,6 +225,7 @@ def write(document: dict[str, Any], name: str) -> str:
 
 def from_git(git_dir: str, ref: str) -> tuple[str, dict[str, str]]:
     """Export ``lightllm/`` at ``ref`` into a temporary directory; returns it and the commit facts."""
+
     def git(*args: str) -> bytes:
         return subprocess.run(["git", "--git-dir", git_dir, *args], check=True, capture_output=True).stdout
 

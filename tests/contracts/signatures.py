@@ -148,20 +148,33 @@ def _class_fields(node: ast.ClassDef) -> list[str]:
     """Data attributes a class declares: class-level annotated or assigned names (dataclass
     fields), properties, and ``self.<name> = ...`` targets in ``__init__``; sorted; other
     methods excluded."""
-    names = {name for name, value in _definitions(node.body).items()
-             if isinstance(value, (ast.Assign, ast.AnnAssign))
-             or (isinstance(value, (ast.FunctionDef, ast.AsyncFunctionDef))
-                 and {_decorator_name(d).split(".")[-1] for d in value.decorator_list} & _PROPERTIES)}
+    names = {
+        name
+        for name, value in _definitions(node.body).items()
+        if isinstance(value, (ast.Assign, ast.AnnAssign))
+        or (
+            isinstance(value, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and {_decorator_name(d).split(".")[-1] for d in value.decorator_list} & _PROPERTIES
+        )
+    }
     init = _definitions(node.body).get("__init__")
     if isinstance(init, (ast.FunctionDef, ast.AsyncFunctionDef)) and init.args.args:
         self_name = init.args.args[0].arg
         for sub in ast.walk(init):
-            targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target] \
-                if isinstance(sub, (ast.AnnAssign, ast.AugAssign)) else []
+            targets = (
+                sub.targets
+                if isinstance(sub, ast.Assign)
+                else [sub.target]
+                if isinstance(sub, (ast.AnnAssign, ast.AugAssign))
+                else []
+            )
             for target in targets:
                 for leaf in ast.walk(target):
-                    if isinstance(leaf, ast.Attribute) and isinstance(leaf.value, ast.Name) \
-                            and leaf.value.id == self_name:
+                    if (
+                        isinstance(leaf, ast.Attribute)
+                        and isinstance(leaf.value, ast.Name)
+                        and leaf.value.id == self_name
+                    ):
                         names.add(leaf.attr)
     return sorted(names)
 

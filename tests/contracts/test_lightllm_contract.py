@@ -15,12 +15,12 @@ import textwrap
 
 import numpy as np
 import pytest
-from lightllm_layouts.layers import build_tree
-
 from contracts import signatures
 from contracts.lightllm_goldens import hook_targets
-from llm_otel.instrumentation.lightllm.requests import request_id
+from lightllm_layouts.layers import build_tree
+
 from llm_otel.instrumentation.lightllm.hooks import HOOKS
+from llm_otel.instrumentation.lightllm.requests import request_id
 
 GOLDENS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "goldens")
 # hook-table layout name -> golden; stand-in directory -> golden
@@ -92,7 +92,11 @@ def test_the_types_the_adapter_relies_on(version):
     for field in ("request_id", "group_req_id", "input_len", "shm_cur_output_len", "prompt_cache_len"):
         ctype = getattr(ctypes, req[field].removeprefix("ctypes."))
         assert issubclass(ctype, ctypes._SimpleCData) and isinstance(ctype(7).value, int), (field, req[field])
-    assert (req["is_aborted"], req["router_aborted"], req["finish_status"]) == ("ctypes.c_bool", "ctypes.c_bool", "FinishStatus")
+    assert (req["is_aborted"], req["router_aborted"], req["finish_status"]) == (
+        "ctypes.c_bool",
+        "ctypes.c_bool",
+        "FinishStatus",
+    )
     assert {"n", "best_of", "max_new_tokens", "temperature", "top_p", "top_k"} <= set(types["SamplingParams._fields_"])
     assert list(types["GroupReqIndexes"]) == ["group_req_id", "multimodal_params", "shm_req_indexes", "time_mark"]
     assert {"group_req_id", "multimodal_params", "shm_req_objs"} <= set(types["GroupReqObjs"])
@@ -103,7 +107,9 @@ def test_the_types_the_adapter_relies_on(version):
     element = (np.zeros(1, dtype) + 8)[0]
     assert not isinstance(element, int) and request_id(element) == 8 and type(request_id(element)) is int
     assert request_id(-element) == -8 and request_id(element + 3) == 11
-    assert {"id", "count_output_tokens", "prompt_cache_len", "prompt_tokens"} <= set(types["HttpServerManager.metadata"])
+    assert {"id", "count_output_tokens", "prompt_cache_len", "prompt_tokens"} <= set(
+        types["HttpServerManager.metadata"]
+    )
     assert {"req_id", "shm_req", "finish_status"} <= set(types["InferReq.self"])
     assert "requests_mapping" in types["InferenceContext.self"]
     assert "running_batch" in types["RouterManager.self"]
@@ -119,8 +125,7 @@ def test_the_id_field_width_differs_between_versions():
 # Stand-in signatures that differ from the real ones on purpose, and why (the adapter reads only
 # the parameters named in BY_NAME of these).
 STANDIN_DIFFERS = {
-    "lightllm.server.httpserver.manager:HttpServerManager.__init__":
-        "built with the stand-in's queue and shared block instead of zmq ports; the adapter reads args only",
+    "lightllm.server.httpserver.manager:HttpServerManager.__init__": "built with the stand-in's queue and shared block instead of zmq ports; the adapter reads args only",
 }
 
 
@@ -155,13 +160,27 @@ def test_standin_signatures_and_modules_are_the_real_ones(layout, tmp_path):
     assert checked >= 15, checked
     # every hooked target of the layout is modelled (the stand-in exercises each wrapper)
     version = {"main": "main", "v1_0": "v1.0", "pr965": "pr965"}[layout]
-    modelled = {f"{h.module}:{h.target}" for h in HOOKS if version in h.layout
-                and signatures.signature(source, h.module, h.target)["found"]}
-    core = {"HttpServerManager.generate", "HttpServerManager.transfer_to_next_module", "HttpServerManager.abort",
-            "HttpServerManager.__init__", "RouterManager.add_req", "RouterManager._decode_batch",
-            "Batch.filter_out_finished_req", "InferenceContext.add_reqs", "InferReq.set_next_gen_token_id",
-            "InferenceContext.filter", "sample", "health_check", "ChunkedPrefillQueue.generate_new_batch",
-            "ContinuesBatchQueue.generate_new_batch"}
+    modelled = {
+        f"{h.module}:{h.target}"
+        for h in HOOKS
+        if version in h.layout and signatures.signature(source, h.module, h.target)["found"]
+    }
+    core = {
+        "HttpServerManager.generate",
+        "HttpServerManager.transfer_to_next_module",
+        "HttpServerManager.abort",
+        "HttpServerManager.__init__",
+        "RouterManager.add_req",
+        "RouterManager._decode_batch",
+        "Batch.filter_out_finished_req",
+        "InferenceContext.add_reqs",
+        "InferReq.set_next_gen_token_id",
+        "InferenceContext.filter",
+        "sample",
+        "health_check",
+        "ChunkedPrefillQueue.generate_new_batch",
+        "ContinuesBatchQueue.generate_new_batch",
+    }
     if layout == "pr965":  # the router no longer steps; the stand-in's worker loop does not sample logits
         core -= {"RouterManager.add_req", "RouterManager._decode_batch", "sample"}
         core.add("RouterManager._add_req")
@@ -195,6 +214,15 @@ def test_standins_hand_out_what_the_real_code_hands_out(layout, tmp_path):
     dtype = np.dtype(eval(real["ReqIDGenerator"]["dtype"], {"np": np}))  # noqa: S307
     assert out["id_type"] == f"numpy.{dtype.type.__name__}"
     assert out["ids"] == [8, 16]
-    for field in ("request_id", "group_req_id", "input_len", "shm_cur_output_len", "prompt_cache_len",
-                  "is_aborted", "router_aborted"):
-        assert out["fields"][field] == getattr(ctypes, real["Req._fields_"][field].removeprefix("ctypes.")).__name__, field
+    for field in (
+        "request_id",
+        "group_req_id",
+        "input_len",
+        "shm_cur_output_len",
+        "prompt_cache_len",
+        "is_aborted",
+        "router_aborted",
+    ):
+        assert out["fields"][field] == getattr(ctypes, real["Req._fields_"][field].removeprefix("ctypes.")).__name__, (
+            field
+        )

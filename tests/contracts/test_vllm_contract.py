@@ -11,7 +11,6 @@ import json
 import os
 
 import pytest
-
 from contracts import signatures, vllm_golden
 
 from llm_otel.instrumentation.vllm.hooks import HOOKS
@@ -77,10 +76,14 @@ def reads_problems(document: dict) -> list[str]:
         after_self = params[1:] if entry["classes"] else params  # module functions have no self
         names = [p["name"] for p in params]
         for position, name in READS[hook.factory].get("at", {}).items():
-            if position >= len(after_self) or after_self[position]["name"] != name \
-                    or after_self[position]["kind"] == "KEYWORD_ONLY":
-                problems.append(f"{hook.qualname}: expected parameter {position} after self to be {name!r}, "
-                                f"source has {names}")
+            if (
+                position >= len(after_self)
+                or after_self[position]["name"] != name
+                or after_self[position]["kind"] == "KEYWORD_ONLY"
+            ):
+                problems.append(
+                    f"{hook.qualname}: expected parameter {position} after self to be {name!r}, source has {names}"
+                )
         for name in READS[hook.factory].get("anywhere", []):
             if name not in names:
                 problems.append(f"{hook.qualname}: no parameter {name!r} in {names}")
@@ -120,11 +123,14 @@ def test_installed_vllm_matches_its_golden_exactly():
     is regenerated (python tests/contracts/vllm_golden.py --installed) and the diff reviewed."""
     current = installed()
     path = vllm_golden.golden_path(current["vllm_version"])
-    assert os.path.exists(path), f"no golden for the installed vLLM {current['vllm_version']}: " \
-                                 "python tests/contracts/vllm_golden.py --installed"
+    assert os.path.exists(path), (
+        f"no golden for the installed vLLM {current['vllm_version']}: python tests/contracts/vllm_golden.py --installed"
+    )
     golden = load(path)["targets"]
     assert signatures.compare_all(golden, current["targets"]) == []
-    assert {k: v.get("fields") for k, v in golden.items()} == {k: v.get("fields") for k, v in current["targets"].items()}
+    assert {k: v.get("fields") for k, v in golden.items()} == {
+        k: v.get("fields") for k, v in current["targets"].items()
+    }
 
 
 def test_a_drifted_target_is_reported(tmp_path):

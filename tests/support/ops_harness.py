@@ -23,8 +23,22 @@ DASHBOARD_DIR = ROOT / "examples" / "grafana" / "dashboards"
 GRAFANA_BUILTINS = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "5m"}
 
 # PromQL words that are not metric names
-_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless",
-             "offset", "bool", "inf", "nan", "atan2"}
+_KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "bool",
+    "inf",
+    "nan",
+    "atan2",
+}
 
 
 def rules_files() -> list[pathlib.Path]:
@@ -91,7 +105,7 @@ def metric_names(expr: str) -> set[str]:
     names = set()
     for match in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", text):
         word = match.group(0)
-        rest = text[match.end():].lstrip()
+        rest = text[match.end() :].lstrip()
         if rest.startswith("("):  # function call
             continue
         if word.lower() in _KEYWORDS:

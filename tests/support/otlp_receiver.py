@@ -43,9 +43,10 @@ import json
 import threading
 import time
 import zlib
+from collections.abc import Callable, Iterable
 from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import grpc
 from google.protobuf import json_format
@@ -197,16 +198,16 @@ def _decode_metric(metric, resource: dict, scope, transport: str) -> list[dict[s
                 max=_optional(point, "max"),
                 bucket_counts=[int(c) for c in point.bucket_counts],
                 explicit_bounds=list(point.explicit_bounds),
-                exemplars=[{"trace_id": _hex(e.trace_id), "span_id": _hex(e.span_id),
-                            "value": _number(e)} for e in point.exemplars],
+                exemplars=[
+                    {"trace_id": _hex(e.trace_id), "span_id": _hex(e.span_id), "value": _number(e)}
+                    for e in point.exemplars
+                ],
             )
         elif which in ("sum", "gauge"):
             item["value"] = _number(point)
             if which == "sum":
                 item["is_monotonic"] = data.is_monotonic
-                item["temporality"] = metrics_pb2.AggregationTemporality.Name(
-                    data.aggregation_temporality
-                )
+                item["temporality"] = metrics_pb2.AggregationTemporality.Name(data.aggregation_temporality)
         elif which == "exponential_histogram":
             item.update(count=int(point.count), sum=_optional(point, "sum"))
         elif which == "summary":
@@ -341,8 +342,7 @@ def _make_handler(receiver: OTLPReceiver) -> type[BaseHTTPRequestHandler]:
             if content_type not in ("application/x-protobuf", "application/json"):
                 return self._fail(
                     415,
-                    f"unsupported Content-Type {content_type!r}; expected application/x-protobuf "
-                    "or application/json",
+                    f"unsupported Content-Type {content_type!r}; expected application/x-protobuf or application/json",
                     signal,
                     encoding,
                 )
@@ -360,8 +360,7 @@ def _make_handler(receiver: OTLPReceiver) -> type[BaseHTTPRequestHandler]:
             request = request_cls()
             try:
                 if content_type == "application/json":
-                    json_format.ParseDict(_json_ids_to_base64(json.loads(body)), request,
-                                          ignore_unknown_fields=True)
+                    json_format.ParseDict(_json_ids_to_base64(json.loads(body)), request, ignore_unknown_fields=True)
                 else:
                     request.ParseFromString(body)
             except (DecodeError, json_format.ParseError, ValueError, binascii.Error) as exc:
@@ -420,9 +419,7 @@ class OTLPReceiver:
             raise RuntimeError("OTLPReceiver already started")
         try:
             server = grpc.server(
-                futures.ThreadPoolExecutor(
-                    max_workers=self._grpc_workers, thread_name_prefix="otlp-rx-grpc"
-                ),
+                futures.ThreadPoolExecutor(max_workers=self._grpc_workers, thread_name_prefix="otlp-rx-grpc"),
                 options=[("grpc.so_reuseport", 0)],
             )
             trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceService(self), server)
@@ -572,9 +569,7 @@ class OTLPReceiver:
         """Direct children of ``span`` received so far, ordered by start time."""
         with self._cond:
             kids = [
-                s
-                for s in self._spans
-                if s["trace_id"] == span["trace_id"] and s["parent_span_id"] == span["span_id"]
+                s for s in self._spans if s["trace_id"] == span["trace_id"] and s["parent_span_id"] == span["span_id"]
             ]
             return copy.deepcopy(sorted(kids, key=lambda s: s["start_ns"]))
 
@@ -634,9 +629,7 @@ class OTLPReceiver:
         with self._cond:
             while True:
                 found = [
-                    p
-                    for p in self._latest_points.values()
-                    if p["name"] == name and (predicate is None or predicate(p))
+                    p for p in self._latest_points.values() if p["name"] == name and (predicate is None or predicate(p))
                 ]
                 if found:
                     return copy.deepcopy(found)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import re
 import threading
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from llm_otel._semconv_registry import Registry
 
@@ -46,13 +47,19 @@ class SpanLog:
     def add(self, scope: str, name: str, attributes: dict, events: Iterable[tuple[str, dict]]) -> None:
         if not OUR_SCOPES.match(scope or ""):
             return
-        key = (name, tuple(sorted((k, value_type(v)) for k, v in attributes.items())),
-               tuple(sorted((e, tuple(sorted((k, value_type(v)) for k, v in a.items()))) for e, a in events)))
+        key = (
+            name,
+            tuple(sorted((k, value_type(v)) for k, v in attributes.items())),
+            tuple(sorted((e, tuple(sorted((k, value_type(v)) for k, v in a.items()))) for e, a in events)),
+        )
         with self._lock:
             self.count += 1
             if key not in self.seen:
-                self.seen[key] = {"name": name, "attributes": dict(attributes),
-                                  "events": [(e, dict(a)) for e, a in events]}
+                self.seen[key] = {
+                    "name": name,
+                    "attributes": dict(attributes),
+                    "events": [(e, dict(a)) for e, a in events],
+                }
 
 
 def _name_matches(template: str, name: str, attributes: dict) -> bool:

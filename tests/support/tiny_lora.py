@@ -29,8 +29,20 @@ def ensure_tiny_lora(model_dir, out_dir, rank: int = 4) -> pathlib.Path:
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * 0.01
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=gen) * 0.01
     save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
-        "target_modules": sorted(outs), "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
-        "base_model_name_or_path": str(model_dir)}))
+    (out / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "lora_dropout": 0.0,
+                "target_modules": sorted(outs),
+                "bias": "none",
+                "fan_in_fan_out": False,
+                "modules_to_save": None,
+                "base_model_name_or_path": str(model_dir),
+            }
+        )
+    )
     return out

@@ -34,7 +34,7 @@ import urllib.request
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VENV = pathlib.Path(os.environ.get("LLM_OTEL_TRITON_VENV", ROOT / ".venv-triton"))
 
-MODEL_PY = '''
+MODEL_PY = """
 import json
 import time
 
@@ -105,9 +105,9 @@ class TritonPythonModel:
                 if self.mode in ("empty_final", "err"):
                     sender.send(flags=FINAL)
         return None
-'''
+"""
 
-CONFIG = '''name: "{name}"
+CONFIG = """name: "{name}"
 backend: "python"
 max_batch_size: 0
 {decoupled}
@@ -120,7 +120,7 @@ output [
 ]
 instance_group [ {{ kind: KIND_CPU count: 1 }} ]
 parameters {{ key: "mode" value {{ string_value: "{mode}" }} }}
-'''
+"""
 
 MODELS = {
     "text_echo": ("echo", False),
@@ -159,9 +159,14 @@ def write_repository(root: pathlib.Path) -> pathlib.Path:
         (repo / name / "1").mkdir(parents=True, exist_ok=True)
         (repo / name / "1" / "model.py").write_text(MODEL_PY)
         extra = ',\n  { name: "params_json" data_type: TYPE_STRING dims: [ 1 ] }' if mode == "echo" else ""
-        (repo / name / "config.pbtxt").write_text(CONFIG.format(
-            name=name, mode=mode, extra_output=extra,
-            decoupled="model_transaction_policy { decoupled: true }" if decoupled else ""))
+        (repo / name / "config.pbtxt").write_text(
+            CONFIG.format(
+                name=name,
+                mode=mode,
+                extra_output=extra,
+                decoupled="model_transaction_policy { decoupled: true }" if decoupled else "",
+            )
+        )
     return repo
 
 
@@ -201,39 +206,56 @@ def start(workdir: pathlib.Path, otlp_url: str, timeout_s: float = 60.0) -> Trit
     pt = sp / "pytriton" / "tritonserver"
     backend = workdir / "backends" / "python"
     backend.mkdir(parents=True, exist_ok=True)
-    for src in (pt / "backends/python/libtriton_python.so", pt / "backends/python/triton_python_backend_utils.py",
-                pt / f"python_backend_stubs/{sys.version_info.major}.{sys.version_info.minor}/triton_python_backend_stub"):
+    for src in (
+        pt / "backends/python/libtriton_python.so",
+        pt / "backends/python/triton_python_backend_utils.py",
+        pt / f"python_backend_stubs/{sys.version_info.major}.{sys.version_info.minor}/triton_python_backend_stub",
+    ):
         shutil.copy2(src, backend / src.name)
     repo = write_repository(workdir)
     http_port, grpc_port = free_port(), free_port()
-    libdir = subprocess.check_output([str(VENV / "bin/python"), "-c",
-                                      "import sysconfig; print(sysconfig.get_config_var('LIBDIR') or '')"],
-                                     text=True).strip()
+    libdir = subprocess.check_output(
+        [str(VENV / "bin/python"), "-c", "import sysconfig; print(sysconfig.get_config_var('LIBDIR') or '')"], text=True
+    ).strip()
     env = dict(os.environ)
     # the stub links libpython of the venv's interpreter and the wheel's bundled libraries; its
     # embedded Python finds its prefix through `python3` on PATH (numpy < 2 lives there)
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, str(sp / "nvidia_pytriton.libs"),
-                                                         env.get("LD_LIBRARY_PATH", "")) if p)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(
+        p for p in (libdir, str(sp / "nvidia_pytriton.libs"), env.get("LD_LIBRARY_PATH", "")) if p
+    )
     env["PATH"] = os.pathsep.join((str(VENV / "bin"), env.get("PATH", "")))
     for key in [k for k in env if k.startswith("PYTHON") or k.startswith("OTEL_")]:
         del env[key]
     log = workdir / "tritonserver.log"
-    cmd = [str(pt / "bin/tritonserver"), f"--model-repository={repo}",
-           f"--backend-directory={workdir / 'backends'}",
-           "--http-address=127.0.0.1", f"--http-port={http_port}",
-           "--grpc-address=127.0.0.1", f"--grpc-port={grpc_port}",
-           "--allow-metrics=false", "--exit-timeout-secs=5",
-           "--http-header-forward-pattern=traceparent|tracestate",
-           "--grpc-header-forward-pattern=traceparent|tracestate",
-           "--trace-config", "mode=opentelemetry",
-           "--trace-config", f"opentelemetry,url={otlp_url}",
-           "--trace-config", "opentelemetry,resource=service.name=triton-test",
-           "--trace-config", "opentelemetry,bsp_schedule_delay=100",
-           "--trace-config", "rate=1", "--trace-config", "count=-1",
-           "--trace-config", "level=TIMESTAMPS"]
+    cmd = [
+        str(pt / "bin/tritonserver"),
+        f"--model-repository={repo}",
+        f"--backend-directory={workdir / 'backends'}",
+        "--http-address=127.0.0.1",
+        f"--http-port={http_port}",
+        "--grpc-address=127.0.0.1",
+        f"--grpc-port={grpc_port}",
+        "--allow-metrics=false",
+        "--exit-timeout-secs=5",
+        "--http-header-forward-pattern=traceparent|tracestate",
+        "--grpc-header-forward-pattern=traceparent|tracestate",
+        "--trace-config",
+        "mode=opentelemetry",
+        "--trace-config",
+        f"opentelemetry,url={otlp_url}",
+        "--trace-config",
+        "opentelemetry,resource=service.name=triton-test",
+        "--trace-config",
+        "opentelemetry,bsp_schedule_delay=100",
+        "--trace-config",
+        "rate=1",
+        "--trace-config",
+        "count=-1",
+        "--trace-config",
+        "level=TIMESTAMPS",
+    ]
     out = open(log, "wb")
-    process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir,
-                               start_new_session=True)
+    process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir, start_new_session=True)
     server = TritonServer(process, http_port, grpc_port, log)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

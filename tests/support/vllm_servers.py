@@ -73,9 +73,17 @@ class Server:
                 pass
 
 
-def start_server(model: str, log_path: Path, env_extra: dict[str, str], *, fork: bool = False,
-                 served: str = "tiny", args: tuple[str, ...] = (), ready_timeout: float = 300,
-                 instrument: bool = True) -> Server:
+def start_server(
+    model: str,
+    log_path: Path,
+    env_extra: dict[str, str],
+    *,
+    fork: bool = False,
+    served: str = "tiny",
+    args: tuple[str, ...] = (),
+    ready_timeout: float = 300,
+    instrument: bool = True,
+) -> Server:
     """The OpenAI server under ``opentelemetry-instrument`` (``instrument=False``: plain), in its own
     process group, ready."""
     port = free_port()
@@ -84,9 +92,25 @@ def start_server(model: str, log_path: Path, env_extra: dict[str, str], *, fork:
     env.update(env_extra)
     prefix = [os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")] if instrument else []
     entry = [str(HERE / "vllm_fork_launcher.py")] if fork else ["-m", "vllm.entrypoints.openai.api_server"]
-    cmd = [*prefix, sys.executable, *entry, "--model", str(model), "--served-model-name", served,
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
-           "--enforce-eager", *args]
+    cmd = [
+        *prefix,
+        sys.executable,
+        *entry,
+        "--model",
+        str(model),
+        "--served-model-name",
+        served,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--enforce-eager",
+        *args,
+    ]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     server = Server(proc, f"http://127.0.0.1:{port}", log_path, served)

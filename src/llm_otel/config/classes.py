@@ -9,8 +9,16 @@ from collections.abc import Mapping
 
 from llm_otel.config.parse import ConfigError
 
-__all__ = ["CLASS_DIMENSIONS", "ENGINE_PRIORITY", "ENGINE_LORA", "ENGINE_FIELDS", "CLASS_VALUE", "HEADER_NAME",
-           "parse_class_sources", "read_class_sources"]
+__all__ = [
+    "CLASS_DIMENSIONS",
+    "ENGINE_PRIORITY",
+    "ENGINE_LORA",
+    "ENGINE_FIELDS",
+    "CLASS_VALUE",
+    "HEADER_NAME",
+    "parse_class_sources",
+    "read_class_sources",
+]
 
 #: the request-class dimensions (each has a span attribute, :data:`llm_otel.signals.classes.DIMENSIONS`)
 CLASS_DIMENSIONS = ("tenant", "priority", "operation", "revision")
@@ -36,8 +44,9 @@ def parse_class_sources(raw: str | None, name: str = "LLM_OTEL_CLASS_HEADERS") -
         dim, sep, source = entry.partition(":")
         dim, source = dim.strip().lower(), source.strip().lower()
         if not sep or dim not in CLASS_DIMENSIONS:
-            raise ConfigError(f"{name}: entry {entry!r}: expected dimension:source with dimension one of "
-                              f"{sorted(CLASS_DIMENSIONS)}")
+            raise ConfigError(
+                f"{name}: entry {entry!r}: expected dimension:source with dimension one of {sorted(CLASS_DIMENSIONS)}"
+            )
         if source.startswith("engine:"):
             if source not in ENGINE_FIELDS:
                 raise ConfigError(f"{name}: entry {entry!r}: engine field must be one of {sorted(ENGINE_FIELDS)}")

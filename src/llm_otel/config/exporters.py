@@ -8,9 +8,22 @@ from collections.abc import Mapping
 
 from llm_otel.config.parse import ConfigError, read_choice
 
-__all__ = ["EXPORTERS", "DEFAULT_EXPORTER", "OTLP_PROTOCOLS", "DEFAULT_OTLP_PROTOCOL", "PROMETHEUS_PORT",
-           "PROMETHEUS_HOST", "exporter_setting", "otlp_protocol", "validate_exporter_env", "otlp_endpoint",
-           "signal_endpoint", "traces_sampler", "prometheus_base_port", "prometheus_host"]
+__all__ = [
+    "EXPORTERS",
+    "DEFAULT_EXPORTER",
+    "OTLP_PROTOCOLS",
+    "DEFAULT_OTLP_PROTOCOL",
+    "PROMETHEUS_PORT",
+    "PROMETHEUS_HOST",
+    "exporter_setting",
+    "otlp_protocol",
+    "validate_exporter_env",
+    "otlp_endpoint",
+    "signal_endpoint",
+    "traces_sampler",
+    "prometheus_base_port",
+    "prometheus_host",
+]
 
 EXPORTERS = {"TRACES": ("otlp", "console", "none"), "METRICS": ("otlp", "prometheus", "console", "none")}
 DEFAULT_EXPORTER = "otlp"
@@ -34,11 +47,13 @@ def exporter_setting(env: Mapping[str, str], signal: str) -> str:
         return DEFAULT_EXPORTER
     unknown = sorted(names - set(accepted))
     if unknown:
-        raise ConfigError(f"{name}={raw!r}: unknown exporter {', '.join(unknown)}; "
-                          f"expected one of {', '.join(accepted)}")
+        raise ConfigError(
+            f"{name}={raw!r}: unknown exporter {', '.join(unknown)}; expected one of {', '.join(accepted)}"
+        )
     if len(names) > 1:
-        raise ConfigError(f"{name}={raw!r}: llm-otel configures one exporter per signal; "
-                          f"expected one of {', '.join(accepted)}")
+        raise ConfigError(
+            f"{name}={raw!r}: llm-otel configures one exporter per signal; expected one of {', '.join(accepted)}"
+        )
     return names.pop()
 
 

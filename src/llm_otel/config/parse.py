@@ -13,8 +13,21 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["ConfigError", "setting", "read_fields", "read_field", "env_fields", "field_default", "read_bool",
-           "read_int", "read_optional_int", "read_float", "read_optional_float", "read_choice", "read_str"]
+__all__ = [
+    "ConfigError",
+    "setting",
+    "read_fields",
+    "read_field",
+    "env_fields",
+    "field_default",
+    "read_bool",
+    "read_int",
+    "read_optional_int",
+    "read_float",
+    "read_optional_float",
+    "read_choice",
+    "read_str",
+]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -27,8 +40,14 @@ class ConfigError(ValueError):
 Reader = Callable[..., Any]
 
 
-def setting(env: str | tuple[str, ...], default: Any = dataclasses.MISSING, read: Reader | None = None, *,
-            default_factory: Callable[[], Any] | None = None, **bounds: Any) -> Any:
+def setting(
+    env: str | tuple[str, ...],
+    default: Any = dataclasses.MISSING,
+    read: Reader | None = None,
+    *,
+    default_factory: Callable[[], Any] | None = None,
+    **bounds: Any,
+) -> Any:
     """A settings dataclass field read from variable ``env`` (a tuple: the variables one parser reads
     together) by ``read(env_mapping, env, default, **bounds)``. The field's default is the one
     default of that setting: parsers receive it, documentation is checked against it."""
@@ -95,8 +114,9 @@ def read_int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int |
     return value
 
 
-def read_optional_int(env: Mapping[str, str], name: str, default: int | None, lo: int,
-                      hi: int | None = None) -> int | None:
+def read_optional_int(
+    env: Mapping[str, str], name: str, default: int | None, lo: int, hi: int | None = None
+) -> int | None:
     """:func:`read_int` for a setting that is off (``default``, None) when unset or blank."""
     if not (env.get(name) or "").strip():
         return default
@@ -117,8 +137,9 @@ def read_float(env: Mapping[str, str], name: str, default: float, lo: float, hi:
     return value
 
 
-def read_optional_float(env: Mapping[str, str], name: str, default: float | None = None,
-                        lo: float = 0.0) -> float | None:
+def read_optional_float(
+    env: Mapping[str, str], name: str, default: float | None = None, lo: float = 0.0
+) -> float | None:
     """A number >= ``lo``, or ``default`` (None: off) when unset or empty."""
     raw = env.get(name)
     if raw is None or raw.strip() == "":
@@ -126,8 +147,9 @@ def read_optional_float(env: Mapping[str, str], name: str, default: float | None
     return read_float(env, name, lo, lo=lo)
 
 
-def read_choice(env: Mapping[str, str], name: str, default: str | None,
-                choices: frozenset[str] | set[str]) -> str | None:
+def read_choice(
+    env: Mapping[str, str], name: str, default: str | None, choices: frozenset[str] | set[str]
+) -> str | None:
     """One of ``choices`` (lower-cased); unset or empty -> ``default``."""
     raw = env.get(name)
     if raw is None or raw.strip() == "":

@@ -169,18 +169,21 @@ class Settings:
     vllm_worker_logits: bool = setting("LLM_OTEL_VLLM_WORKER_LOGITS", True, read_bool)
     outlier_ttft_s: float | None = setting("LLM_OTEL_OUTLIER_TTFT_S", None, read_optional_float)
     outlier_e2e_s: float | None = setting("LLM_OTEL_OUTLIER_E2E_S", None, read_optional_float)
-    adaptive_sampling: str = setting("LLM_OTEL_ADAPTIVE_SAMPLING", "auto", read_choice,
-                                     choices=frozenset({"auto", "on", "off"}))
+    adaptive_sampling: str = setting(
+        "LLM_OTEL_ADAPTIVE_SAMPLING", "auto", read_choice, choices=frozenset({"auto", "on", "off"})
+    )
     traces_per_s: float = setting("LLM_OTEL_TRACES_PER_S", 10.0, read_float, lo=0.0)
     vllm_engine_events: bool = setting("LLM_OTEL_VLLM_ENGINE_EVENTS", True, read_bool)
     console: str = setting("LLM_OTEL_CONSOLE", "auto", read_choice, choices=frozenset({"auto", "tree", "json", "off"}))
-    gpu_steps: str = setting("LLM_OTEL_GPU_STEPS", "auto", read_choice,
-                             choices=frozenset({"auto", "cupy", "numpy", "off"}))
+    gpu_steps: str = setting(
+        "LLM_OTEL_GPU_STEPS", "auto", read_choice, choices=frozenset({"auto", "cupy", "numpy", "off"})
+    )
     gpu_ring_capacity: int = setting("LLM_OTEL_GPU_RING_CAPACITY", 4096, read_int, lo=16, hi=1 << 24)
     nvtx: bool = setting("LLM_OTEL_NVTX", True, read_bool)
     flush_deadline_s: float = setting("LLM_OTEL_FLUSH_DEADLINE_S", 2.0, read_float, lo=0.0, hi=300.0)
-    otlp_max_request_bytes: int = setting("LLM_OTEL_OTLP_MAX_REQUEST_BYTES", 3 * 1024 * 1024, read_int,
-                                          lo=64 * 1024, hi=1 << 30)
+    otlp_max_request_bytes: int = setting(
+        "LLM_OTEL_OTLP_MAX_REQUEST_BYTES", 3 * 1024 * 1024, read_int, lo=64 * 1024, hi=1 << 30
+    )
     export_process: bool = setting("LLM_OTEL_EXPORT_PROCESS", True, read_bool)
     export_process_buffer: int = setting("LLM_OTEL_EXPORT_PROCESS_BUFFER", 8192, read_int, lo=1, hi=1 << 24)
     signals: SignalsConfig = dataclasses.field(default_factory=SignalsConfig)

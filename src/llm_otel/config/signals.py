@@ -43,8 +43,9 @@ def _read_health_weights(env: Mapping[str, str], name: str, default: Mapping[str
     for entry in raw.split(","):
         key, sep, value = entry.strip().partition("=")
         if not sep or key not in HEALTH_FACTORS:
-            raise ConfigError(f"{name}={raw!r}: entry {entry.strip()!r}: expected factor=weight, factor one of "
-                              f"{list(HEALTH_FACTORS)}")
+            raise ConfigError(
+                f"{name}={raw!r}: entry {entry.strip()!r}: expected factor=weight, factor one of {list(HEALTH_FACTORS)}"
+            )
         try:
             weight = float(value)
         except ValueError:
@@ -90,8 +91,7 @@ class SignalsConfig:
             for the health score's exporter-reachability factor; None when the traces exporter is not OTLP.
     """
 
-    class_sources: Mapping[str, str] = setting("LLM_OTEL_CLASS_HEADERS", read=read_class_sources,
-                                               default_factory=dict)
+    class_sources: Mapping[str, str] = setting("LLM_OTEL_CLASS_HEADERS", read=read_class_sources, default_factory=dict)
     class_max_values: int = setting("LLM_OTEL_CLASS_MAX_VALUES", 20, read_int, lo=1, hi=10_000)
     class_max_len: int = setting("LLM_OTEL_CLASS_MAX_LEN", 64, read_int, lo=1, hi=1024)
     tiers: TierTable | None = setting(TIERS_VARIABLES, None, tier_table)
@@ -102,12 +102,15 @@ class SignalsConfig:
     vram_critical_hold_s: float = setting("LLM_OTEL_VRAM_CRITICAL_HOLD_S", 10.0, read_float, lo=0.0)
     vram_clear_margin: float = setting("LLM_OTEL_VRAM_CLEAR_MARGIN", 0.05, read_float, lo=0.0, hi=0.5)
     vram_clear_hold_s: float = setting("LLM_OTEL_VRAM_CLEAR_HOLD_S", 30.0, read_float, lo=0.0)
-    vram_source: str = setting("LLM_OTEL_VRAM_SOURCE", "auto", read_choice,
-                               choices=frozenset({"auto", "nvml", "kv_cache"}))
+    vram_source: str = setting(
+        "LLM_OTEL_VRAM_SOURCE", "auto", read_choice, choices=frozenset({"auto", "nvml", "kv_cache"})
+    )
     efficiency_window_s: float = setting("LLM_OTEL_EFFICIENCY_WINDOW_S", 10.0, read_float, lo=0.1, hi=3600.0)
     health_weights: Mapping[str, float] = setting(
-        "LLM_OTEL_HEALTH_WEIGHTS", read=_read_health_weights,
-        default_factory=lambda: {"latency": 0.4, "errors": 0.3, "gpu": 0.2, "uptime": 0.1})
+        "LLM_OTEL_HEALTH_WEIGHTS",
+        read=_read_health_weights,
+        default_factory=lambda: {"latency": 0.4, "errors": 0.3, "gpu": 0.2, "uptime": 0.1},
+    )
     health_ttft_target_s: float = setting("LLM_OTEL_HEALTH_TTFT_TARGET_S", 1.0, read_float, lo=1e-6)
     health_max_error_rate: float = setting("LLM_OTEL_HEALTH_MAX_ERROR_RATE", 0.05, read_float, lo=1e-6, hi=1.0)
     health_gpu_knee: float = setting("LLM_OTEL_HEALTH_GPU_KNEE", 0.85, read_float, lo=0.0, hi=0.999)
@@ -132,8 +135,9 @@ def signals_settings(env: Mapping[str, str] | None = None) -> SignalsConfig:
     env = os.environ if env is None else env
     values = read_fields(SignalsConfig, env)
     if values["vram_warn"] > values["vram_critical"]:
-        raise ConfigError(f"LLM_OTEL_VRAM_WARN={values['vram_warn']} is above "
-                          f"LLM_OTEL_VRAM_CRITICAL={values['vram_critical']}")
+        raise ConfigError(
+            f"LLM_OTEL_VRAM_WARN={values['vram_warn']} is above LLM_OTEL_VRAM_CRITICAL={values['vram_critical']}"
+        )
     return SignalsConfig(**values, exporter_endpoint=_health_exporter_endpoint(env))
 
 

@@ -80,11 +80,15 @@ class TierTable:
                 for term in match_text.split("&"):
                     dim, sep, value = term.partition("=")
                     if not sep or dim not in CLASS_DIMENSIONS:
-                        raise ConfigError(f"{where}: match term {term!r}: expected dimension=value with "
-                                          f"dimension one of {sorted(CLASS_DIMENSIONS)}, or '*'")
+                        raise ConfigError(
+                            f"{where}: match term {term!r}: expected dimension=value with "
+                            f"dimension one of {sorted(CLASS_DIMENSIONS)}, or '*'"
+                        )
                     if not _VALUE.fullmatch(value):
-                        raise ConfigError(f"{where}: match value {value!r} can never occur (allowed: 1-64 "
-                                          "of A-Z a-z 0-9 . _ : / @ + -)")
+                        raise ConfigError(
+                            f"{where}: match value {value!r} can never occur (allowed: 1-64 "
+                            "of A-Z a-z 0-9 . _ : / @ + -)"
+                        )
                     match.append((dim, value))
             targets: dict[str, float] = {}
             for text_ in target_texts:
@@ -139,8 +143,9 @@ class TierTable:
 TIERS_VARIABLES = ("LLM_OTEL_TIERS", "LLM_OTEL_TIERS_FILE")
 
 
-def tier_table(env: Mapping[str, str] | None = None, names: tuple[str, str] = TIERS_VARIABLES,
-               default: TierTable | None = None) -> TierTable | None:
+def tier_table(
+    env: Mapping[str, str] | None = None, names: tuple[str, str] = TIERS_VARIABLES, default: TierTable | None = None
+) -> TierTable | None:
     """The :class:`TierTable` ``LLM_OTEL_TIERS_FILE`` or ``LLM_OTEL_TIERS`` defines, ``default``
     (None) when neither is set. Raises ConfigError for both set, an unreadable file or a bad line."""
     env = os.environ if env is None else env

@@ -111,8 +111,7 @@ def run_demo(prompts: int = 4, max_tokens: int = 24, model_dir: str | None = Non
     with tracer.start_as_current_span("demo batch") as root:
         t1 = time.monotonic()
         outputs = llm.generate(batch, params, use_tqdm=False)
-        messages: list[ChatCompletionMessageParam] = [
-            {"role": "user", "content": "Write a haiku about tracing."}]
+        messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Write a haiku about tracing."}]
         chat = llm.chat(messages, SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)
         wall = time.monotonic() - t1
         trace_id = root.get_span_context().trace_id
@@ -120,13 +119,17 @@ def run_demo(prompts: int = 4, max_tokens: int = 24, model_dir: str | None = Non
     tracer_provider.force_flush()
     print(f"\nvLLM served {len(outputs) + len(chat)} requests, {n_out} output tokens in {wall:.2f} s", flush=True)
     if otlp:
-        print(f"spans exported over OTLP; look up trace {trace_id:032x} (service "
-              f"'{os.environ.get('OTEL_SERVICE_NAME', 'unknown_service')}') in Jaeger at http://localhost:16686",
-              flush=True)
+        print(
+            f"spans exported over OTLP; look up trace {trace_id:032x} (service "
+            f"'{os.environ.get('OTEL_SERVICE_NAME', 'unknown_service')}') in Jaeger at http://localhost:16686",
+            flush=True,
+        )
     else:
-        print("\nspan trees (the demo's trace: llm-otel's request spans under the application's 'demo batch'"
-              " span; vLLM's own start-up spans may print as separate traces):\n",
-              flush=True)
+        print(
+            "\nspan trees (the demo's trace: llm-otel's request spans under the application's 'demo batch'"
+            " span; vLLM's own start-up spans may print as separate traces):\n",
+            flush=True,
+        )
         print(trees.getvalue(), flush=True)
         if summary is not None:  # always without OTLP
             print(summary.summary(), flush=True)

@@ -176,9 +176,7 @@ def ensure_tiny_model(
             at *path*.
         ImportError: ``torch``, ``transformers`` or ``tokenizers`` is missing.
     """
-    target = (
-        pathlib.Path(path).expanduser() if path is not None else default_tiny_model_path()
-    )
+    target = pathlib.Path(path).expanduser() if path is not None else default_tiny_model_path()
     target = target.absolute()
     if is_complete(target):
         return target
@@ -187,9 +185,7 @@ def ensure_tiny_model(
     say = progress if progress is not None else (lambda _msg: None)
     target.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    tmp = pathlib.Path(
-        tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent)
-    )
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         say(f"building tiny model in {tmp}")
         _build(tmp, say)
@@ -217,16 +213,13 @@ def _check_replaceable(target: pathlib.Path) -> None:
     if not target.exists():
         return
     if not target.is_dir():
-        raise NotADirectoryError(
-            errno.ENOTDIR, "tiny model path exists and is not a directory", str(target)
-        )
+        raise NotADirectoryError(errno.ENOTDIR, "tiny model path exists and is not a directory", str(target))
     if (target / MARKER_NAME).exists():
         return  # an older build format: replaced after the new build is done
     if any(target.iterdir()):
         raise FileExistsError(
             errno.EEXIST,
-            f"directory is not empty and holds no {MARKER_NAME} marker; "
-            "refusing to overwrite it",
+            f"directory is not empty and holds no {MARKER_NAME} marker; refusing to overwrite it",
             str(target),
         )
 
@@ -236,9 +229,7 @@ def _publish(tmp: pathlib.Path, target: pathlib.Path) -> None:
     try:
         os.rename(tmp, target)  # atomic; also replaces an empty dir on POSIX
     except OSError as exc:
-        if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY) and not isinstance(
-            exc, FileExistsError
-        ):
+        if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY) and not isinstance(exc, FileExistsError):
             raise
     else:
         _fsync_dir(target.parent)
@@ -247,9 +238,7 @@ def _publish(tmp: pathlib.Path, target: pathlib.Path) -> None:
         return
     _check_replaceable(target)
     # An empty directory or a stale build format: move it aside, then swap in.
-    aside = pathlib.Path(
-        tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent)
-    )
+    aside = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
     os.rename(target, aside / "old")
     try:
         os.rename(tmp, target)
@@ -460,6 +449,4 @@ def _build_model(out: pathlib.Path) -> None:
         "tokenizer_corpus": f"first {_CORPUS_FILES} *.py files of the Python stdlib",
         "parameters": sum(p.numel() for p in model.parameters()),
     }
-    (out / "llm_otel_tiny_model.json").write_text(
-        json.dumps(info, indent=2, sort_keys=True) + "\n", encoding="utf-8"
-    )
+    (out / "llm_otel_tiny_model.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n", encoding="utf-8")

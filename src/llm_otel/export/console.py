@@ -131,8 +131,12 @@ class JsonLinesExporter(SpanExporter):
         return SpanExportResult.SUCCESS
 
 
-_LABELS = {A.GEN_AI_OPERATION_NAME: "op", A.GEN_AI_TOKEN_TYPE: "type", A.ERROR_TYPE: "error",
-           A.LLM_INSTRUMENTATION_HOOK: "hook"}
+_LABELS = {
+    A.GEN_AI_OPERATION_NAME: "op",
+    A.GEN_AI_TOKEN_TYPE: "type",
+    A.ERROR_TYPE: "error",
+    A.LLM_INSTRUMENTATION_HOOK: "hook",
+}
 
 
 def format_metrics(metrics_data: MetricsData | None) -> str:
@@ -145,12 +149,19 @@ def format_metrics(metrics_data: MetricsData | None) -> str:
             for metric in sm.metrics:
                 points: list[DataPointT] = list(metric.data.data_points)
                 # the usual labels, plus any attribute that tells this metric's points apart
-                varying = {k for p in points for k in (p.attributes or {})
-                           if len({(q.attributes or {}).get(k) for q in points}) > 1}
+                varying = {
+                    k
+                    for p in points
+                    for k in (p.attributes or {})
+                    if len({(q.attributes or {}).get(k) for q in points}) > 1
+                }
                 for point in points:
                     attrs = dict(point.attributes or {})
-                    label = ",".join(f"{_LABELS.get(k, k.rsplit('.', 1)[-1])}={v}" for k, v in sorted(attrs.items())
-                                     if k in _LABELS or k in varying)
+                    label = ",".join(
+                        f"{_LABELS.get(k, k.rsplit('.', 1)[-1])}={v}"
+                        for k, v in sorted(attrs.items())
+                        if k in _LABELS or k in varying
+                    )
                     name = metric.name + (f"{{{label}}}" if label else "")
                     if isinstance(point, HistogramDataPoint):
                         mean = point.sum / point.count if point.count else 0.0

@@ -33,8 +33,10 @@ from llm_otel.semconv import metrics as M
 logger = logging.getLogger("llm_otel")
 
 # the OTLP trace exporters' loggers and the messages they repeat for every retry / failed batch
-_SDK_EXPORTER_LOGGERS = ("opentelemetry.exporter.otlp.proto.grpc.exporter",
-                         "opentelemetry.exporter.otlp.proto.http.trace_exporter")
+_SDK_EXPORTER_LOGGERS = (
+    "opentelemetry.exporter.otlp.proto.grpc.exporter",
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+)
 _SDK_REPEATED = ("Transient error", "Failed to export")
 
 
@@ -62,7 +64,7 @@ class DropCounter:
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
-        self.dropped = 0          # spans lost so far in this process
+        self.dropped = 0  # spans lost so far in this process
         self._unbound: dict[str, int] = {}  # of which not yet added to a counter, by error.type
         self._counter = None
         self._failing = False
@@ -84,11 +86,16 @@ class DropCounter:
         """Create the counter on ``meter_provider`` and add the drops counted before it existed."""
         try:
             counter = meter_provider.get_meter("llm_otel").create_counter(
-                M.LLM_OTEL_SPANS_DROPPED, unit=M.LLM_OTEL_SPANS_DROPPED_UNIT,
-                description="Spans this process could not export to its collector.")
+                M.LLM_OTEL_SPANS_DROPPED,
+                unit=M.LLM_OTEL_SPANS_DROPPED_UNIT,
+                description="Spans this process could not export to its collector.",
+            )
         except Exception as exc:  # noqa: BLE001 - a metrics problem must not stop tracing
-            process_errors().report("export.drops.counter", exc, f"cannot create {M.LLM_OTEL_SPANS_DROPPED}; "
-                                    "dropped spans are logged, not counted")
+            process_errors().report(
+                "export.drops.counter",
+                exc,
+                f"cannot create {M.LLM_OTEL_SPANS_DROPPED}; dropped spans are logged, not counted",
+            )
             return
         with self._lock:
             self._counter, pending, self._unbound = counter, self._unbound, {}
@@ -98,8 +105,9 @@ class DropCounter:
     def succeeded(self) -> None:
         if self._failing:
             self._failing = False
-            logger.info("llm-otel: span export to %s works again (%d span(s) lost in all so far)",
-                        self.endpoint, self.dropped)
+            logger.info(
+                "llm-otel: span export to %s works again (%d span(s) lost in all so far)", self.endpoint, self.dropped
+            )
 
     def failed(self, n: int, error_type: str = "export_failed", why: str | None = None) -> None:
         """``n`` spans lost; ``error_type`` says why (``export_failed``: the collector did not take
@@ -117,16 +125,22 @@ class DropCounter:
         if first:
             # the line names the failing part: the collector, or this process's own exporter process
             what = _WHAT.get(error_type, "span export to {endpoint} failed").format(endpoint=self.endpoint)
-            logger.warning("llm-otel: %s%s, %d span(s) dropped; the engine keeps serving. Further drops are "
-                           "counted in %s{error.type=%s}, not logged, until an export succeeds",
-                           what, f" ({why})" if why else "", n, M.LLM_OTEL_SPANS_DROPPED, error_type)
+            logger.warning(
+                "llm-otel: %s%s, %d span(s) dropped; the engine keeps serving. Further drops are "
+                "counted in %s{error.type=%s}, not logged, until an export succeeds",
+                what,
+                f" ({why})" if why else "",
+                n,
+                M.LLM_OTEL_SPANS_DROPPED,
+                error_type,
+            )
 
 
 # the failing part per error.type, for the one log line of an outage (export_failed: the collector)
 _WHAT = {
     "export_process_down": "the span exporter process is not running (a new one is started within 5 s; "
-                           "the collector at {endpoint} was not reached)",
+    "the collector at {endpoint} was not reached)",
     "export_process_backlog": "the span exporter process is falling behind (its buffer is full; "
-                              "LLM_OTEL_EXPORT_PROCESS_BUFFER)",
+    "LLM_OTEL_EXPORT_PROCESS_BUFFER)",
     "export_process_encoding": "span data could not be encoded for the exporter process",
 }

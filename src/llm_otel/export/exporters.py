@@ -32,7 +32,7 @@ import logging
 import os
 import threading
 import weakref
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 from opentelemetry.sdk.trace import ReadableSpan
@@ -58,7 +58,7 @@ _SPAN_OVERHEAD = 256
 _ATTRIBUTE_OVERHEAD = 16
 _NUMBER_SIZE = 11
 
-_EXPORTERS: "weakref.WeakSet[_PerProcess]" = weakref.WeakSet()
+_EXPORTERS: weakref.WeakSet[_PerProcess] = weakref.WeakSet()
 
 
 def register(exporter) -> None:
@@ -130,8 +130,12 @@ class ProcessSpanExporter(_PerProcess, SpanExporter):
         endpoint: for log lines only.
     """
 
-    def __init__(self, factory: Callable[[], SpanExporter], max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 endpoint: str = "") -> None:
+    def __init__(
+        self,
+        factory: Callable[[], SpanExporter],
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        endpoint: str = "",
+    ) -> None:
         super().__init__(factory, endpoint)
         self.max_request_bytes = max(4096, int(max_request_bytes))
         self.truncated_spans = 0
@@ -182,7 +186,7 @@ class ProcessSpanExporter(_PerProcess, SpanExporter):
         chunks: list[list[ReadableSpan]] = []
         current: list[ReadableSpan] = []
         used = 0
-        for span, size in zip(spans, sizes):
+        for span, size in zip(spans, sizes, strict=False):
             if size > cap:
                 span, size = self._shrink(span, size), cap
             if current and used + size > cap:
@@ -198,14 +202,20 @@ class ProcessSpanExporter(_PerProcess, SpanExporter):
         """A copy of ``span`` whose string attributes are cut so that it fits the cap."""
         self.truncated_spans += 1
         if self.truncated_spans == 1:
-            logger.warning("llm-otel: span %r is about %d bytes encoded, over LLM_OTEL_OTLP_MAX_REQUEST_BYTES=%d; "
-                           "its largest attributes are shortened (captured messages stay valid JSON). "
-                           "Lower LLM_OTEL_CONTENT_MAX_CHARS to avoid this", span.name, size, self.max_request_bytes)
+            logger.warning(
+                "llm-otel: span %r is about %d bytes encoded, over LLM_OTEL_OTLP_MAX_REQUEST_BYTES=%d; "
+                "its largest attributes are shortened (captured messages stay valid JSON). "
+                "Lower LLM_OTEL_CONTENT_MAX_CHARS to avoid this",
+                span.name,
+                size,
+                self.max_request_bytes,
+            )
         try:
             return shrink_span(span, self.max_request_bytes)
         except Exception as exc:  # noqa: BLE001 - worst case the collector rejects this one request
-            process_errors().report("export.exporters.shrink", exc,
-                                    f"could not shorten span {span.name!r}; it is sent at its full size")
+            process_errors().report(
+                "export.exporters.shrink", exc, f"could not shorten span {span.name!r}; it is sent at its full size"
+            )
             return span
 
     def shutdown(self, timeout_millis: float | None = None) -> None:
@@ -230,8 +240,11 @@ class ProcessMetricExporter(_PerProcess, MetricExporter):
 
     def __init__(self, factory: Callable[[], MetricExporter], endpoint: str = "") -> None:
         _PerProcess.__init__(self, factory, endpoint)
-        MetricExporter.__init__(self, preferred_temporality=self._inner._preferred_temporality,
-                                preferred_aggregation=self._inner._preferred_aggregation)
+        MetricExporter.__init__(
+            self,
+            preferred_temporality=self._inner._preferred_temporality,
+            preferred_aggregation=self._inner._preferred_aggregation,
+        )
 
     def export(self, metrics_data, timeout_millis: float = 10_000, **kwargs) -> MetricExportResult:
         if self.disowned:
@@ -301,14 +314,19 @@ def _shorten_message_json(raw: str, budget: int) -> str:
         messages = json.loads(raw)
     except ValueError:
         return "[]"
-    parts = [part for m in messages if isinstance(m, dict) for part in m.get("parts", ())
-             if isinstance(part, dict) and isinstance(part.get("content"), str)]
+    parts = [
+        part
+        for m in messages
+        if isinstance(m, dict)
+        for part in m.get("parts", ())
+        if isinstance(part, dict) and isinstance(part.get("content"), str)
+    ]
     texts = [p["content"] for p in parts]
     ascii_only = raw.isascii()
 
     def dump(fraction: float) -> str:
-        for part, text in zip(parts, texts):
-            part["content"] = text[:int(len(text) * fraction)]
+        for part, text in zip(parts, texts, strict=False):
+            part["content"] = text[: int(len(text) * fraction)]
         return json.dumps(messages, ensure_ascii=ascii_only)
 
     def size(text: str) -> int:
@@ -345,6 +363,16 @@ def shrink_span(span: ReadableSpan, max_bytes: int) -> ReadableSpan:
         else:
             attributes[key] = value.encode("utf-8", "surrogatepass")[:budget].decode("utf-8", "ignore")
     return ReadableSpan(
-        name=span.name, context=span.context, parent=span.parent, resource=span.resource,
-        attributes=attributes, events=span.events, links=span.links, kind=span.kind, status=span.status,
-        start_time=span.start_time, end_time=span.end_time, instrumentation_scope=span.instrumentation_scope)
+        name=span.name,
+        context=span.context,
+        parent=span.parent,
+        resource=span.resource,
+        attributes=attributes,
+        events=span.events,
+        links=span.links,
+        kind=span.kind,
+        status=span.status,
+        start_time=span.start_time,
+        end_time=span.end_time,
+        instrumentation_scope=span.instrumentation_scope,
+    )

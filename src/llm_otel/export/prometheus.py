@@ -39,7 +39,8 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader  # opentelemetry-exporter-prometheus
 from prometheus_client import CollectorRegistry, start_http_server
@@ -53,8 +54,12 @@ DEFAULT_PORT = PROMETHEUS_PORT  # OpenTelemetry's default for OTEL_EXPORTER_PROM
 DEFAULT_HOST = PROMETHEUS_HOST
 
 
-def prometheus_reader(env: Mapping[str, str], role: str, port: int | None,
-                      defer: Callable[[Callable[[], bool]], bool | None] | None = None):
+def prometheus_reader(
+    env: Mapping[str, str],
+    role: str,
+    port: int | None,
+    defer: Callable[[Callable[[], bool]], bool | None] | None = None,
+):
     """A metric reader serving this process's metrics on ``port`` (from
     :func:`llm_otel.process.ports.prometheus_port`), or None (no port: a worker; or the port is
     busy: logged). ``defer``: how to start the endpoint later (a vLLM frontend binds once it serves
@@ -70,8 +75,11 @@ def prometheus_reader(env: Mapping[str, str], role: str, port: int | None,
         try:
             start_http_server(port, addr=host, registry=registry)
         except OSError as exc:
-            process_errors().report("export.prometheus.serve", exc, f"cannot serve Prometheus metrics on "
-                                    f"{host}:{port}; this {role} process's metrics are not exposed")
+            process_errors().report(
+                "export.prometheus.serve",
+                exc,
+                f"cannot serve Prometheus metrics on {host}:{port}; this {role} process's metrics are not exposed",
+            )
             return False
         logger.info("llm-otel: Prometheus metrics of this %s process on http://%s:%d/metrics", role, host, port)
         return True
@@ -92,7 +100,7 @@ class _ExemplarIndex:
         self.by_metric: dict[str, dict[frozenset, dict[str, Any]]] = {}
 
     @classmethod
-    def build(cls, metrics_data, scope_labels: bool) -> "_ExemplarIndex":
+    def build(cls, metrics_data, scope_labels: bool) -> _ExemplarIndex:
         from opentelemetry.exporter.prometheus._mapping import sanitize_attribute, sanitize_full_name
         from opentelemetry.sdk.metrics.export import Histogram
         from prometheus_client.samples import Exemplar
@@ -102,8 +110,11 @@ class _ExemplarIndex:
             for sm in rm.scope_metrics:
                 scope = {}
                 if scope_labels:
-                    scope = {"otel_scope_name": sm.scope.name or "", "otel_scope_version": sm.scope.version or "",
-                             "otel_scope_schema_url": sm.scope.schema_url or ""}
+                    scope = {
+                        "otel_scope_name": sm.scope.name or "",
+                        "otel_scope_version": sm.scope.version or "",
+                        "otel_scope_schema_url": sm.scope.schema_url or "",
+                    }
                     for key, value in (sm.scope.attributes or {}).items():
                         scope[sanitize_attribute("otel_scope_" + key)] = _label_value(value)
                 for metric in sm.metrics:
@@ -121,12 +132,15 @@ class _ExemplarIndex:
                                 continue
                             i = bisect.bisect_left(bounds, ex.value)
                             le = f"{bounds[i]}" if i < len(bounds) else "+Inf"
-                            by_le[le] = Exemplar({"trace_id": f"{ex.trace_id:032x}", "span_id": f"{ex.span_id:016x}"},
-                                                 ex.value, ex.time_unix_nano / 1e9)
+                            by_le[le] = Exemplar(
+                                {"trace_id": f"{ex.trace_id:032x}", "span_id": f"{ex.span_id:016x}"},
+                                ex.value,
+                                ex.time_unix_nano / 1e9,
+                            )
                         points[_key(labels)] = by_le  # present, even without new exemplars
         return index
 
-    def merged(self, previous: "_ExemplarIndex | None") -> "_ExemplarIndex":
+    def merged(self, previous: _ExemplarIndex | None) -> _ExemplarIndex:
         """This collection's exemplars over ``previous``'s: a bucket keeps its last exemplar until a
         newer one replaces it; series no longer collected are dropped (bounded by the SDK's series)."""
         if previous is not None:
@@ -212,8 +226,9 @@ class ExemplarPrometheusMetricReader(PrometheusMetricReader):
         super()._receive_metrics(metrics_data, timeout_millis, **kwargs)
 
     def _warn(self, exc: BaseException) -> None:
-        process_errors().report("export.prometheus.exemplars", exc,
-                                "Prometheus exemplars unavailable; metrics are exposed without them")
+        process_errors().report(
+            "export.prometheus.exemplars", exc, "Prometheus exemplars unavailable; metrics are exposed without them"
+        )
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
         self._registry.unregister(self._wrapper)

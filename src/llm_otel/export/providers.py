@@ -34,7 +34,7 @@ import logging
 import os
 import random
 import weakref
-from typing import Mapping
+from collections.abc import Mapping
 
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 
@@ -69,7 +69,7 @@ class SystemRandomIdGenerator(IdGenerator):
         return value
 
 
-_ID_GENERATORS: "weakref.WeakSet[SystemRandomIdGenerator]" = weakref.WeakSet()
+_ID_GENERATORS: weakref.WeakSet[SystemRandomIdGenerator] = weakref.WeakSet()
 
 
 def _reseed_id_generators() -> None:

@@ -4,7 +4,8 @@ used by :func:`llm_otel.process.identity.relabel` in a serving process and by th
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 
 def resource_of(provider):

@@ -108,8 +108,11 @@ class CaptureGate:
             logger.debug("llm-otel: CUDA-graph capture gate not installed (%s: %s)", type(exc).__name__, exc)
             return False
         except Exception as exc:  # noqa: BLE001 - torch moved the capture methods
-            process_errors().report("gpu.capture.install", exc, "CUDA-graph capture gate not installed; "
-                                    "device records may be taken while a graph is captured")
+            process_errors().report(
+                "gpu.capture.install",
+                exc,
+                "CUDA-graph capture gate not installed; device records may be taken while a graph is captured",
+            )
             return False
         gate = self
 
@@ -127,8 +130,10 @@ class CaptureGate:
             finally:
                 gate.capture_ended()
 
-        wrappers: tuple[tuple[str, Any, Any], ...] = (("capture_begin", capture_begin, begin),
-                                                      ("capture_end", capture_end, end))
+        wrappers: tuple[tuple[str, Any, Any], ...] = (
+            ("capture_begin", capture_begin, begin),
+            ("capture_end", capture_end, end),
+        )
         for name, fn, orig in wrappers:
             fn.__name__, fn.__qualname__, fn.__doc__ = orig.__name__, orig.__qualname__, orig.__doc__
             fn.__wrapped__ = orig

@@ -43,35 +43,52 @@ class GpuMetrics:
         self.phase = phase
 
         def util(_options: CallbackOptions) -> list[Observation]:
-            return [Observation(u, {A.HW_ID: str(i), A.LLM_ENGINE_PHASE: ph})
-                    for ph, (i, u, _used, _total) in self._read()]
+            return [
+                Observation(u, {A.HW_ID: str(i), A.LLM_ENGINE_PHASE: ph}) for ph, (i, u, _used, _total) in self._read()
+            ]
 
         def used(_options: CallbackOptions) -> list[Observation]:
-            return [Observation(b, {A.HW_ID: str(i), A.LLM_ENGINE_PHASE: ph})
-                    for ph, (i, _u, b, _total) in self._read()]
+            return [
+                Observation(b, {A.HW_ID: str(i), A.LLM_ENGINE_PHASE: ph}) for ph, (i, _u, b, _total) in self._read()
+            ]
 
         def limit(_options: CallbackOptions) -> list[Observation]:
             return [Observation(total, {A.HW_ID: str(i)}) for _ph, (i, _u, _b, total) in self._read()]
 
-        meter.create_observable_gauge(M.LLM_GPU_UTILIZATION, callbacks=[util], unit=M.LLM_GPU_UTILIZATION_UNIT,
-                                      description="GPU utilisation (NVML) with the engine phase.")
-        meter.create_observable_gauge(M.LLM_GPU_MEMORY_USAGE, callbacks=[used], unit=M.LLM_GPU_MEMORY_USAGE_UNIT,
-                                      description="GPU memory in use (NVML) with the engine phase.")
-        meter.create_observable_gauge(M.LLM_GPU_MEMORY_LIMIT, callbacks=[limit], unit=M.LLM_GPU_MEMORY_LIMIT_UNIT,
-                                      description="GPU memory size (NVML).")
+        meter.create_observable_gauge(
+            M.LLM_GPU_UTILIZATION,
+            callbacks=[util],
+            unit=M.LLM_GPU_UTILIZATION_UNIT,
+            description="GPU utilisation (NVML) with the engine phase.",
+        )
+        meter.create_observable_gauge(
+            M.LLM_GPU_MEMORY_USAGE,
+            callbacks=[used],
+            unit=M.LLM_GPU_MEMORY_USAGE_UNIT,
+            description="GPU memory in use (NVML) with the engine phase.",
+        )
+        meter.create_observable_gauge(
+            M.LLM_GPU_MEMORY_LIMIT,
+            callbacks=[limit],
+            unit=M.LLM_GPU_MEMORY_LIMIT_UNIT,
+            description="GPU memory size (NVML).",
+        )
 
     def _read(self) -> list[tuple[str, Device]]:
         try:
             devices = self.source.devices()
             phase = self.phase()
         except Exception as exc:  # noqa: BLE001 - NVMLError mid-run: no points this time
-            process_errors().report("gpu.metrics.read", exc, "NVML read failed; GPU metrics are absent until it recovers")
+            process_errors().report(
+                "gpu.metrics.read", exc, "NVML read failed; GPU metrics are absent until it recovers"
+            )
             return []
         return [(phase, d) for d in devices]
 
 
-def register_gpu_metrics(meter: Meter, phase: Callable[[], str],
-                         source: DeviceSource | None = None) -> GpuMetrics | None:
+def register_gpu_metrics(
+    meter: Meter, phase: Callable[[], str], source: DeviceSource | None = None
+) -> GpuMetrics | None:
     """The GPU gauges on ``meter`` from NVML (or ``source``); None, with one log line, without NVML."""
     if source is None:
         from llm_otel.gpu.nvml import NvmlSource

@@ -82,8 +82,9 @@ class NvmlSource:
         out = []
         for index, h in zip(self.indices, self._handles, strict=True):  # one handle per index, built together
             info = self._nvml.nvmlDeviceGetMemoryInfo(h)
-            out.append((index, self._nvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0,
-                        int(info.used), int(info.total)))
+            out.append(
+                (index, self._nvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0, int(info.used), int(info.total))
+            )
         return out
 
     def read(self) -> float:
@@ -113,7 +114,9 @@ class UtilizationPoller:
         self.available = source is not None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.owner: weakref.ref[Any] | None = None  # weakref to the tracer provider whose collection stops it (build_providers)
+        self.owner: weakref.ref[Any] | None = (
+            None  # weakref to the tracer provider whose collection stops it (build_providers)
+        )
 
     @classmethod
     def from_nvml(cls, period_s: float = 1.0, alpha: float = 0.3) -> UtilizationPoller:
@@ -135,8 +138,9 @@ class UtilizationPoller:
             self.available = False
             return None
         self.available = True
-        self.utilization = value if self.utilization is None else \
-            self.alpha * value + (1 - self.alpha) * self.utilization
+        self.utilization = (
+            value if self.utilization is None else self.alpha * value + (1 - self.alpha) * self.utilization
+        )
         return self.utilization
 
     def start(self) -> UtilizationPoller:

@@ -70,8 +70,9 @@ def request_payload(trace_id: int, span_id: int) -> np.ndarray:
 class NvtxDomain(Protocol):
     """The methods of an ``nvtx.Domain`` that :class:`NvtxRanges` calls."""
 
-    def get_event_attributes(self, message: str | None = None, color: Any = None,
-                             category: str | int | None = None, payload: Any = None) -> Any: ...
+    def get_event_attributes(
+        self, message: str | None = None, color: Any = None, category: str | int | None = None, payload: Any = None
+    ) -> Any: ...
 
     def push_range(self, attributes: Any) -> None: ...
 
@@ -135,8 +136,7 @@ class NvtxRanges:
             stack = getattr(self._tls, "stack", None)
             if stack is None:
                 stack = self._tls.stack = []
-            domain.push_range(domain.get_event_attributes(
-                message=STEP_MESSAGE, category=phase, payload=payload))
+            domain.push_range(domain.get_event_attributes(message=STEP_MESSAGE, category=phase, payload=payload))
             stack.append(step_span_id)
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
@@ -158,14 +158,11 @@ class NvtxRanges:
     def start_request(self, request_id: str, trace_id: int, span_id: int) -> None:
         """Start the request's process range (once per request id; bounded to 1M open ranges)."""
         domain = self._domain
-        if (not self.active or domain is None or request_id in self._requests
-                or len(self._requests) >= 1_000_000):
+        if not self.active or domain is None or request_id in self._requests or len(self._requests) >= 1_000_000:
             return
         try:
-            payload = (request_payload(trace_id, span_id) if self.structured_payloads
-                       else span_id_to_int64(span_id))
-            range_id = domain.start_range(domain.get_event_attributes(
-                message=REQUEST_MESSAGE, payload=payload))
+            payload = request_payload(trace_id, span_id) if self.structured_payloads else span_id_to_int64(span_id)
+            range_id = domain.start_range(domain.get_event_attributes(message=REQUEST_MESSAGE, payload=payload))
             with self._lock:
                 self._requests[request_id] = range_id
         except Exception as exc:  # noqa: BLE001

@@ -47,8 +47,7 @@ RECORD_WORDS = 5
 KIND_BEGIN = 1
 KIND_END = 2
 DEFAULT_CAPACITY: int = Settings().gpu_ring_capacity  # LLM_OTEL_GPU_RING_CAPACITY's default
-RECORD_DTYPE = np.dtype([("span_id", "<u8"), ("kind", "<u8"), ("timestamp", "<u8"), ("aux", "<u8"),
-                         ("seq", "<u8")])
+RECORD_DTYPE = np.dtype([("span_id", "<u8"), ("kind", "<u8"), ("timestamp", "<u8"), ("aux", "<u8"), ("seq", "<u8")])
 _RECORD_FIELDS: tuple[str, ...] = RECORD_DTYPE.names or ()  # structured: always named
 
 KERNEL_NAME = "llm_otel_step_record"
@@ -100,8 +99,9 @@ class RingError(RuntimeError):
 CUPY_CACHE_IN_MEMORY = "CUPY_CACHE_IN_MEMORY"
 
 
-def load_kernels(cp: Any, source: str = KERNEL_SOURCE,
-                 names: tuple[str, ...] = (KERNEL_NAME, TIMER_KERNEL_NAME)) -> list[Any]:
+def load_kernels(
+    cp: Any, source: str = KERNEL_SOURCE, names: tuple[str, ...] = (KERNEL_NAME, TIMER_KERNEL_NAME)
+) -> list[Any]:
     """Compile ``source`` with CuPy (NVRTC) and return its kernels ``names``.
 
     CuPy writes compiled kernels to its on-disk cache (``CUPY_CACHE_DIR``, default
@@ -125,16 +125,21 @@ def load_kernels(cp: Any, source: str = KERNEL_SOURCE,
         module = cp.RawModule(code=source)
         kernels = [module.get_function(name) for name in names]
     except Exception as exc:  # noqa: BLE001
-        raise RingError(f"the ring kernel does not compile: CuPy's kernel cache {cache_dir} is not writable "
-                        f"({cause}) and compiling in memory failed too ({type(exc).__name__}: {exc})") from exc
+        raise RingError(
+            f"the ring kernel does not compile: CuPy's kernel cache {cache_dir} is not writable "
+            f"({cause}) and compiling in memory failed too ({type(exc).__name__}: {exc})"
+        ) from exc
     finally:
         if previous is None:
             os.environ.pop(CUPY_CACHE_IN_MEMORY, None)
         else:
             os.environ[CUPY_CACHE_IN_MEMORY] = previous
-    logger.warning("llm-otel: CuPy's kernel cache %s is not writable (%s); the GPU step ring compiled its "
-                   "kernel in memory instead (set CUPY_CACHE_DIR to a writable directory to cache it)",
-                   cache_dir, cause)
+    logger.warning(
+        "llm-otel: CuPy's kernel cache %s is not writable (%s); the GPU step ring compiled its "
+        "kernel in memory instead (set CUPY_CACHE_DIR to a writable directory to cache it)",
+        cache_dir,
+        cause,
+    )
     return kernels
 
 
@@ -277,8 +282,7 @@ class CupyRing:
     clock = "globaltimer"
     on_device = True  # poll/calibrate run under llm_otel.gpu.capture.capture_gate
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY, device: int | None = None,
-                 max_inflight: int = 256) -> None:
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, device: int | None = None, max_inflight: int = 256) -> None:
         if capacity < 2:
             raise ValueError(f"ring capacity must be >= 2, got {capacity}")
         from llm_otel.gpu.stack import cuda_stack
@@ -289,16 +293,18 @@ class CupyRing:
         try:
             import cupy as cp
         except ImportError as exc:  # quiet only where CuPy is simply not installed
-            raise RingError(f"CuPy is not importable ({type(exc).__name__}: {exc})",
-                            expected=stack.cupy_dist is None) from exc
+            raise RingError(
+                f"CuPy is not importable ({type(exc).__name__}: {exc})", expected=stack.cupy_dist is None
+            ) from exc
         except Exception as exc:  # noqa: BLE001 - a CUDA library load error
             raise RingError(f"CuPy is not importable ({type(exc).__name__}: {exc})") from exc
         try:
             try:
                 devices = cp.cuda.runtime.getDeviceCount()
             except Exception as exc:  # noqa: BLE001 - no driver: a CPU machine with CuPy installed
-                raise RingError(f"no CUDA driver ({type(exc).__name__}: {exc})",
-                                expected=stack.torch_cuda is None) from exc
+                raise RingError(
+                    f"no CUDA driver ({type(exc).__name__}: {exc})", expected=stack.torch_cuda is None
+                ) from exc
             if devices < 1:
                 raise RingError("no CUDA device", expected=stack.torch_cuda is None)
             self._cp = cp
@@ -311,8 +317,9 @@ class CupyRing:
                 self._kernel, self._timer_kernel = load_kernels(cp)
                 nbytes = capacity * RECORD_WORDS * 8
                 self._pinned_mem = cp.cuda.alloc_pinned_memory(nbytes)
-                self._host = np.frombuffer(self._pinned_mem, dtype=np.uint64,
-                                           count=capacity * RECORD_WORDS).reshape(capacity, RECORD_WORDS)
+                self._host = np.frombuffer(self._pinned_mem, dtype=np.uint64, count=capacity * RECORD_WORDS).reshape(
+                    capacity, RECORD_WORDS
+                )
                 self._host[:] = 0
                 # private streams: never ordered with (or synchronising) the engine's stream
                 self._copy_stream = cp.cuda.Stream(non_blocking=True)
@@ -350,8 +357,11 @@ class CupyRing:
         np_u64 = np.uint64
         launch_ns = time.time_ns()
         with self._device, self._stream(stream):
-            self._kernel((1,), (1,), (self._ring, self._head, np_u64(self.capacity), np_u64(_u64(span_id)),
-                                      np_u64(kind), np_u64(launch_ns)))
+            self._kernel(
+                (1,),
+                (1,),
+                (self._ring, self._head, np_u64(self.capacity), np_u64(_u64(span_id)), np_u64(kind), np_u64(launch_ns)),
+            )
         with self._launch_lock:
             self._launched += 1
 
@@ -379,7 +389,7 @@ class CupyRing:
             upto = launched
         if done:
             with self._launch_lock:
-                del self._inflight[:len(done)]
+                del self._inflight[: len(done)]
                 self._free_events.extend(e for e, _ in done)
         if upto is None or upto <= self._reader.read:
             return np.empty(0, RECORD_DTYPE)
@@ -390,9 +400,13 @@ class CupyRing:
             first, last = start % self.capacity, (upto - 1) % self.capacity
             pieces = [(first, last + 1)] if first <= last else [(first, self.capacity), (0, last + 1)]
             for a, b in pieces:
-                cp.cuda.runtime.memcpyAsync(self._host.ctypes.data + a * row_bytes,
-                                            self._ring.data.ptr + a * row_bytes, (b - a) * row_bytes,
-                                            cp.cuda.runtime.memcpyDeviceToHost, self._copy_stream.ptr)
+                cp.cuda.runtime.memcpyAsync(
+                    self._host.ctypes.data + a * row_bytes,
+                    self._ring.data.ptr + a * row_bytes,
+                    (b - a) * row_bytes,
+                    cp.cuda.runtime.memcpyDeviceToHost,
+                    self._copy_stream.ptr,
+                )
             self._copy_done.record(self._copy_stream)
             self._copy_done.synchronize()  # our private copy stream only
         records = self._reader.collect(self._host, upto)

@@ -50,11 +50,16 @@ class CudaStack:
     def advice(self) -> str:
         """One sentence naming both versions and the extra to install (for a mismatch)."""
         extra = EXTRA_FOR_MAJOR.get(self.torch_cuda_major or -1)
-        fix = (f"pip uninstall {self.cupy_dist} && pip install '{extra}'" if extra
-               else f"install the CuPy wheel for CUDA {self.torch_cuda_major}")
-        return (f"CuPy ({self.cupy_dist}, CUDA {self.cupy_cuda_major}) and torch (CUDA {self.torch_cuda}) "
-                f"use different CUDA majors; the GPU step ring cannot compile its kernel and step "
-                f"timing falls back to the host clock. Fix: {fix}")
+        fix = (
+            f"pip uninstall {self.cupy_dist} && pip install '{extra}'"
+            if extra
+            else f"install the CuPy wheel for CUDA {self.torch_cuda_major}"
+        )
+        return (
+            f"CuPy ({self.cupy_dist}, CUDA {self.cupy_cuda_major}) and torch (CUDA {self.torch_cuda}) "
+            f"use different CUDA majors; the GPU step ring cannot compile its kernel and step "
+            f"timing falls back to the host clock. Fix: {fix}"
+        )
 
 
 def installed_cupy() -> tuple[str | None, int | None]:

@@ -32,8 +32,16 @@ from typing import Any
 
 from llm_otel.errors import process_errors
 from llm_otel.gpu.capture import capture_gate
-from llm_otel.gpu.ring import (DEFAULT_CAPACITY, KIND_BEGIN, KIND_END, CupyRing, RingBackend, RingError,
-                               fallback_warning, make_ring)
+from llm_otel.gpu.ring import (
+    DEFAULT_CAPACITY,
+    KIND_BEGIN,
+    KIND_END,
+    CupyRing,
+    RingBackend,
+    RingError,
+    fallback_warning,
+    make_ring,
+)
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import metrics as M
 
@@ -57,9 +65,19 @@ class DeviceTimeline:
         start_thread: False for tests that drive :meth:`drain` themselves.
     """
 
-    def __init__(self, errors: Any, meter: Any, *, backend: Any = "auto", capacity: int = DEFAULT_CAPACITY,
-                 drain_period_s: float = 0.005, step_timeout_s: float = 10.0, calibrate_every_s: float = 10.0,
-                 max_pending: int = 65536, start_thread: bool = True) -> None:
+    def __init__(
+        self,
+        errors: Any,
+        meter: Any,
+        *,
+        backend: Any = "auto",
+        capacity: int = DEFAULT_CAPACITY,
+        drain_period_s: float = 0.005,
+        step_timeout_s: float = 10.0,
+        calibrate_every_s: float = 10.0,
+        max_pending: int = 65536,
+        start_thread: bool = True,
+    ) -> None:
         self._errors = errors
         self.ring: RingBackend | None = None
         self._ready = threading.Event()
@@ -69,8 +87,9 @@ class DeviceTimeline:
             # importing CuPy and compiling the kernel take up to seconds: never on the engine's
             # step; steps begun before the ring is ready simply carry no device times
             device = _current_cuda_device()
-            threading.Thread(target=self._build_ring, args=(backend, capacity, device),
-                             name="llm-otel-gpu-ring-init", daemon=True).start()
+            threading.Thread(
+                target=self._build_ring, args=(backend, capacity, device), name="llm-otel-gpu-ring-init", daemon=True
+            ).start()
         else:
             self._build_ring(backend, capacity, None)
         self.step_timeout_s = step_timeout_s
@@ -87,12 +106,13 @@ class DeviceTimeline:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._start_thread = start_thread
-        self.counts = {"steps": 0, "completed_with_device": 0, "completed_without_device": 0,
-                       "overwritten": 0}
+        self.counts = {"steps": 0, "completed_with_device": 0, "completed_without_device": 0, "overwritten": 0}
         if meter is not None:
             self._counter = meter.create_counter(
-                M.LLM_OTEL_GPU_RING_OVERWRITTEN, unit=M.LLM_OTEL_GPU_RING_OVERWRITTEN_UNIT,
-                description="Step records the device ring buffer overwrote before the drain read them.")
+                M.LLM_OTEL_GPU_RING_OVERWRITTEN,
+                unit=M.LLM_OTEL_GPU_RING_OVERWRITTEN_UNIT,
+                description="Step records the device ring buffer overwrote before the drain read them.",
+            )
 
     def _build_ring(self, backend: Any, capacity: int, device: int | None) -> None:
         try:
@@ -193,8 +213,11 @@ class DeviceTimeline:
                         ctx.queue_delay_ns = max(0, ts - int(rec["aux"]))
                     else:
                         ctx.device_end_ns = ts
-                    if ctx.device_begin_ns is not None and ctx.device_end_ns is not None \
-                            and ctx.end_launch_ns is not None:
+                    if (
+                        ctx.device_begin_ns is not None
+                        and ctx.device_end_ns is not None
+                        and ctx.end_launch_ns is not None
+                    ):
                         finished.append(self._pending.pop(ctx.span_id))
         now = time.monotonic()
         if now - self._last_scan < 1.0 and self.ring is not None:
@@ -246,9 +269,13 @@ class DeviceTimeline:
         ring, self.ring = self.ring, None
         if ring is None:
             return
-        logger.warning("llm-otel: GPU step timing turned off after a %s ring error (%s: %s); "
-                       "the engine continues, step spans no longer carry device times",
-                       ring.name, type(exc).__name__, exc)
+        logger.warning(
+            "llm-otel: GPU step timing turned off after a %s ring error (%s: %s); "
+            "the engine continues, step spans no longer carry device times",
+            ring.name,
+            type(exc).__name__,
+            exc,
+        )
         try:
             ring.close()
         except Exception:  # noqa: BLE001 - silent: cleanup after the failure reported above

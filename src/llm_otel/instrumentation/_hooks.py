@@ -8,7 +8,8 @@ import importlib.util
 import logging
 import os
 import threading
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import wrapt
 
@@ -120,11 +121,17 @@ def apply_hooks(hooks: list[Hook], adapter: Any, engine: str) -> list[AppliedHoo
         if _absent_dependency(hook, exc):
             if exc.name not in absent:  # type: ignore[attr-defined]
                 absent.add(exc.name)  # type: ignore[attr-defined]
-                logger.debug("llm-otel: %s: %s is not installed; the hooks in modules that need it are skipped",
-                             engine, exc.name)  # type: ignore[attr-defined]
+                logger.debug(
+                    "llm-otel: %s: %s is not installed; the hooks in modules that need it are skipped", engine, exc.name
+                )  # type: ignore[attr-defined]
             continue
-        logger.warning("llm-otel: %s hook target %s not found (%s: %s); this hook is skipped, "
-                       "the others keep working", engine, hook.qualname, type(exc).__name__, exc)
+        logger.warning(
+            "llm-otel: %s hook target %s not found (%s: %s); this hook is skipped, the others keep working",
+            engine,
+            hook.qualname,
+            type(exc).__name__,
+            exc,
+        )
     return applied
 
 
@@ -167,12 +174,18 @@ def configuration_refused(engine: str, exc: BaseException) -> None:
     if not _CONFIG_ERROR_LOGGED[0]:
         _CONFIG_ERROR_LOGGED[0] = True
         if os.environ.get(REFUSED_ENV) == message:
-            logger.debug("llm-otel: invalid configuration, %s (reported by a parent process); llm-otel "
-                         "instruments nothing in this process", exc)
+            logger.debug(
+                "llm-otel: invalid configuration, %s (reported by a parent process); llm-otel "
+                "instruments nothing in this process",
+                exc,
+            )
             return
         os.environ[REFUSED_ENV] = message
-        logger.error("llm-otel: invalid configuration, %s; llm-otel instruments nothing in this process "
-                     "(other OpenTelemetry instrumentations are unaffected)", exc)
+        logger.error(
+            "llm-otel: invalid configuration, %s; llm-otel instruments nothing in this process "
+            "(other OpenTelemetry instrumentations are unaffected)",
+            exc,
+        )
     else:
         logger.debug("llm-otel: %s not instrumented: %s", engine, exc)
 

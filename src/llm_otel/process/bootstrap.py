@@ -17,7 +17,8 @@ resources are re-labelled after ``os.fork`` by :mod:`llm_otel.process.identity`.
 from __future__ import annotations
 
 import multiprocessing.util
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from llm_otel.errors import guard
 
@@ -53,8 +54,9 @@ def at_spawned_bootstrap(callback: Callable[[Any], None]) -> None:
         def _run():
             self.__dict__.pop("run", None)
             for call in callbacks:
-                with guard("instrumentation.process_bootstrap",
-                           message="could not label or set up this process at its start"):
+                with guard(
+                    "instrumentation.process_bootstrap", message="could not label or set up this process at its start"
+                ):
                     call(self)
             return run()
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 logger = logging.getLogger("llm_otel")
 
 _fork_callbacks: list[Callable[[], None]] = []
-_restartable: "weakref.WeakSet" = weakref.WeakSet()
+_restartable: weakref.WeakSet = weakref.WeakSet()
 
 
 def _log_failure(site: str, exc: BaseException, message: str) -> None:

@@ -54,7 +54,8 @@ import socket
 import sys
 import uuid
 import weakref
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from llm_otel.errors import process_errors
 from llm_otel.export.resources import resource_of as _resource_of
@@ -82,8 +83,9 @@ def inherited_instance_id(env: Mapping[str, str] | None = None) -> str | None:
     return None
 
 
-def _suffix(role: str, api_server_index: int | None, dp_rank: int | None, pp_rank: int | None,
-            tp_rank: int | None, pid: int) -> str:
+def _suffix(
+    role: str, api_server_index: int | None, dp_rank: int | None, pp_rank: int | None, tp_rank: int | None, pid: int
+) -> str:
     parts = [role]
     for prefix, value in (("api", api_server_index), ("dp", dp_rank), ("pp", pp_rank), ("tp", tp_rank)):
         if value is not None:
@@ -92,9 +94,17 @@ def _suffix(role: str, api_server_index: int | None, dp_rank: int | None, pp_ran
     return ".".join(parts)
 
 
-def process_identity(role: str, *, process_name: str | None = None, api_server_index: int | None = None,
-                     dp_rank: int | None = None, tp_rank: int | None = None, pp_rank: int | None = None,
-                     ray: bool | None = None, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+def process_identity(
+    role: str,
+    *,
+    process_name: str | None = None,
+    api_server_index: int | None = None,
+    dp_rank: int | None = None,
+    tp_rank: int | None = None,
+    pp_rank: int | None = None,
+    ray: bool | None = None,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
     """Resource attributes identifying this process (any engine).
 
     ``role``: ``llm.process.role`` (``frontend``, ``engine_core``, ``worker``, or an engine's own
@@ -125,9 +135,14 @@ def process_identity(role: str, *, process_name: str | None = None, api_server_i
     attrs[A.SERVICE_INSTANCE_ID] = instance
     if inherited:
         attrs[A.LLM_PROCESS_INHERITED_INSTANCE_ID] = inherited
-    for key, value in ((A.LLM_PROCESS_NAME, process_name), (A.LLM_PROCESS_API_SERVER_INDEX, api_server_index),
-                       (A.LLM_PROCESS_DATA_PARALLEL_RANK, dp_rank), (A.LLM_PROCESS_TENSOR_PARALLEL_RANK, tp_rank),
-                       (A.LLM_PROCESS_PIPELINE_PARALLEL_RANK, pp_rank), (A.LLM_PROCESS_RAY, ray)):
+    for key, value in (
+        (A.LLM_PROCESS_NAME, process_name),
+        (A.LLM_PROCESS_API_SERVER_INDEX, api_server_index),
+        (A.LLM_PROCESS_DATA_PARALLEL_RANK, dp_rank),
+        (A.LLM_PROCESS_TENSOR_PARALLEL_RANK, tp_rank),
+        (A.LLM_PROCESS_PIPELINE_PARALLEL_RANK, pp_rank),
+        (A.LLM_PROCESS_RAY, ray),
+    ):
         if value is not None:
             attrs[key] = value
     return attrs
@@ -135,11 +150,21 @@ def process_identity(role: str, *, process_name: str | None = None, api_server_i
 
 # --- re-labelling: resources of processes that learn their role late ---------------------------
 # identity keys a relabel replaces, and the process_identity() keyword each comes from
-_LABELS = {A.LLM_PROCESS_NAME: "process_name", A.LLM_PROCESS_API_SERVER_INDEX: "api_server_index",
-           A.LLM_PROCESS_DATA_PARALLEL_RANK: "dp_rank", A.LLM_PROCESS_TENSOR_PARALLEL_RANK: "tp_rank",
-           A.LLM_PROCESS_PIPELINE_PARALLEL_RANK: "pp_rank", A.LLM_PROCESS_RAY: "ray"}
-_IDENTITY_KEYS = frozenset(_LABELS) | {A.LLM_PROCESS_ROLE, A.PROCESS_PID, A.HOST_NAME, A.SERVICE_INSTANCE_ID,
-                                       A.LLM_PROCESS_INHERITED_INSTANCE_ID}
+_LABELS = {
+    A.LLM_PROCESS_NAME: "process_name",
+    A.LLM_PROCESS_API_SERVER_INDEX: "api_server_index",
+    A.LLM_PROCESS_DATA_PARALLEL_RANK: "dp_rank",
+    A.LLM_PROCESS_TENSOR_PARALLEL_RANK: "tp_rank",
+    A.LLM_PROCESS_PIPELINE_PARALLEL_RANK: "pp_rank",
+    A.LLM_PROCESS_RAY: "ray",
+}
+_IDENTITY_KEYS = frozenset(_LABELS) | {
+    A.LLM_PROCESS_ROLE,
+    A.PROCESS_PID,
+    A.HOST_NAME,
+    A.SERVICE_INSTANCE_ID,
+    A.LLM_PROCESS_INHERITED_INSTANCE_ID,
+}
 # the providers llm-otel built in this process (weakly): their *current* resource is re-labelled
 # (SDK 1.45+ replaces a provider's resource with a merged copy after fork, in its own fork hook)
 _TRACKED: list[weakref.ref] = []
@@ -149,7 +174,7 @@ _FORK_HOOKS = [0]  # after-fork re-label hooks registered (track); the newest on
 def _tracked() -> list:
     """The distinct current resources of the live tracked providers."""
     providers = [r() for r in _TRACKED]
-    _TRACKED[:] = [ref for ref, provider in zip(_TRACKED, providers) if provider is not None]
+    _TRACKED[:] = [ref for ref, provider in zip(_TRACKED, providers, strict=False) if provider is not None]
     out: list = []
     for provider in providers:
         resource = _resource_of(provider) if provider is not None else None
@@ -170,8 +195,9 @@ def track(*providers) -> None:
                 # service.instance.id, a UUID, in it), so the child's identity is the last word.
                 # Only the newest such hook re-labels: it runs after every tracked provider's own
                 _FORK_HOOKS[0] += 1
-                os.register_at_fork(after_in_child=lambda n=_FORK_HOOKS[0]: n == _FORK_HOOKS[0]
-                                    and _relabel_after_fork())
+                os.register_at_fork(
+                    after_in_child=lambda n=_FORK_HOOKS[0]: n == _FORK_HOOKS[0] and _relabel_after_fork()
+                )
 
 
 def tracked_identity() -> dict[str, Any] | None:
@@ -182,9 +208,16 @@ def tracked_identity() -> dict[str, Any] | None:
     return None
 
 
-def relabel(role: str, *, process_name: str | None = None, api_server_index: int | None = None,
-            dp_rank: int | None = None, tp_rank: int | None = None, pp_rank: int | None = None,
-            ray: bool | None = None) -> dict[str, Any] | None:
+def relabel(
+    role: str,
+    *,
+    process_name: str | None = None,
+    api_server_index: int | None = None,
+    dp_rank: int | None = None,
+    tp_rank: int | None = None,
+    pp_rank: int | None = None,
+    ray: bool | None = None,
+) -> dict[str, Any] | None:
     """Give every tracked resource of this process (:func:`track`) the identity of ``role`` with
     these indices (see :func:`process_identity`; indices left None are removed), keeping every
     other attribute (service name, detectors' attributes). Call it before the process makes spans
@@ -194,8 +227,15 @@ def relabel(role: str, *, process_name: str | None = None, api_server_index: int
     if not resources:
         return None
     try:
-        made = process_identity(role, process_name=process_name, api_server_index=api_server_index,
-                                dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank, ray=ray)
+        made = process_identity(
+            role,
+            process_name=process_name,
+            api_server_index=api_server_index,
+            dp_rank=dp_rank,
+            tp_rank=tp_rank,
+            pp_rank=pp_rank,
+            ray=ray,
+        )
         for resource in resources:
             kept = {k: v for k, v in resource.attributes.items() if k not in _IDENTITY_KEYS}
             if A.PROCESS_PARENT_PID in kept:
@@ -205,12 +245,14 @@ def relabel(role: str, *, process_name: str | None = None, api_server_index: int
             changed = getattr(ref(), "resource_changed", None)
             if changed is not None:
                 changed()
-        logger.debug("llm-otel: this process (pid %d) is a %s process: %s", os.getpid(), role,
-                     made.get(A.SERVICE_INSTANCE_ID))
+        logger.debug(
+            "llm-otel: this process (pid %d) is a %s process: %s", os.getpid(), role, made.get(A.SERVICE_INSTANCE_ID)
+        )
         return made
     except Exception as exc:  # noqa: BLE001 - identity must never stop the engine process
-        process_errors().report("process.identity.relabel", exc,
-                                f"could not re-label this process's resource as {role}")
+        process_errors().report(
+            "process.identity.relabel", exc, f"could not re-label this process's resource as {role}"
+        )
         return None
 
 
@@ -255,8 +297,9 @@ def generic_process_identity(role: str | None = None, env: Mapping[str, str] | N
     """What any process can tell about itself: ``role`` (default ``frontend``), its multiprocessing
     name (none for ``MainProcess``), whether it is a Ray worker, pid, host and instance id."""
     name = multiprocessing.current_process().name
-    return process_identity(role or "frontend", process_name=None if name == "MainProcess" else name,
-                            ray=in_ray_worker(), env=env)
+    return process_identity(
+        role or "frontend", process_name=None if name == "MainProcess" else name, ray=in_ray_worker(), env=env
+    )
 
 
 def current_process_identity(role: str | None = None, env: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -268,5 +311,7 @@ def current_process_identity(role: str | None = None, env: Mapping[str, str] | N
     try:
         return generic_process_identity(role, env)
     except Exception as exc:  # noqa: BLE001 - identity must never stop the engine process
-        process_errors().report("process.identity.generic", exc, "process identity incomplete; only role and pid are set")
+        process_errors().report(
+            "process.identity.generic", exc, "process identity incomplete; only role and pid are set"
+        )
         return process_identity(role or "frontend", env=env)

@@ -42,20 +42,30 @@ import os
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from llm_otel.errors import guard, process_errors
 from llm_otel.export.exporters import DEFAULT_DEADLINE_S
 from llm_otel.process.forks import on_fork_child, report_failures_with, restart_in_fork_child
 
-__all__ = ["ProcessLifecycle", "lifecycle", "begin_shutdown", "create_flush_dir", "mark_started", "wait_flushed",
-           "on_fork_child", "restart_in_fork_child", "DEFAULT_DEADLINE_S", "FLUSH_DIR_ENV"]
+__all__ = [
+    "ProcessLifecycle",
+    "lifecycle",
+    "begin_shutdown",
+    "create_flush_dir",
+    "mark_started",
+    "wait_flushed",
+    "on_fork_child",
+    "restart_in_fork_child",
+    "DEFAULT_DEADLINE_S",
+    "FLUSH_DIR_ENV",
+]
 
 logger = logging.getLogger("llm_otel")
 
 
 _lock = threading.Lock()
-_current: "ProcessLifecycle | None" = None
+_current: ProcessLifecycle | None = None
 
 
 class ProcessLifecycle:
@@ -97,7 +107,7 @@ class ProcessLifecycle:
         multiprocessing.util.Finalize(None, self.flush, exitpriority=10)
 
     @staticmethod
-    def _after_multiprocessing_fork(self: "ProcessLifecycle") -> None:
+    def _after_multiprocessing_fork(self: ProcessLifecycle) -> None:
         # multiprocessing clears its finalizer registry in a forked child: register again
         self._register_finalizer()
 
@@ -175,10 +185,14 @@ class ProcessLifecycle:
             if self._reported:
                 return
             self._reported = True
-        message = "llm-otel: final flush of the %s process (pid %d) %s; not delivered: %s" % (
-            self.role, os.getpid(),
-            f"gave up after {self.deadline_s:g} s (LLM_OTEL_FLUSH_DEADLINE_S)" if not done
-            else "finished with export errors", self._undelivered())
+        message = "llm-otel: final flush of the {} process (pid {}) {}; not delivered: {}".format(
+            self.role,
+            os.getpid(),
+            f"gave up after {self.deadline_s:g} s (LLM_OTEL_FLUSH_DEADLINE_S)"
+            if not done
+            else "finished with export errors",
+            self._undelivered(),
+        )
         if logger.hasHandlers():
             logger.warning(message)
         else:
@@ -220,8 +234,13 @@ class ProcessLifecycle:
             done = not worker.is_alive()
         self.flush_seconds = time.monotonic() - start
         self.complete = done and not self._failures() and not self._reported
-        logger.debug("llm-otel: final flush of the %s process done=%s complete=%s in %.3f s", self.role, done,
-                     self.complete, time.monotonic() - start)
+        logger.debug(
+            "llm-otel: final flush of the %s process done=%s complete=%s in %.3f s",
+            self.role,
+            done,
+            self.complete,
+            time.monotonic() - start,
+        )
         _mark("flushed")
         if not self.complete:
             self._report(done)
@@ -258,8 +277,9 @@ class ProcessLifecycle:
         self._failed_before = {id(e): getattr(e, "failed", 0) for e in self.exporters}
 
     def _failures(self) -> int:
-        return sum(self._failed(e) + getattr(e, "in_flight", 0) for e in self.exporters
-                   if not getattr(e, "disowned", False))
+        return sum(
+            self._failed(e) + getattr(e, "in_flight", 0) for e in self.exporters if not getattr(e, "disowned", False)
+        )
 
     def _failed(self, exporter) -> int:
         return max(0, getattr(exporter, "failed", 0) - self._failed_before.get(id(exporter), 0))
@@ -341,8 +361,12 @@ def create_flush_dir() -> str | None:
     # only a directory an ancestor llm-otel process made (private, ours to write): anything else in
     # the variable - a user's directory, one that is read-only, a stale one - would let the marks
     # of other processes or failed writes stop the wait early
-    if current and os.path.basename(current).startswith("llm-otel-flush-") and os.path.isdir(current) \
-            and os.access(current, os.W_OK | os.X_OK):
+    if (
+        current
+        and os.path.basename(current).startswith("llm-otel-flush-")
+        and os.path.isdir(current)
+        and os.access(current, os.W_OK | os.X_OK)
+    ):
         return current
     import shutil
     import tempfile

@@ -38,7 +38,7 @@ import multiprocessing
 import os
 import re
 import threading
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from llm_otel.config import prometheus_base_port
 from llm_otel.errors import guard
@@ -74,8 +74,13 @@ def engine_core_port(base: int, dp_rank: int) -> int:
     return base + 1 + dp_rank
 
 
-def scheme(prometheus_base: int | None, api_servers: int = 1, dp_size: int = 1, health_base: int | None = None,
-           serving_ports: tuple[int, ...] = ()) -> tuple[list[tuple[str, str, int]], list[str]]:
+def scheme(
+    prometheus_base: int | None,
+    api_servers: int = 1,
+    dp_size: int = 1,
+    health_base: int | None = None,
+    serving_ports: tuple[int, ...] = (),
+) -> tuple[list[tuple[str, str, int]], list[str]]:
     """The ports of a topology: ``([(process, endpoint, port)], [collision, ...])``.
 
     ``api_servers``: API server processes (``--api-server-count``, 1 = the launcher serves);
@@ -92,8 +97,13 @@ def scheme(prometheus_base: int | None, api_servers: int = 1, dp_size: int = 1, 
             rows.append((name, "healthz", frontend_port(health_base, i)))
     if prometheus_base is not None:
         for r in range(max(1, dp_size)):
-            rows.append((f"EngineCore_DP{r}" if dp_size > 1 else "engine_core", "prometheus",
-                         engine_core_port(prometheus_base, r)))
+            rows.append(
+                (
+                    f"EngineCore_DP{r}" if dp_size > 1 else "engine_core",
+                    "prometheus",
+                    engine_core_port(prometheus_base, r),
+                )
+            )
     problems: list[str] = []
     users: dict[int, str] = {p: f"the engine's own port {p}" for p in serving_ports}
     for process, endpoint, port in rows:
@@ -179,8 +189,11 @@ def prometheus_reader_from_env(env: Mapping[str, str] | None = None, role: str =
     try:
         import llm_otel.export.prometheus  # noqa: F401 - needs opentelemetry-exporter-prometheus
     except ImportError as exc:
-        logger.warning("llm-otel: OTEL_METRICS_EXPORTER=prometheus needs opentelemetry-exporter-prometheus "
-                       "(pip install 'llm-otel[prometheus]'): %s; metrics are not exported", exc)
+        logger.warning(
+            "llm-otel: OTEL_METRICS_EXPORTER=prometheus needs opentelemetry-exporter-prometheus "
+            "(pip install 'llm-otel[prometheus]'): %s; metrics are not exported",
+            exc,
+        )
         return None
     return prometheus_reader(env, role)
 

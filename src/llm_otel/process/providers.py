@@ -32,7 +32,8 @@ import os
 import sys
 import threading
 import weakref
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider
@@ -114,8 +115,14 @@ def telemetry_on_first_use(kwargs: dict[str, Any], scope: str):
     sampling = kwargs.get("sampling")
     if tracer_provider is None and meter_provider is None:
         sampling = ensure_providers(kwargs["settings"]) or sampling
-    return Telemetry(tracer_provider, meter_provider, kwargs["settings"], scope=scope, sampling=sampling,
-                     outlets=request_outlets(tracer_provider, meter_provider))
+    return Telemetry(
+        tracer_provider,
+        meter_provider,
+        kwargs["settings"],
+        scope=scope,
+        sampling=sampling,
+        outlets=request_outlets(tracer_provider, meter_provider),
+    )
 
 
 def global_where_none(tracer_provider) -> bool:
@@ -145,19 +152,23 @@ def exporters_of(provider) -> list:
         found.append(getattr(inner, "_exporter", None) or getattr(processor, "span_exporter", None))
     readers = getattr(getattr(provider, "_sdk_config", None), "metric_readers", ()) or ()
     found.extend(getattr(reader, "_exporter", None) for reader in readers)
-    return [e for e in found if isinstance(e, (ProcessSpanExporter, ProcessMetricExporter, OffloadBuffer, MetricAccount))]
+    return [
+        e for e in found if isinstance(e, (ProcessSpanExporter, ProcessMetricExporter, OffloadBuffer, MetricAccount))
+    ]
 
 
-def build_providers(settings: Settings, env: Mapping[str, str] | None = None,
-                    stream=None, shutdown_on_exit: bool = True) -> tuple[TracerProvider, MeterProvider]:
+def build_providers(
+    settings: Settings, env: Mapping[str, str] | None = None, stream=None, shutdown_on_exit: bool = True
+) -> tuple[TracerProvider, MeterProvider]:
     """Tracer and meter providers for this process (:func:`build_providers_and_sampling` without
     the sampler's parts)."""
     tracer_provider, meter_provider, _ = build_providers_and_sampling(settings, env, stream, shutdown_on_exit)
     return tracer_provider, meter_provider
 
 
-def build_providers_and_sampling(settings: Settings, env: Mapping[str, str] | None = None, stream=None,
-                                 shutdown_on_exit: bool = True) -> tuple[TracerProvider, MeterProvider, Sampling | None]:
+def build_providers_and_sampling(
+    settings: Settings, env: Mapping[str, str] | None = None, stream=None, shutdown_on_exit: bool = True
+) -> tuple[TracerProvider, MeterProvider, Sampling | None]:
     """Tracer and meter providers for this process, configured from ``settings`` and the exporter
     variables of ``env`` (``os.environ``), and the parts of llm-otel's adaptive sampler the tracer
     provider uses (:class:`llm_otel.sampling.Sampling`: root sampler, poller, engine occupancy,
@@ -179,16 +190,26 @@ def build_providers_and_sampling(settings: Settings, env: Mapping[str, str] | No
     poller = sampling.poller if sampling is not None else None
     span_exporter = span_exporter_from_env(env)
     offload = span_exporter is not None and settings.export_process
-    tracer_provider = TracerProvider(resource=resource, id_generator=SystemRandomIdGenerator(), sampler=sampler,
-                                     shutdown_on_exit=shutdown_on_exit and not offload)
+    tracer_provider = TracerProvider(
+        resource=resource,
+        id_generator=SystemRandomIdGenerator(),
+        sampler=sampler,
+        shutdown_on_exit=shutdown_on_exit and not offload,
+    )
     if offload:
         # spans leave this process as compact records; the SDK provider above is only the
         # source of its sampler (the env default when None) and id generator
         from llm_otel.export.offload import OffloadTracerProvider
 
         span_exporter.shutdown()  # its twin is built in the exporter process
-        tracer_provider = OffloadTracerProvider(resource, tracer_provider.sampler, tracer_provider.id_generator,
-                                                span_exporter.endpoint, settings.export_process_buffer, env)
+        tracer_provider = OffloadTracerProvider(
+            resource,
+            tracer_provider.sampler,
+            tracer_provider.id_generator,
+            span_exporter.endpoint,
+            settings.export_process_buffer,
+            env,
+        )
         span_exporter = tracer_provider.buffer
     if poller is not None:
         # the poller's thread ends with the provider that reads it. A weakref callback, not
@@ -256,8 +277,11 @@ def register_utilization_gauge(meter_provider, poller) -> None:
         return [] if value is None else [Observation(value)]
 
     meter_provider.get_meter("llm_otel").create_observable_gauge(
-        M.HW_GPU_UTILIZATION, callbacks=[observe], unit=M.HW_GPU_UTILIZATION_UNIT,
-        description="Smoothed utilisation of the GPUs this process uses (0-1).")
+        M.HW_GPU_UTILIZATION,
+        callbacks=[observe],
+        unit=M.HW_GPU_UTILIZATION_UNIT,
+        description="Smoothed utilisation of the GPUs this process uses (0-1).",
+    )
 
 
 def engine_process_providers(role: str, env: Mapping[str, str] | None = None):
@@ -283,8 +307,9 @@ def engine_process_providers(role: str, env: Mapping[str, str] | None = None):
         try:
             prometheus = prometheus_reader_from_env(env, role=role)  # engine core: port + 1 + DP rank
         except Exception as exc:  # noqa: BLE001 - a bad port must not stop the engine process
-            process_errors().report("instrumentation.vllm.plugin.prometheus", exc,
-                                    f"no Prometheus endpoint in this {role} process")
+            process_errors().report(
+                "instrumentation.vllm.plugin.prometheus", exc, f"no Prometheus endpoint in this {role} process"
+            )
             prometheus = None
         if prometheus is not None:
             readers.append(prometheus)

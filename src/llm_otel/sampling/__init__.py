@@ -31,9 +31,29 @@ from llm_otel.sampling.occupancy import (
     utilization_is_gpu,
 )
 from llm_otel.sampling.policy import QUANT_BITS, UtilizationPolicy, quantize_threshold
-from llm_otel.sampling.sampler import (AdaptiveRootSampler, Sampling, adaptive_sampler, decides_children_by_parent,
-                                      sampling_of, traces_sampler_factory)
+from llm_otel.sampling.sampler import (
+    AdaptiveRootSampler,
+    Sampling,
+    adaptive_sampler,
+    decides_children_by_parent,
+    sampling_of,
+    traces_sampler_factory,
+)
 
-__all__ = ["UtilizationPolicy", "DriftDetector", "AdaptiveRootSampler", "EngineOccupancy", "TraceBudget",
-           "adaptive_sampler", "trace_budget", "traces_sampler_factory", "quantize_threshold", "Sampling",
-           "sampling_of", "default_poller", "utilization_is_gpu", "decides_children_by_parent", "QUANT_BITS"]
+__all__ = [
+    "UtilizationPolicy",
+    "DriftDetector",
+    "AdaptiveRootSampler",
+    "EngineOccupancy",
+    "TraceBudget",
+    "adaptive_sampler",
+    "trace_budget",
+    "traces_sampler_factory",
+    "quantize_threshold",
+    "Sampling",
+    "sampling_of",
+    "default_poller",
+    "utilization_is_gpu",
+    "decides_children_by_parent",
+    "QUANT_BITS",
+]

@@ -47,8 +47,14 @@ class TraceBudget:
     Raises ValueError unless ``traces_per_s > 0`` and the times are positive.
     """
 
-    def __init__(self, traces_per_s: float, burst_s: float = 1.0, time_constant_s: float = 0.25,
-                 horizon_s: float = 0.125, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        traces_per_s: float,
+        burst_s: float = 1.0,
+        time_constant_s: float = 0.25,
+        horizon_s: float = 0.125,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not (traces_per_s > 0 and burst_s > 0 and time_constant_s > 0 and horizon_s > 0):
             raise ValueError("need traces_per_s > 0, burst_s > 0, time_constant_s > 0, horizon_s > 0")
         self.traces_per_s = float(traces_per_s)

@@ -12,6 +12,7 @@ import numpy as np
 
 __all__ = ["DriftDetector", "DriftListener"]
 
+
 class DriftDetector:
     """Sustained P99 latency rise detector (TTFT and inter-token latency, seconds).
 
@@ -20,8 +21,15 @@ class DriftDetector:
     15 %) in ``consecutive`` windows in a row starts a boost lasting ``cooldown_s`` seconds.
     """
 
-    def __init__(self, window_s: float = 10.0, rise: float = 0.15, consecutive: int = 3,
-                 cooldown_s: float = 60.0, baseline_windows: int = 6, min_samples: int = 20) -> None:
+    def __init__(
+        self,
+        window_s: float = 10.0,
+        rise: float = 0.15,
+        consecutive: int = 3,
+        cooldown_s: float = 60.0,
+        baseline_windows: int = 6,
+        min_samples: int = 20,
+    ) -> None:
         self.window_s, self.rise, self.consecutive = window_s, rise, consecutive
         self.cooldown_s, self.min_samples = cooldown_s, min_samples
         self._series: dict[str, list[float]] = {}

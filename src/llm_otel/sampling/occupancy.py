@@ -16,6 +16,7 @@ __all__ = ["EngineOccupancy", "utilization_is_gpu", "default_poller"]
 
 logger = logging.getLogger("llm_otel")
 
+
 class EngineOccupancy:
     """A ``SignalSource`` for hosts without NVML: how full the serving engines' batches are.
 

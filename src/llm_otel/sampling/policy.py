@@ -32,7 +32,6 @@ def quantize_threshold(probability: float) -> int:
     return threshold
 
 
-
 class UtilizationPolicy:
     """Maps smoothed utilisation in [0, 1] to a sampling probability.
 
@@ -43,14 +42,30 @@ class UtilizationPolicy:
     (relative), so it does not flap with noisy utilisation.
     """
 
-    def __init__(self, floor: float = 0.01, ceiling: float = 1.0, low: float = 0.5, high: float = 0.95,
-                 max_step: float = 2.0, hysteresis: float = 0.1, interval_s: float = 1.0,
-                 base: float | None = None) -> None:
+    def __init__(
+        self,
+        floor: float = 0.01,
+        ceiling: float = 1.0,
+        low: float = 0.5,
+        high: float = 0.95,
+        max_step: float = 2.0,
+        hysteresis: float = 0.1,
+        interval_s: float = 1.0,
+        base: float | None = None,
+    ) -> None:
         base = ceiling if base is None else base
-        if not (0 < floor <= ceiling <= 1 and 0 <= low < high <= 1 and max_step >= 1 and hysteresis >= 0
-                and interval_s >= 0 and floor <= base <= ceiling):
-            raise ValueError("need 0 < floor <= base <= ceiling <= 1, 0 <= low < high <= 1, max_step >= 1, "
-                             "hysteresis >= 0, interval_s >= 0")
+        if not (
+            0 < floor <= ceiling <= 1
+            and 0 <= low < high <= 1
+            and max_step >= 1
+            and hysteresis >= 0
+            and interval_s >= 0
+            and floor <= base <= ceiling
+        ):
+            raise ValueError(
+                "need 0 < floor <= base <= ceiling <= 1, 0 <= low < high <= 1, max_step >= 1, "
+                "hysteresis >= 0, interval_s >= 0"
+            )
         self.floor, self.ceiling, self.low, self.high = floor, ceiling, low, high
         self.max_step, self.hysteresis, self.interval_s = max_step, hysteresis, interval_s
         self.base = base
@@ -76,7 +91,7 @@ class UtilizationPolicy:
         # a factor max_step per interval of elapsed time: after a quiet spell (no decision asked
         # for the probability) it may catch up at once instead of one step per request
         steps = 1 if self._last_change is None or self.interval_s <= 0 else min(64, int(elapsed / self.interval_s))
-        factor = self.max_step ** steps
+        factor = self.max_step**steps
         lo, hi = self.probability / factor, self.probability * factor
         self.probability = min(self.ceiling, max(self.floor, min(hi, max(lo, target))))
         self._last_change = now

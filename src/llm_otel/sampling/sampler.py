@@ -32,10 +32,17 @@ from llm_otel.semconv import attributes as A
 if TYPE_CHECKING:
     from llm_otel.gpu.nvml import SignalSource, UtilizationReader
 
-__all__ = ["AdaptiveRootSampler", "Sampling", "adaptive_sampler", "decides_children_by_parent", "sampling_of",
-           "traces_sampler_factory"]
+__all__ = [
+    "AdaptiveRootSampler",
+    "Sampling",
+    "adaptive_sampler",
+    "decides_children_by_parent",
+    "sampling_of",
+    "traces_sampler_factory",
+]
 
 logger = logging.getLogger("llm_otel")
+
 
 def _as_poller(poller: UtilizationReader | SignalSource | None) -> UtilizationReader | None:
     """What the sampler reads utilisation from. Returns ``poller`` itself when it has a
@@ -53,8 +60,10 @@ def _as_poller(poller: UtilizationReader | SignalSource | None) -> UtilizationRe
         from llm_otel.gpu.nvml import UtilizationPoller
 
         return UtilizationPoller(cast("SignalSource", poller)).start()  # has .read(): a source
-    raise TypeError(f"poller must be a UtilizationPoller (a .utilization attribute) or a SignalSource "
-                    f"(a .read() method returning utilisation in [0, 1]), not {type(poller).__name__}")
+    raise TypeError(
+        f"poller must be a UtilizationPoller (a .utilization attribute) or a SignalSource "
+        f"(a .read() method returning utilisation in [0, 1]), not {type(poller).__name__}"
+    )
 
 
 class AdaptiveRootSampler(ComposableSampler):
@@ -69,9 +78,13 @@ class AdaptiveRootSampler(ComposableSampler):
     budget lowered carries ``llm.sampling.reason=budget``. None: no budget.
     """
 
-    def __init__(self, policy: UtilizationPolicy | None = None,
-                 poller: UtilizationReader | SignalSource | None = None,
-                 drift: DriftDetector | None = None, budget: TraceBudget | None = None) -> None:
+    def __init__(
+        self,
+        policy: UtilizationPolicy | None = None,
+        poller: UtilizationReader | SignalSource | None = None,
+        drift: DriftDetector | None = None,
+        budget: TraceBudget | None = None,
+    ) -> None:
         self.policy = policy or UtilizationPolicy()
         self.budget = budget
         self.poller = _as_poller(poller)
@@ -91,8 +104,10 @@ class AdaptiveRootSampler(ComposableSampler):
                     boosting = self.drift.boosting(now)
                     p = 1.0 if boosting else self.policy.update(util, now)
                     # threshold and reason change together (one tuple, swapped atomically)
-                    self._state = (quantize_threshold(p),
-                                   {A.LLM_SAMPLING_REASON: "drift_boost" if boosting else "head"})
+                    self._state = (
+                        quantize_threshold(p),
+                        {A.LLM_SAMPLING_REASON: "drift_boost" if boosting else "head"},
+                    )
 
     def current_probability(self) -> float:
         """The probability a root decided now would get: the policy's (or the drift boost's),
@@ -111,15 +126,23 @@ class AdaptiveRootSampler(ComposableSampler):
             util = float(util)
             if math.isfinite(util):
                 return util
-            process_errors().bad_input("sampling.utilization",
-                                       f"sampler utilisation unusable: not a finite number: {util!r}; using the base rate")
+            process_errors().bad_input(
+                "sampling.utilization",
+                f"sampler utilisation unusable: not a finite number: {util!r}; using the base rate",
+            )
         except Exception as exc:  # noqa: BLE001 - a broken signal must not fail span creation
             process_errors().report("sampling.utilization", exc, "sampler utilisation unusable; using the base rate")
         return None
 
-    def sampling_intent(self, parent_ctx: Context | None, name: str, span_kind: SpanKind | None,
-                        attributes: Attributes, links: Sequence[Link] | None,
-                        trace_state: TraceState | None = None) -> SamplingIntent:
+    def sampling_intent(
+        self,
+        parent_ctx: Context | None,
+        name: str,
+        span_kind: SpanKind | None,
+        attributes: Attributes,
+        links: Sequence[Link] | None,
+        trace_state: TraceState | None = None,
+    ) -> SamplingIntent:
         if attributes and attributes.get(A.LLM_SAMPLING_REASON) == "outlier":
             return SamplingIntent(threshold=0, threshold_reliable=False)  # kept, no `th`: no count bias
         self._policy_now()
@@ -138,9 +161,12 @@ class AdaptiveRootSampler(ComposableSampler):
 _BUDGET_REASON = {A.LLM_SAMPLING_REASON: A.LlmSamplingReasonValues.BUDGET}
 
 
-def adaptive_sampler(policy: UtilizationPolicy | None = None,
-                     poller: UtilizationReader | SignalSource | None = None,
-                     drift: DriftDetector | None = None, budget: TraceBudget | None = None) -> Sampler:
+def adaptive_sampler(
+    policy: UtilizationPolicy | None = None,
+    poller: UtilizationReader | SignalSource | None = None,
+    drift: DriftDetector | None = None,
+    budget: TraceBudget | None = None,
+) -> Sampler:
     """A complete SDK sampler: parent threshold for children, :class:`AdaptiveRootSampler` for roots.
 
     ``budget`` (a :class:`TraceBudget`, or None for none) limits the kept-root rate; it applies to
@@ -173,10 +199,16 @@ class _AdaptiveSampler(Sampler):
         self.sampling = Sampling(root, occupancy)
         self._inner = composite_sampler(composable_parent_threshold(root))
 
-    def should_sample(self, parent_context: Context | None, trace_id: int, name: str,
-                      kind: SpanKind | None = None, attributes: Attributes = None,
-                      links: Sequence[Link] | None = None,
-                      trace_state: TraceState | None = None) -> SamplingResult:
+    def should_sample(
+        self,
+        parent_context: Context | None,
+        trace_id: int,
+        name: str,
+        kind: SpanKind | None = None,
+        attributes: Attributes = None,
+        links: Sequence[Link] | None = None,
+        trace_state: TraceState | None = None,
+    ) -> SamplingResult:
         if trace_state is None:
             parent = trace.get_current_span(parent_context).get_span_context()
             if parent.is_valid:
@@ -244,9 +276,15 @@ def decides_children_by_parent(sampler) -> bool:
     if type(sampler) in (sampling.StaticSampler, _AdaptiveSampler):
         return True
     if type(sampler) in (sampling.ParentBased, sampling.ParentBasedTraceIdRatio):
-        return all(type(getattr(sampler, name, None)) is sampling.StaticSampler for name in (
-            "_remote_parent_sampled", "_remote_parent_not_sampled", "_local_parent_sampled",
-            "_local_parent_not_sampled"))
+        return all(
+            type(getattr(sampler, name, None)) is sampling.StaticSampler
+            for name in (
+                "_remote_parent_sampled",
+                "_remote_parent_not_sampled",
+                "_local_parent_sampled",
+                "_local_parent_not_sampled",
+            )
+        )
     return False
 
 
@@ -271,8 +309,7 @@ def traces_sampler_factory(arg: str | None = None, traces_per_s: float | None = 
         except ValueError:
             floor = math.nan
     if not 0 < floor <= ceiling <= 1:
-        raise ConfigError(f"OTEL_TRACES_SAMPLER_ARG={arg!r}: expected 'floor[,ceiling]' with "
-                          "0 < floor <= ceiling <= 1")
+        raise ConfigError(f"OTEL_TRACES_SAMPLER_ARG={arg!r}: expected 'floor[,ceiling]' with 0 < floor <= ceiling <= 1")
     if traces_per_s is None:
         traces_per_s = configured_traces_per_s()
     budget = trace_budget(traces_per_s)

@@ -23,5 +23,16 @@ from llm_otel.signals.kv import KVSpec
 from llm_otel.signals.pressure import PressureMonitor
 from llm_otel.signals.service import GIB, Signals, kv_source_for, request_instruments
 
-__all__ = ["Signals", "SignalsConfig", "KVSpec", "PressureMonitor", "HealthScore", "HealthServer", "TierTable",
-           "ClassExtractor"]
+__all__ = [
+    "Signals",
+    "SignalsConfig",
+    "KVSpec",
+    "PressureMonitor",
+    "HealthScore",
+    "HealthServer",
+    "TierTable",
+    "ClassExtractor",
+    "GIB",
+    "kv_source_for",
+    "request_instruments",
+]

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from llm_otel.config.classes import CLASS_DIMENSIONS, CLASS_VALUE, ENGINE_FIELDS, ENGINE_LORA, ENGINE_PRIORITY
 from llm_otel.config.signals import SignalsConfig
@@ -36,8 +37,7 @@ from llm_otel.semconv import attributes as A
 
 logger = logging.getLogger("llm_otel")
 
-__all__ = ["ClassExtractor", "DIMENSIONS", "OTHER", "ENGINE_PRIORITY", "ENGINE_LORA", "ENGINE_FIELDS",
-           "header_values"]
+__all__ = ["ClassExtractor", "DIMENSIONS", "OTHER", "ENGINE_PRIORITY", "ENGINE_LORA", "ENGINE_FIELDS", "header_values"]
 
 OTHER = "other"
 _ATTRIBUTES = {
@@ -80,9 +80,14 @@ class ClassExtractor:
         on_collapse: ``(dimension, reason)`` callback, e.g. a counter's ``add``.
     """
 
-    def __init__(self, sources: Mapping[str, str], max_values: int = _DEFAULTS.class_max_values,
-                 max_len: int = _DEFAULTS.class_max_len,
-                 reserved: Mapping[str, Iterable[str]] | None = None, on_collapse=None) -> None:
+    def __init__(
+        self,
+        sources: Mapping[str, str],
+        max_values: int = _DEFAULTS.class_max_values,
+        max_len: int = _DEFAULTS.class_max_len,
+        reserved: Mapping[str, Iterable[str]] | None = None,
+        on_collapse=None,
+    ) -> None:
         self.sources = dict(sources)
         self.max_values = max_values
         self.max_len = max_len
@@ -95,8 +100,9 @@ class ClassExtractor:
     def enabled(self) -> bool:
         return bool(self.sources)
 
-    def extract(self, headers: Any = None,
-                engine_fields: Mapping[str, str | None] | None = None) -> tuple[dict[str, str], dict[str, str]]:
+    def extract(
+        self, headers: Any = None, engine_fields: Mapping[str, str | None] | None = None
+    ) -> tuple[dict[str, str], dict[str, str]]:
         """Returns ``(values, labels)``: dimension -> value for the span, dimension -> bounded
         metric label. Dimensions without a value are absent from both.
 

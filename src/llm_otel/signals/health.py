@@ -68,13 +68,18 @@ class HealthScore:
         utilization: callable returning GPU utilisation in [0, 1] or None (the NVML poller).
     """
 
-    def __init__(self, weights: Mapping[str, float] | None = None,
-                 latency_target_s: float = _DEFAULTS.health_ttft_target_s,
-                 max_error_rate: float = _DEFAULTS.health_max_error_rate, gpu_knee: float = _DEFAULTS.health_gpu_knee,
-                 warmup_s: float = _DEFAULTS.health_warmup_s, window_s: float = _DEFAULTS.health_window_s,
-                 max_samples: int = 4096,
-                 utilization: Callable[[], float | None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        weights: Mapping[str, float] | None = None,
+        latency_target_s: float = _DEFAULTS.health_ttft_target_s,
+        max_error_rate: float = _DEFAULTS.health_max_error_rate,
+        gpu_knee: float = _DEFAULTS.health_gpu_knee,
+        warmup_s: float = _DEFAULTS.health_warmup_s,
+        window_s: float = _DEFAULTS.health_window_s,
+        max_samples: int = 4096,
+        utilization: Callable[[], float | None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.weights = {f: float((weights or _DEFAULTS.health_weights).get(f, 0.0)) for f in FACTORS}
         self.latency_target_s = latency_target_s
         self.max_error_rate = max_error_rate
@@ -163,8 +168,13 @@ class HealthServer:
     OSError when the port cannot be bound.
     """
 
-    def __init__(self, report: Callable[[], tuple], port: int, host: str = _DEFAULTS.health_host,
-                 min_score: float = _DEFAULTS.health_min_score) -> None:
+    def __init__(
+        self,
+        report: Callable[[], tuple],
+        port: int,
+        host: str = _DEFAULTS.health_host,
+        min_score: float = _DEFAULTS.health_min_score,
+    ) -> None:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"health port must be an integer in 0..65535, got {port!r}")
         self.report = report
@@ -214,11 +224,15 @@ class HealthServer:
             reasons.append("VRAM pressure critical")
         if exporter_ok is False:
             reasons.append("telemetry exporter unreachable")
-        body = {"status": "unhealthy" if reasons else "ok", "score": round(value, 4), "dominant_factor": dominant,
-                "factors": {k: (None if v is None else round(v, 4)) for k, v in factors.items()},
-                "vram_pressure": level,
-                "exporter": {True: "ok", False: "unreachable", None: "not configured"}[exporter_ok],
-                "reasons": reasons}
+        body = {
+            "status": "unhealthy" if reasons else "ok",
+            "score": round(value, 4),
+            "dominant_factor": dominant,
+            "factors": {k: (None if v is None else round(v, 4)) for k, v in factors.items()},
+            "vram_pressure": level,
+            "exporter": {True: "ok", False: "unreachable", None: "not configured"}[exporter_ok],
+            "reasons": reasons,
+        }
         return (503 if reasons else 200), body
 
     def start(self) -> HealthServer:

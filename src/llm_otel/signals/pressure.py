@@ -27,10 +27,15 @@ class PressureMonitor:
     Raises ValueError for thresholds outside (0, 1], ``warn > critical`` or negative times.
     """
 
-    def __init__(self, warn: float = _DEFAULTS.vram_warn, warn_hold_s: float = _DEFAULTS.vram_warn_hold_s,
-                 critical: float = _DEFAULTS.vram_critical, critical_hold_s: float = _DEFAULTS.vram_critical_hold_s,
-                 clear_margin: float = _DEFAULTS.vram_clear_margin,
-                 clear_hold_s: float = _DEFAULTS.vram_clear_hold_s) -> None:
+    def __init__(
+        self,
+        warn: float = _DEFAULTS.vram_warn,
+        warn_hold_s: float = _DEFAULTS.vram_warn_hold_s,
+        critical: float = _DEFAULTS.vram_critical,
+        critical_hold_s: float = _DEFAULTS.vram_critical_hold_s,
+        clear_margin: float = _DEFAULTS.vram_clear_margin,
+        clear_hold_s: float = _DEFAULTS.vram_clear_hold_s,
+    ) -> None:
         if not (0 < warn <= critical <= 1) or min(warn_hold_s, critical_hold_s, clear_hold_s, clear_margin) < 0:
             raise ValueError("need 0 < warn <= critical <= 1 and non-negative hold times and margin")
         self.thresholds = {"warn": warn, "critical": critical}
@@ -84,5 +89,4 @@ class PressureMonitor:
         self.transitions.append((now, old, level))
         del self.transitions[:-64]
         log = logger.warning if LEVELS.index(level) > LEVELS.index(old) else logger.info
-        log("llm-otel: VRAM pressure %s -> %s (usage %.2f from %s)", old, level, self.usage or 0.0,
-            self.source or "?")
+        log("llm-otel: VRAM pressure %s -> %s (usage %.2f from %s)", old, level, self.usage or 0.0, self.source or "?")

@@ -12,7 +12,8 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from opentelemetry.metrics import Meter, Observation
 
@@ -40,17 +41,22 @@ def request_instruments(meter: Meter) -> tuple:
     the per-request signal instruments, created the same way in the serving process
     (:class:`Signals`) and in the exporter process (``llm_otel.export.offload.replay``)."""
     kv_size = meter.create_histogram(
-        M.LLM_SERVER_REQUEST_KV_CACHE_SIZE, unit=M.LLM_SERVER_REQUEST_KV_CACHE_SIZE_UNIT,
+        M.LLM_SERVER_REQUEST_KV_CACHE_SIZE,
+        unit=M.LLM_SERVER_REQUEST_KV_CACHE_SIZE_UNIT,
         description="Estimated KV-cache bytes per request at admission and finish.",
-        explicit_bucket_boundaries_advisory=list(M.LLM_SERVER_REQUEST_KV_CACHE_SIZE_BUCKETS))
+        explicit_bucket_boundaries_advisory=list(M.LLM_SERVER_REQUEST_KV_CACHE_SIZE_BUCKETS),
+    )
     slo_checks = meter.create_counter(
-        M.LLM_SERVER_SLO_CHECKS, unit=M.LLM_SERVER_SLO_CHECKS_UNIT,
-        description="Finished requests checked against their tier's targets.")
+        M.LLM_SERVER_SLO_CHECKS,
+        unit=M.LLM_SERVER_SLO_CHECKS_UNIT,
+        description="Finished requests checked against their tier's targets.",
+    )
     return kv_size, slo_checks
 
 
 _BUCKETS = 2048  # token-rate ring: 2000 buckets span the efficiency window (48 spare)
 _SLOT_MASK = _BUCKETS - 1
+
 
 class Signals:
     """Per-``instrument()`` signal state and instruments.
@@ -67,8 +73,9 @@ class Signals:
 
     error_key = "telemetry.signals"  # lifecycle listener: its failures count under this hook name
 
-    def __init__(self, meter: Meter, config: SignalsConfig | None = None, poller: Any = None,
-                 instruments: tuple | None = None) -> None:
+    def __init__(
+        self, meter: Meter, config: SignalsConfig | None = None, poller: Any = None, instruments: tuple | None = None
+    ) -> None:
         self.config = cfg = config or SignalsConfig.from_env()
         self.tiers = cfg.tiers
         self.poller = poller
@@ -77,13 +84,19 @@ class Signals:
         # llm_otel.process.ports.frontend_port)
         self.health_port_for: Callable[[int], int] = lambda base: base
         self._collapsed = meter.create_counter(
-            M.LLM_OTEL_REQUEST_CLASS_COLLAPSED, unit=M.LLM_OTEL_REQUEST_CLASS_COLLAPSED_UNIT,
-            description="Request-class values replaced by 'other'.")
+            M.LLM_OTEL_REQUEST_CLASS_COLLAPSED,
+            unit=M.LLM_OTEL_REQUEST_CLASS_COLLAPSED_UNIT,
+            description="Request-class values replaced by 'other'.",
+        )
         self.classes = ClassExtractor(
-            cfg.class_sources, cfg.class_max_values, cfg.class_max_len,
+            cfg.class_sources,
+            cfg.class_max_values,
+            cfg.class_max_len,
             reserved=self.tiers.reserved() if self.tiers else None,
             on_collapse=lambda dim, reason: self._collapsed.add(
-                1, {A.LLM_REQUEST_CLASS_KEY: dim, A.LLM_REQUEST_CLASS_REASON: reason}))
+                1, {A.LLM_REQUEST_CLASS_KEY: dim, A.LLM_REQUEST_CLASS_REASON: reason}
+            ),
+        )
         # every (dimension, reason) series starts at 0, so rate()/increase() see the first collapse
         for dim in self.classes.sources:
             for reason in ClassExtractor.REASONS:
@@ -92,20 +105,49 @@ class Signals:
         # (stand-ins handed in), else on this meter
         self.kv_size, self.slo_checks = instruments if instruments is not None else request_instruments(meter)
         for name, callback, unit, description in (
-                (M.LLM_SERVER_TOKEN_EFFICIENCY, self._observe_efficiency, M.LLM_SERVER_TOKEN_EFFICIENCY_UNIT,
-                 "Output tokens/s per GiB of GPU memory in use."),
-                (M.LLM_SERVER_VRAM_PRESSURE, self._observe_pressure, M.LLM_SERVER_VRAM_PRESSURE_UNIT,
-                 "VRAM pressure level: 0 ok, 1 warn, 2 critical."),
-                (M.LLM_SERVER_VRAM_USAGE, self._observe_usage, M.LLM_SERVER_VRAM_USAGE_UNIT,
-                 "Memory usage fraction behind the pressure level."),
-                (M.LLM_SERVER_HEALTH_SCORE, self._observe_health, M.LLM_SERVER_HEALTH_SCORE_UNIT,
-                 "Weighted health score in [0, 1].")):
+            (
+                M.LLM_SERVER_TOKEN_EFFICIENCY,
+                self._observe_efficiency,
+                M.LLM_SERVER_TOKEN_EFFICIENCY_UNIT,
+                "Output tokens/s per GiB of GPU memory in use.",
+            ),
+            (
+                M.LLM_SERVER_VRAM_PRESSURE,
+                self._observe_pressure,
+                M.LLM_SERVER_VRAM_PRESSURE_UNIT,
+                "VRAM pressure level: 0 ok, 1 warn, 2 critical.",
+            ),
+            (
+                M.LLM_SERVER_VRAM_USAGE,
+                self._observe_usage,
+                M.LLM_SERVER_VRAM_USAGE_UNIT,
+                "Memory usage fraction behind the pressure level.",
+            ),
+            (
+                M.LLM_SERVER_HEALTH_SCORE,
+                self._observe_health,
+                M.LLM_SERVER_HEALTH_SCORE_UNIT,
+                "Weighted health score in [0, 1].",
+            ),
+        ):
             meter.create_observable_gauge(name, callbacks=[callback], unit=unit, description=description)
-        self.pressure = PressureMonitor(cfg.vram_warn, cfg.vram_warn_hold_s, cfg.vram_critical,
-                                        cfg.vram_critical_hold_s, cfg.vram_clear_margin, cfg.vram_clear_hold_s)
-        self.health = HealthScore(cfg.health_weights, cfg.health_ttft_target_s, cfg.health_max_error_rate,
-                                  cfg.health_gpu_knee, cfg.health_warmup_s, cfg.health_window_s,
-                                  utilization=self._utilization)
+        self.pressure = PressureMonitor(
+            cfg.vram_warn,
+            cfg.vram_warn_hold_s,
+            cfg.vram_critical,
+            cfg.vram_critical_hold_s,
+            cfg.vram_clear_margin,
+            cfg.vram_clear_hold_s,
+        )
+        self.health = HealthScore(
+            cfg.health_weights,
+            cfg.health_ttft_target_s,
+            cfg.health_max_error_rate,
+            cfg.health_gpu_knee,
+            cfg.health_warmup_s,
+            cfg.health_window_s,
+            utilization=self._utilization,
+        )
         self._kv_sources: list[Callable[[], tuple[int, int] | None]] = []
         # output tokens per time bucket over the efficiency window: a preallocated ring, so any token
         # rate is counted in fixed memory (a bounded list of steps capped the rate it could see:
@@ -122,8 +164,9 @@ class Signals:
         self._own_poller = False
 
     # --- request path ----------------------------------------------------------------------
-    def classify(self, headers: Any = None,
-                 engine_fields: Mapping[str, str | None] | None = None) -> tuple[dict, dict, Tier | None]:
+    def classify(
+        self, headers: Any = None, engine_fields: Mapping[str, str | None] | None = None
+    ) -> tuple[dict, dict, Tier | None]:
         """Span attributes, metric attributes and tier of one request (``engine_fields``: see
         :meth:`~llm_otel.signals.classes.ClassExtractor.extract`). Never raises."""
         try:
@@ -137,7 +180,9 @@ class Signals:
                 span_attrs[A.LLM_REQUEST_TIER] = metric_attrs[A.LLM_REQUEST_TIER] = tier.name
             return span_attrs, metric_attrs, tier
         except Exception as exc:  # noqa: BLE001
-            process_errors().report("signals.classify", exc, "request classification failed; the request has no class or tier")
+            process_errors().report(
+                "signals.classify", exc, "request classification failed; the request has no class or tier"
+            )
             return {}, {}, None
 
     def on_start(self, rec: Any, facts: RequestFacts) -> SpanNotes:
@@ -158,8 +203,7 @@ class Signals:
             for name, attrs in notes.events:
                 rec.span.add_event(name, attrs)
 
-    def _admission(self, rec: Any, metric_attrs: Mapping[str, Any], tier: Tier | None,
-                   kv: KVSpec | None) -> SpanNotes:
+    def _admission(self, rec: Any, metric_attrs: Mapping[str, Any], tier: Tier | None, kv: KVSpec | None) -> SpanNotes:
         rec.metric_attributes = dict(metric_attrs)
         rec.signal_state = (tier, kv)
         attributes = None
@@ -198,7 +242,9 @@ class Signals:
     @property
     def _steps(self) -> list[tuple[float, int]]:
         """``(bucket start, monotonic s; output tokens)`` of the buckets that hold tokens, oldest first."""
-        return sorted((i * self._bucket_s, n) for i, n in zip(self._bucket_ids, self._bucket_tokens) if i >= 0 and n)
+        return sorted(
+            (i * self._bucket_s, n) for i, n in zip(self._bucket_ids, self._bucket_tokens, strict=False) if i >= 0 and n
+        )
 
     def on_finish(self, rec: Any, duration_s: float) -> SpanNotes | None:
         """Lifecycle listener at finish: KV estimate of prompt + output, SLO checks of the tier,
@@ -218,7 +264,10 @@ class Signals:
                 attrs[A.LLM_REQUEST_TIER] = tier.name
             self.kv_size.record(size, attrs)
             if rec.recording:
-                span_attrs = {A.LLM_REQUEST_KV_CACHE_FINAL_BYTES: size, A.LLM_REQUEST_KV_CACHE_BLOCKS: kv.blocks(tokens)}
+                span_attrs = {
+                    A.LLM_REQUEST_KV_CACHE_FINAL_BYTES: size,
+                    A.LLM_REQUEST_KV_CACHE_BLOCKS: kv.blocks(tokens),
+                }
                 if rec.cached_tokens is not None:
                     span_attrs[A.LLM_REQUEST_KV_CACHE_CACHED_BLOCKS] = rec.cached_tokens // kv.block_size
                 notes = SpanNotes(None, span_attrs)
@@ -227,8 +276,9 @@ class Signals:
         base = {A.GEN_AI_REQUEST_MODEL: rec.model, A.LLM_REQUEST_TIER: tier.name}
 
         def check(objective: str, met: bool) -> None:
-            self.slo_checks.add(1, {**base, A.LLM_SLO_OBJECTIVE: objective,
-                                    A.LLM_SLO_OUTCOME: "met" if met else "breached"})
+            self.slo_checks.add(
+                1, {**base, A.LLM_SLO_OBJECTIVE: objective, A.LLM_SLO_OUTCOME: "met" if met else "breached"}
+            )
 
         if client_gone:
             return notes  # neither met nor breached: the client left before the server was done
@@ -253,7 +303,7 @@ class Signals:
             self._kv_sources.append(source)
         self.start()
 
-    def start(self) -> "Signals":
+    def start(self) -> Signals:
         """Start the NVML poller (if none is shared), the 1 s tick thread and the health endpoint."""
         with self._lock:
             if self._thread is not None:
@@ -271,13 +321,18 @@ class Signals:
         if self.config.health_port is not None and self.health_server is None:
             port = self.health_port_for(self.config.health_port)  # vLLM's API server i: base - i
             try:
-                self.health_server = HealthServer(self.report, port, self.config.health_host,
-                                                  self.config.health_min_score).start()
-                logger.info("llm-otel: health endpoint on http://%s:%d/healthz", self.config.health_host,
-                            self.health_server.port)
+                self.health_server = HealthServer(
+                    self.report, port, self.config.health_host, self.config.health_min_score
+                ).start()
+                logger.info(
+                    "llm-otel: health endpoint on http://%s:%d/healthz",
+                    self.config.health_host,
+                    self.health_server.port,
+                )
             except (OSError, ValueError) as exc:
-                logger.warning("llm-otel: health endpoint not started on %s:%s (%s)", self.config.health_host,
-                               port, exc)
+                logger.warning(
+                    "llm-otel: health endpoint not started on %s:%s (%s)", self.config.health_host, port, exc
+                )
         return self
 
     def _restart_after_fork(self) -> None:
@@ -365,8 +420,11 @@ class Signals:
             return None
         now = time.monotonic() if now is None else now
         window = self.config.efficiency_window_s
-        lo, hi = int((now - window) * self._buckets_per_s), int(now * self._buckets_per_s)  # buckets (lo, hi]: the window, to one bucket
-        tokens = sum(n for i, n in zip(list(self._bucket_ids), list(self._bucket_tokens)) if lo < i <= hi)
+        lo, hi = (
+            int((now - window) * self._buckets_per_s),
+            int(now * self._buckets_per_s),
+        )  # buckets (lo, hi]: the window, to one bucket
+        tokens = sum(n for i, n in zip(list(self._bucket_ids), list(self._bucket_tokens), strict=False) if lo < i <= hi)
         return tokens / window / (mem[0] / GIB)
 
     # --- observation ---------------------------------------------------------------------------
@@ -397,8 +455,11 @@ class Signals:
         p = self.pressure
         if p.usage is None and p.level == "ok":
             return []
-        return [Observation(LEVELS.index(p.level), {A.LLM_VRAM_PRESSURE_LEVEL: p.level,
-                                                    A.LLM_VRAM_SOURCE: p.source or "nvml"})]
+        return [
+            Observation(
+                LEVELS.index(p.level), {A.LLM_VRAM_PRESSURE_LEVEL: p.level, A.LLM_VRAM_SOURCE: p.source or "nvml"}
+            )
+        ]
 
     def _observe_usage(self, _options):
         p = self.pressure

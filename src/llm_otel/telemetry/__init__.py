@@ -88,11 +88,16 @@ class Telemetry:
             table is invalid.
     """
 
-    def __init__(self, tracer_provider: TracerProvider | None = None,
-                 meter_provider: MeterProvider | None = None,
-                 settings: Settings | None = None, scope: str = "llm_otel",
-                 signals_config: SignalsConfig | None = None, sampling: Sampling | None = None,
-                 outlets: RequestOutlets | None = None) -> None:
+    def __init__(
+        self,
+        tracer_provider: TracerProvider | None = None,
+        meter_provider: MeterProvider | None = None,
+        settings: Settings | None = None,
+        scope: str = "llm_otel",
+        signals_config: SignalsConfig | None = None,
+        sampling: Sampling | None = None,
+        outlets: RequestOutlets | None = None,
+    ) -> None:
         from llm_otel.version import __version__
 
         self.settings = settings or Settings.from_env()
@@ -101,12 +106,16 @@ class Telemetry:
         self.meter = meter
         # per-request metrics recorded elsewhere (the exporter process) when the outlets say so; the
         # signals' per-request observations (KV size, SLO checks) go the same way
-        metrics_outlet = outlets.request_metrics((scope, __version__, SCHEMA_URL), self.settings.itl_sample_every) \
-            if outlets is not None else None
+        metrics_outlet = (
+            outlets.request_metrics((scope, __version__, SCHEMA_URL), self.settings.itl_sample_every)
+            if outlets is not None
+            else None
+        )
         self.instruments = Instruments(meter, self.settings.itl_sample_every, metrics_outlet)
         self.errors = HookErrors(meter)
-        self.spans = SpanBuilder(self.tracer, self.settings,
-                                 outlets.span_tree(self.tracer) if outlets is not None else None)
+        self.spans = SpanBuilder(
+            self.tracer, self.settings, outlets.span_tree(self.tracer) if outlets is not None else None
+        )
         provider = tracer_provider if tracer_provider is not None else trace.get_tracer_provider()
         # llm-otel's adaptive sampler as whoever built the providers handed it over (instrument()
         # passes what build_providers_and_sampling returned), or as the application built its
@@ -117,14 +126,19 @@ class Telemetry:
         self._occupancy = self.sampling.occupancy if self.sampling is not None else None
         # request classes, tiers, KV footprint, VRAM pressure, health; the signals (health score,
         # token efficiency) share the sampler's poller only when it reads GPU utilisation
-        signals = Signals(meter, signals_config or self.settings.signals,
-                          poller=self.sampling.gpu_poller if self.sampling is not None else None,
-                          instruments=None if metrics_outlet is None else (
-                              metrics_outlet.instrument("kv_size"), metrics_outlet.instrument("slo_checks")))
+        signals = Signals(
+            meter,
+            signals_config or self.settings.signals,
+            poller=self.sampling.gpu_poller if self.sampling is not None else None,
+            instruments=None
+            if metrics_outlet is None
+            else (metrics_outlet.instrument("kv_size"), metrics_outlet.instrument("slo_checks")),
+        )
         # lifecycle listeners (llm_otel.listeners), in the order they observe a finished request:
         # metrics, the sampler's drift detector, the serving signals
         self._fixed_listeners: tuple[Any, ...] = (_MetricsListener(self.instruments),) + (
-            (self.sampling.listener,) if self.sampling is not None else ())
+            (self.sampling.listener,) if self.sampling is not None else ()
+        )
         self.signals = signals  # registers it (see the setter)
         self._steps: StepTracker | None = None
         self._steps_lock = threading.Lock()
@@ -207,8 +221,7 @@ class Telemetry:
             with self._steps_lock:
                 if self._steps is None:
                     st = self.settings
-                    self._steps = StepTracker(self, backend=st.gpu_steps, capacity=st.gpu_ring_capacity,
-                                              nvtx=st.nvtx)
+                    self._steps = StepTracker(self, backend=st.gpu_steps, capacity=st.gpu_ring_capacity, nvtx=st.nvtx)
         return self._steps
 
     @property
@@ -217,12 +230,24 @@ class Telemetry:
         a layer that does not run the model must not start a CUDA context)."""
         return self._steps
 
-    def start_request(self, request_id: str, *, operation: str, provider: str, model: str,
-                      arrival_s: float, input_tokens: int, kind: SpanKind = SpanKind.INTERNAL,
-                      parent: otel_context.Context | None = None, engine_version: str = "",
-                      choice_index: int = 0, request_attributes: Mapping[str, Any] | None = None,
-                      user_logprobs: int | None = None, prompt_text: str | None = None,
-                      facts: RequestFacts | None = None) -> RequestRecord:
+    def start_request(
+        self,
+        request_id: str,
+        *,
+        operation: str,
+        provider: str,
+        model: str,
+        arrival_s: float,
+        input_tokens: int,
+        kind: SpanKind = SpanKind.INTERNAL,
+        parent: otel_context.Context | None = None,
+        engine_version: str = "",
+        choice_index: int = 0,
+        request_attributes: Mapping[str, Any] | None = None,
+        user_logprobs: int | None = None,
+        prompt_text: str | None = None,
+        facts: RequestFacts | None = None,
+    ) -> RequestRecord:
         """Start the live request span at ``arrival_s`` (wall-clock seconds) and return its record.
 
         The span is named ``{operation} {model}``; ``parent`` defaults to the current context.
@@ -245,19 +270,29 @@ class Telemetry:
             attrs.update(request_attributes)
         if user_logprobs is not None:
             attrs[A.LLM_REQUEST_LOGPROBS] = user_logprobs
-        span = self.tracer.start_span(f"{operation} {model}", context=parent, kind=kind,
-                                      attributes=attrs, start_time=round(arrival_s * 1e9))
+        span = self.tracer.start_span(
+            f"{operation} {model}", context=parent, kind=kind, attributes=attrs, start_time=round(arrival_s * 1e9)
+        )
         st = self.settings
-        rec = RequestRecord(request_id, operation=operation, provider=provider, model=model,
-                            arrival_s=arrival_s, input_tokens=input_tokens, span=span,
-                            request_attributes=attrs,
-                            # the head's token ids go on token events only with content capture
-                            head_cap=st.token_events if st.capture_content else 0,
-                            logprob_cap=(1 << 20) if st.logprobs_top_k else 0)
+        rec = RequestRecord(
+            request_id,
+            operation=operation,
+            provider=provider,
+            model=model,
+            arrival_s=arrival_s,
+            input_tokens=input_tokens,
+            span=span,
+            request_attributes=attrs,
+            # the head's token ids go on token events only with content capture
+            head_cap=st.token_events if st.capture_content else 0,
+            logprob_cap=(1 << 20) if st.logprobs_top_k else 0,
+        )
         if rec.recording and st.capture_content and prompt_text is not None:
             # GenAI message format; an offline prompt (or a rendered chat template) is one user part
-            span.set_attribute(A.GEN_AI_INPUT_MESSAGES, json.dumps(
-                [{"role": "user", "parts": [{"type": "text", "content": self.truncate(prompt_text)}]}]))
+            span.set_attribute(
+                A.GEN_AI_INPUT_MESSAGES,
+                json.dumps([{"role": "user", "parts": [{"type": "text", "content": self.truncate(prompt_text)}]}]),
+            )
         if facts is not None:
             for listener in self._start_listeners:
                 with guard(listener.error_key, self.errors):  # the record must still be tracked and ended
@@ -347,64 +382,116 @@ class Telemetry:
         own root, linked to its real trace, marked outlier (no threshold, so no count bias)."""
         st = self.settings
         ttft = rec.time_to_first_token_s()
-        if not (rec.error_type is not None
-                or (st.outlier_ttft_s is not None and ttft is not None and ttft > st.outlier_ttft_s)
-                or (st.outlier_e2e_s is not None and duration_s > st.outlier_e2e_s)):
+        if not (
+            rec.error_type is not None
+            or (st.outlier_ttft_s is not None and ttft is not None and ttft > st.outlier_ttft_s)
+            or (st.outlier_e2e_s is not None and duration_s > st.outlier_e2e_s)
+        ):
             return
         original = original_span.get_span_context()  # rec.span
         original_span.end()
         attrs = {**rec.request_attributes, A.LLM_SAMPLING_REASON: "outlier"}
-        span = self.tracer.start_span(f"{rec.operation} {rec.model}", context=otel_context.Context(),
-                                      kind=SpanKind.INTERNAL, attributes=attrs, links=[trace.Link(original)],
-                                      start_time=rec.arrival_ns)
+        span = self.tracer.start_span(
+            f"{rec.operation} {rec.model}",
+            context=otel_context.Context(),
+            kind=SpanKind.INTERNAL,
+            attributes=attrs,
+            links=[trace.Link(original)],
+            start_time=rec.arrival_ns,
+        )
         if span.is_recording():
             rec.span, rec.recording = span, True
 
-    def reject(self, *, operation: str, provider: str, model: str, arrival_s: float,
-               error: BaseException, kind: SpanKind = SpanKind.INTERNAL,
-               parent: otel_context.Context | None = None,
-               engine_version: str = "", request_attributes: Mapping[str, Any] | None = None) -> None:
+    def reject(
+        self,
+        *,
+        operation: str,
+        provider: str,
+        model: str,
+        arrival_s: float,
+        error: BaseException,
+        kind: SpanKind = SpanKind.INTERNAL,
+        parent: otel_context.Context | None = None,
+        engine_version: str = "",
+        request_attributes: Mapping[str, Any] | None = None,
+    ) -> None:
         """A request the engine refused before scheduling it: one error span and the duration metric."""
         error_type = type(error).__qualname__
-        attrs = {A.GEN_AI_OPERATION_NAME: operation, A.GEN_AI_PROVIDER_NAME: provider,
-                 A.GEN_AI_REQUEST_MODEL: model, A.ERROR_TYPE: error_type}
+        attrs = {
+            A.GEN_AI_OPERATION_NAME: operation,
+            A.GEN_AI_PROVIDER_NAME: provider,
+            A.GEN_AI_REQUEST_MODEL: model,
+            A.ERROR_TYPE: error_type,
+        }
         if engine_version:
             attrs[A.LLM_ENGINE_VERSION] = engine_version
         if request_attributes:
             attrs.update(request_attributes)
-        span = self.tracer.start_span(f"{operation} {model}", context=parent, kind=kind, attributes=attrs,
-                                      start_time=round(arrival_s * 1e9))
+        span = self.tracer.start_span(
+            f"{operation} {model}", context=parent, kind=kind, attributes=attrs, start_time=round(arrival_s * 1e9)
+        )
         span.add_event(S.EVENT_LLM_REQUEST_REJECTED, {A.ERROR_TYPE: error_type})
         # engine error messages can quote the user's input (template errors, URLs): only with
         # content capture on
         detail = self.truncate(str(error)) if self.settings.capture_content else error_type
         span.set_status(Status(StatusCode.ERROR, detail))
         span.end()
-        self.instruments.record_rejected({
-            A.GEN_AI_OPERATION_NAME: operation, A.GEN_AI_PROVIDER_NAME: provider,
-            A.GEN_AI_REQUEST_MODEL: model, A.ERROR_TYPE: error_type}, max(0.0, time.time() - arrival_s),
-            trace.set_span_in_context(span) if span.is_recording() else None)
+        self.instruments.record_rejected(
+            {
+                A.GEN_AI_OPERATION_NAME: operation,
+                A.GEN_AI_PROVIDER_NAME: provider,
+                A.GEN_AI_REQUEST_MODEL: model,
+                A.ERROR_TYPE: error_type,
+            },
+            max(0.0, time.time() - arrival_s),
+            trace.set_span_in_context(span) if span.is_recording() else None,
+        )
 
     def client_calls(self, provider: str) -> ClientCalls:
         """Spans and GenAI client metrics of a client library's calls (``provider``: its
         ``gen_ai.provider.name``); see :mod:`llm_otel.telemetry.client`. Each call builds the
         client histograms on this telemetry's meter: an adapter asks once, at ``instrument()``."""
-        return ClientCalls(provider=provider, tracer=self.tracer, meter=self.meter, settings=self.settings,
-                           errors=self.errors, truncate=self.truncate)
+        return ClientCalls(
+            provider=provider,
+            tracer=self.tracer,
+            meter=self.meter,
+            settings=self.settings,
+            errors=self.errors,
+            truncate=self.truncate,
+        )
 
     # --- stage spans of engine processes past the frontend (telemetry/stages.py) ----------------
-    def start_stage(self, stage: str, request_id: int, parent: otel_context.Context, *, group_id: int,
-                    choice_index: int, start_ns: int, queued_ns: int | None = None,
-                    frontend_arrival_s: Any = None, output_tokens: int | None = None,
-                    logit_top_k: int = 0) -> StageRecord:
+    def start_stage(
+        self,
+        stage: str,
+        request_id: int,
+        parent: otel_context.Context,
+        *,
+        group_id: int,
+        choice_index: int,
+        start_ns: int,
+        queued_ns: int | None = None,
+        frontend_arrival_s: Any = None,
+        output_tokens: int | None = None,
+        logit_top_k: int = 0,
+    ) -> StageRecord:
         """A :class:`~llm_otel.telemetry.stages.StageRecord` for one sampled sub-request entering an
         engine process stage at ``start_ns`` (epoch ns): ``stage`` is ``stages.ROUTER`` or
         ``stages.INFER``, ``parent`` the Context of its request span (from the engine's carrier).
         No span exists until :meth:`end_stage`. Raises ValueError for an unknown stage."""
-        return StageRecord(stage, request_id, parent, group_id=group_id, choice_index=choice_index,
-                           start_ns=start_ns, token_id_cap=self.settings.token_events, queued_ns=queued_ns,
-                           frontend_arrival_s=frontend_arrival_s, output_tokens=output_tokens,
-                           logit_top_k=logit_top_k)
+        return StageRecord(
+            stage,
+            request_id,
+            parent,
+            group_id=group_id,
+            choice_index=choice_index,
+            start_ns=start_ns,
+            token_id_cap=self.settings.token_events,
+            queued_ns=queued_ns,
+            frontend_arrival_s=frontend_arrival_s,
+            output_tokens=output_tokens,
+            logit_top_k=logit_top_k,
+        )
 
     def end_stage(self, rec: StageRecord, end_ns: int | None = None) -> None:
         """The sub-request left the stage at ``end_ns`` (epoch ns, default now): its stage span (and

@@ -68,19 +68,28 @@ class ClientInstruments:
 
     def __init__(self, meter: Meter) -> None:
         def hist(name: str, unit: str, buckets: tuple[float, ...], description: str) -> Histogram:
-            return meter.create_histogram(name, unit=unit, description=description,
-                                          explicit_bucket_boundaries_advisory=list(buckets))
+            return meter.create_histogram(
+                name, unit=unit, description=description, explicit_bucket_boundaries_advisory=list(buckets)
+            )
 
-        self.duration = hist(M.GEN_AI_CLIENT_OPERATION_DURATION, M.GEN_AI_CLIENT_OPERATION_DURATION_UNIT,
-                             M.GEN_AI_CLIENT_OPERATION_DURATION_BUCKETS, "GenAI operation duration.")
-        self.first_chunk = hist(M.GEN_AI_CLIENT_OPERATION_TIME_TO_FIRST_CHUNK,
-                                M.GEN_AI_CLIENT_OPERATION_TIME_TO_FIRST_CHUNK_UNIT,
-                                M.GEN_AI_CLIENT_OPERATION_TIME_TO_FIRST_CHUNK_BUCKETS,
-                                "Time to the first chunk of a streamed response.")
-        self.per_chunk = hist(M.GEN_AI_CLIENT_OPERATION_TIME_PER_OUTPUT_CHUNK,
-                              M.GEN_AI_CLIENT_OPERATION_TIME_PER_OUTPUT_CHUNK_UNIT,
-                              M.GEN_AI_CLIENT_OPERATION_TIME_PER_OUTPUT_CHUNK_BUCKETS,
-                              "Time between consecutive chunks of a streamed response.")
+        self.duration = hist(
+            M.GEN_AI_CLIENT_OPERATION_DURATION,
+            M.GEN_AI_CLIENT_OPERATION_DURATION_UNIT,
+            M.GEN_AI_CLIENT_OPERATION_DURATION_BUCKETS,
+            "GenAI operation duration.",
+        )
+        self.first_chunk = hist(
+            M.GEN_AI_CLIENT_OPERATION_TIME_TO_FIRST_CHUNK,
+            M.GEN_AI_CLIENT_OPERATION_TIME_TO_FIRST_CHUNK_UNIT,
+            M.GEN_AI_CLIENT_OPERATION_TIME_TO_FIRST_CHUNK_BUCKETS,
+            "Time to the first chunk of a streamed response.",
+        )
+        self.per_chunk = hist(
+            M.GEN_AI_CLIENT_OPERATION_TIME_PER_OUTPUT_CHUNK,
+            M.GEN_AI_CLIENT_OPERATION_TIME_PER_OUTPUT_CHUNK_UNIT,
+            M.GEN_AI_CLIENT_OPERATION_TIME_PER_OUTPUT_CHUNK_BUCKETS,
+            "Time between consecutive chunks of a streamed response.",
+        )
 
 
 class ClientCall:
@@ -92,11 +101,32 @@ class ClientCall:
     never content) are the adapter's to fill.
     """
 
-    __slots__ = ("span", "recording", "request_id", "metric_attrs", "start_mono", "offset_ns",
-                 "times", "streaming", "finished", "end_reason", "lock", "expected", "problem", "stream")
+    __slots__ = (
+        "span",
+        "recording",
+        "request_id",
+        "metric_attrs",
+        "start_mono",
+        "offset_ns",
+        "times",
+        "streaming",
+        "finished",
+        "end_reason",
+        "lock",
+        "expected",
+        "problem",
+        "stream",
+    )
 
-    def __init__(self, span: Span, request_id: str, metric_attrs: dict[str, Any], streaming: bool,
-                 expected: tuple[str, ...] = (), stream: ClientStream | None = None) -> None:
+    def __init__(
+        self,
+        span: Span,
+        request_id: str,
+        metric_attrs: dict[str, Any],
+        streaming: bool,
+        expected: tuple[str, ...] = (),
+        stream: ClientStream | None = None,
+    ) -> None:
         self.stream = stream  # the stream it is in flight on until it finishes, or None
         self.expected = expected
         self.problem: str | None = None
@@ -181,8 +211,16 @@ class ClientCalls:
     ``gen_ai.provider.name``, ``triton``). Created by :meth:`llm_otel.telemetry.Telemetry.client_calls`;
     the histograms live on the telemetry's meter."""
 
-    def __init__(self, *, provider: str, tracer: Tracer, meter: Meter, settings: Settings, errors: HookErrors,
-                 truncate: Callable[[str], str]) -> None:
+    def __init__(
+        self,
+        *,
+        provider: str,
+        tracer: Tracer,
+        meter: Meter,
+        settings: Settings,
+        errors: HookErrors,
+        truncate: Callable[[str], str],
+    ) -> None:
         self.provider = provider
         self.tracer = tracer
         self.settings = settings
@@ -191,9 +229,18 @@ class ClientCalls:
         self.instruments = ClientInstruments(meter)
 
     # --- start ----------------------------------------------------------------------------------
-    def start(self, *, operation: str, model: str, server: Mapping[str, Any], attributes: Mapping[str, Any],
-              request_id: str = "", streaming: bool = False, expected: tuple[str, ...] = (),
-              stream: ClientStream | None = None) -> ClientCall:
+    def start(
+        self,
+        *,
+        operation: str,
+        model: str,
+        server: Mapping[str, Any],
+        attributes: Mapping[str, Any],
+        request_id: str = "",
+        streaming: bool = False,
+        expected: tuple[str, ...] = (),
+        stream: ClientStream | None = None,
+    ) -> ClientCall:
         """Start a call's CLIENT span ``{operation} {model}`` now, in the current context.
 
         ``server``: ``server.address``/``server.port`` (span and metric attributes);
@@ -218,10 +265,15 @@ class ClientCalls:
             if not trace.get_current_span().get_span_context().is_valid:
                 parent = trace.set_span_in_context(stream.span)
             links = [Link(stream.span.get_span_context())]
-        span = self.tracer.start_span(f"{operation} {model}", context=parent, kind=SpanKind.CLIENT,
-                                      attributes=attrs, links=links)
-        metric_attrs = {A.GEN_AI_OPERATION_NAME: operation, A.GEN_AI_PROVIDER_NAME: self.provider,
-                        A.GEN_AI_REQUEST_MODEL: model, **server}
+        span = self.tracer.start_span(
+            f"{operation} {model}", context=parent, kind=SpanKind.CLIENT, attributes=attrs, links=links
+        )
+        metric_attrs = {
+            A.GEN_AI_OPERATION_NAME: operation,
+            A.GEN_AI_PROVIDER_NAME: self.provider,
+            A.GEN_AI_REQUEST_MODEL: model,
+            **server,
+        }
         call = ClientCall(span, request_id, metric_attrs, streaming, expected, stream)
         if stream is not None:
             stream.add(call)
@@ -230,16 +282,16 @@ class ClientCalls:
     def start_stream(self, name: str, attributes: Mapping[str, Any]) -> ClientStream:
         """Start a stream's CLIENT span ``name`` (the semconv name of the library's stream span) now,
         in the current context; ``attributes`` are the library's (client, ``server.*``)."""
-        span = self.tracer.start_span(name, kind=SpanKind.CLIENT,
-                                      attributes={A.GEN_AI_PROVIDER_NAME: self.provider, **attributes})
+        span = self.tracer.start_span(
+            name, kind=SpanKind.CLIENT, attributes={A.GEN_AI_PROVIDER_NAME: self.provider, **attributes}
+        )
         return ClientStream(span)
 
     @staticmethod
     def use(record: ClientCall | ClientStream) -> AbstractContextManager[Span]:
         """Context manager: ``record``'s span is current inside (never ended, nothing recorded on
         it by leaving with an exception: :meth:`finish` decides that)."""
-        return trace.use_span(record.span, end_on_exit=False, record_exception=False,
-                              set_status_on_exception=False)
+        return trace.use_span(record.span, end_on_exit=False, record_exception=False, set_status_on_exception=False)
 
     @staticmethod
     def carrier(record: ClientCall | ClientStream) -> dict[str, str]:
@@ -247,7 +299,9 @@ class ClientCalls:
         return carrier_from_span(record.span)
 
     @classmethod
-    def headers_with_context(cls, headers: Mapping[str, Any] | None, record: ClientCall | ClientStream) -> dict[str, Any]:
+    def headers_with_context(
+        cls, headers: Mapping[str, Any] | None, record: ClientCall | ClientStream
+    ) -> dict[str, Any]:
         """A new dict: the caller's ``headers`` (never modified) without any ``traceparent`` /
         ``tracestate`` key in any letter case, plus ``record``'s (:meth:`carrier`, lowercase: gRPC
         metadata requires it)."""
@@ -258,8 +312,16 @@ class ClientCalls:
         return out
 
     # --- end ------------------------------------------------------------------------------------
-    def finish(self, call: ClientCall, *, error: BaseException | None = None, error_type: str | None = None,
-               content_free: bool = False, end_reason: str | None = None, end_mono: float | None = None) -> None:
+    def finish(
+        self,
+        call: ClientCall,
+        *,
+        error: BaseException | None = None,
+        error_type: str | None = None,
+        content_free: bool = False,
+        end_reason: str | None = None,
+        end_mono: float | None = None,
+    ) -> None:
         """End ``call`` exactly once (a second call is ignored; it leaves its stream's requests in
         flight): ``llm.token_stream`` (streams with responses), status, metrics. Never raises
         (failures counted as ``{provider}.finish``).
@@ -301,8 +363,14 @@ class ClientCalls:
             except Exception:  # noqa: BLE001 - silent: cleanup after the failure reported above
                 pass
 
-    def end_stream(self, stream: ClientStream, attributes: Mapping[str, Any], *, error_type: str | None = None,
-                   cancelled: bool = False) -> None:
+    def end_stream(
+        self,
+        stream: ClientStream,
+        attributes: Mapping[str, Any],
+        *,
+        error_type: str | None = None,
+        cancelled: bool = False,
+    ) -> None:
         """End the stream span now with the library's closing ``attributes`` (request count):
         ``cancelled`` -> ``error.type=cancelled`` without an error status (the application's
         choice); else ``error_type`` (the stream itself failed) -> ``error.type`` and status ERROR."""
@@ -315,8 +383,9 @@ class ClientCalls:
             span.set_status(Status(StatusCode.ERROR, error_type))
         span.end()
 
-    def _emit(self, call: ClientCall, end_ns: int, error: BaseException | None, error_type: str | None,
-              content_free: bool) -> None:
+    def _emit(
+        self, call: ClientCall, end_ns: int, error: BaseException | None, error_type: str | None, content_free: bool
+    ) -> None:
         span = call.span
         start_time = getattr(span, "start_time", None)  # the SDK span's (epoch ns); absent on API spans
         start_ns = start_time if start_time else call.epoch_ns(call.start_mono)
@@ -329,8 +398,11 @@ class ClientCalls:
         if error_type is not None:
             span.set_attribute(A.ERROR_TYPE, error_type)
             if error_type != CANCELLED:  # cancelling is the application's choice, not a failure
-                detail = self._truncate(str(error)) \
-                    if error is not None and (self.settings.capture_content or content_free) else error_type
+                detail = (
+                    self._truncate(str(error))
+                    if error is not None and (self.settings.capture_content or content_free)
+                    else error_type
+                )
                 span.set_status(Status(StatusCode.ERROR, detail))
         span.end(end_time=end_ns)
 
@@ -347,18 +419,31 @@ class ClientCalls:
         gaps = np.diff(times, prepend=call.start_mono)  # gaps[0]: call -> first response
         if len(times) > 1:
             p50, p90, p99, mx = _percentiles(gaps[1:].tolist())
-            attrs.update({A.LLM_STREAM_RESPONSE_GAP_P50: p50, A.LLM_STREAM_RESPONSE_GAP_P90: p90,
-                          A.LLM_STREAM_RESPONSE_GAP_P99: p99, A.LLM_STREAM_RESPONSE_GAP_MAX: mx})
+            attrs.update(
+                {
+                    A.LLM_STREAM_RESPONSE_GAP_P50: p50,
+                    A.LLM_STREAM_RESPONSE_GAP_P90: p90,
+                    A.LLM_STREAM_RESPONSE_GAP_P99: p99,
+                    A.LLM_STREAM_RESPONSE_GAP_MAX: mx,
+                }
+            )
         n_ev = min(len(times), self.settings.token_events)
         attrs[A.LLM_TOKEN_EVENTS_DROPPED] = len(times) - n_ev
         if error_type is not None:
             attrs[A.ERROR_TYPE] = error_type
-        span = self.tracer.start_span(S.LLM_TOKEN_STREAM, context=trace.set_span_in_context(call.span),
-                                      kind=SpanKind.INTERNAL, start_time=first_ns, attributes=attrs)
+        span = self.tracer.start_span(
+            S.LLM_TOKEN_STREAM,
+            context=trace.set_span_in_context(call.span),
+            kind=SpanKind.INTERNAL,
+            start_time=first_ns,
+            attributes=attrs,
+        )
         for i in range(n_ev):
-            span.add_event(S.EVENT_LLM_STREAM_RESPONSE,
-                           {A.LLM_STREAM_RESPONSE_INDEX: i, A.LLM_STREAM_RESPONSE_GAP: float(gaps[i])},
-                           timestamp=clamp(call.epoch_ns(times[i])))
+            span.add_event(
+                S.EVENT_LLM_STREAM_RESPONSE,
+                {A.LLM_STREAM_RESPONSE_INDEX: i, A.LLM_STREAM_RESPONSE_GAP: float(gaps[i])},
+                timestamp=clamp(call.epoch_ns(times[i])),
+            )
         if error_type is not None and error_type != CANCELLED:
             span.set_status(Status(StatusCode.ERROR, error_type))
         span.end(end_time=last_ns)

@@ -81,6 +81,9 @@ class EngineClock:
     def _check(self) -> None:
         if not self._warned and not self.same_domain:
             self._warned = True
-            logger.warning("llm-otel: the engine core's clock is not this frontend's (offset about %.3f s): its "
-                           "stamps are shifted onto this clock and requests are marked "
-                           "llm.request.timing.source=engine_clock_mapped", self.offset_s())
+            logger.warning(
+                "llm-otel: the engine core's clock is not this frontend's (offset about %.3f s): its "
+                "stamps are shifted onto this clock and requests are marked "
+                "llm.request.timing.source=engine_clock_mapped",
+                self.offset_s(),
+            )

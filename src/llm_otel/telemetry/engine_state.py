@@ -79,8 +79,9 @@ class SchedulerState(NamedTuple):
     prefix_hits: int | None
 
 
-def engine_state_instruments(telemetry: Any, phase: Callable[[], str],
-                             dp_rank: int | None = None) -> tuple[EngineStateMetrics, GpuMetrics | None]:
+def engine_state_instruments(
+    telemetry: Any, phase: Callable[[], str], dp_rank: int | None = None
+) -> tuple[EngineStateMetrics, GpuMetrics | None]:
     """The engine-state instruments and the per-GPU gauges (by ``phase()``, see
     :class:`PhaseClock`) on the telemetry's meter, for the process that runs the scheduler."""
     meter = telemetry.instruments.meter
@@ -103,11 +104,16 @@ class EngineStateMetrics:
         self._waiting: int | None = None
         self._warned: set[str] = set()
         self._seen_prefix = False
-        self.hits = meter.create_counter(M.LLM_SERVER_PREFIX_CACHE_HITS, unit=M.LLM_SERVER_PREFIX_CACHE_HITS_UNIT,
-                                         description="Prompt tokens found in the engine's prefix cache.")
-        self.queries = meter.create_counter(M.LLM_SERVER_PREFIX_CACHE_QUERIES,
-                                            unit=M.LLM_SERVER_PREFIX_CACHE_QUERIES_UNIT,
-                                            description="Prompt tokens looked up in the engine's prefix cache.")
+        self.hits = meter.create_counter(
+            M.LLM_SERVER_PREFIX_CACHE_HITS,
+            unit=M.LLM_SERVER_PREFIX_CACHE_HITS_UNIT,
+            description="Prompt tokens found in the engine's prefix cache.",
+        )
+        self.queries = meter.create_counter(
+            M.LLM_SERVER_PREFIX_CACHE_QUERIES,
+            unit=M.LLM_SERVER_PREFIX_CACHE_QUERIES_UNIT,
+            description="Prompt tokens looked up in the engine's prefix cache.",
+        )
 
         def gauge(name: str, unit: str, field: str, description: str) -> None:
             def observe(_options: CallbackOptions) -> list[Observation]:
@@ -116,12 +122,24 @@ class EngineStateMetrics:
 
             meter.create_observable_gauge(name, callbacks=[observe], unit=unit, description=description)
 
-        gauge(M.LLM_SERVER_KV_CACHE_USAGE, M.LLM_SERVER_KV_CACHE_USAGE_UNIT, "_kv",
-              "Fraction of the engine's KV-cache blocks in use.")
-        gauge(M.LLM_SERVER_REQUESTS_RUNNING, M.LLM_SERVER_REQUESTS_RUNNING_UNIT, "_running",
-              "Requests in the engine's running batch.")
-        gauge(M.LLM_SERVER_REQUESTS_WAITING, M.LLM_SERVER_REQUESTS_WAITING_UNIT, "_waiting",
-              "Requests waiting to be scheduled.")
+        gauge(
+            M.LLM_SERVER_KV_CACHE_USAGE,
+            M.LLM_SERVER_KV_CACHE_USAGE_UNIT,
+            "_kv",
+            "Fraction of the engine's KV-cache blocks in use.",
+        )
+        gauge(
+            M.LLM_SERVER_REQUESTS_RUNNING,
+            M.LLM_SERVER_REQUESTS_RUNNING_UNIT,
+            "_running",
+            "Requests in the engine's running batch.",
+        )
+        gauge(
+            M.LLM_SERVER_REQUESTS_WAITING,
+            M.LLM_SERVER_REQUESTS_WAITING_UNIT,
+            "_waiting",
+            "Requests waiting to be scheduled.",
+        )
 
     def _missing(self, what: str, why: str) -> None:
         if what not in self._warned:
@@ -130,8 +148,11 @@ class EngineStateMetrics:
 
     def on_step_state(self, state: SchedulerState | None, model: str) -> None:
         if state is None:
-            self._missing("stats", "the engine reports no scheduler statistics (vLLM log_stats is off, "
-                                   "e.g. LLM_OTEL_VLLM_ENGINE_EVENTS=false)")
+            self._missing(
+                "stats",
+                "the engine reports no scheduler statistics (vLLM log_stats is off, "
+                "e.g. LLM_OTEL_VLLM_ENGINE_EVENTS=false)",
+            )
             return
         if self.attrs is None or self.attrs[A.GEN_AI_REQUEST_MODEL] != model:
             self.attrs = {A.GEN_AI_PROVIDER_NAME: self.provider, A.GEN_AI_REQUEST_MODEL: model}

@@ -45,8 +45,9 @@ def logit_dist_chosen(ratio: float, span: Span) -> bool:
     return (span.get_span_context().trace_id & _LOW_56) < ratio * (1 << 56)
 
 
-def logit_top_k(settings: Settings, span: Span | None, *, recording: bool, limit: int | None = None,
-                user_asked: bool = False) -> int:
+def logit_top_k(
+    settings: Settings, span: Span | None, *, recording: bool, limit: int | None = None, user_asked: bool = False
+) -> int:
     """k of the logit statistics a request gets (0: none): ``LLM_OTEL_LOGPROBS_TOP_K`` (at most
     ``limit``, the engine's own cap on log-probs) for a recording request that the user asked
     log-probs for or that :func:`logit_dist_chosen` picks."""
@@ -72,8 +73,9 @@ class StepLogits:
         self.stats = stats
         self.k = k
 
-    def to_host(self, sampled: Any = None,
-                sampled_rows: list[int] | None = None) -> tuple[LogitStats, NDArray[Any] | None]:
+    def to_host(
+        self, sampled: Any = None, sampled_rows: list[int] | None = None
+    ) -> tuple[LogitStats, NDArray[Any] | None]:
         """``(LogitStats, sampled log-probs (rows,) or None)`` in one transfer. ``sampled``: the
         sampler's token ids as a torch tensor, ``(n,)`` or ``(n, m)`` (column 0 is taken), whose
         rows ``sampled_rows`` (default: :attr:`rows`) are the chosen requests' tokens, in order."""
@@ -89,14 +91,21 @@ class StepLogits:
         return self.stats.to_host(picked)
 
 
-def stage_row(stats: LogitStats, sampled_lp: NDArray[Any] | None, j: int, k: int,
-              time_ns: int) -> tuple[int, Any, Any, float, float, bool, float]:
+def stage_row(
+    stats: LogitStats, sampled_lp: NDArray[Any] | None, j: int, k: int, time_ns: int
+) -> tuple[int, Any, Any, float, float, bool, float]:
     """Row ``j`` of host ``stats`` (:meth:`StepLogits.to_host`) as one logit row of a
     :class:`~llm_otel.telemetry.stages.StageRecord`: ``(time_ns, top_ids (k,), top_logprobs (k,),
     entropy, margin, nonfinite, sampled_logprob)``."""
-    return (time_ns, stats.top_ids[j, :k], stats.top_logprobs[j, :k], float(stats.entropy[j]),
-            float(stats.margin[j]), bool(stats.nonfinite[j]),
-            float(sampled_lp[j]) if sampled_lp is not None else math.nan)
+    return (
+        time_ns,
+        stats.top_ids[j, :k],
+        stats.top_logprobs[j, :k],
+        float(stats.entropy[j]),
+        float(stats.margin[j]),
+        bool(stats.nonfinite[j]),
+        float(sampled_lp[j]) if sampled_lp is not None else math.nan,
+    )
 
 
 def capture_rows(logits: Any, rows: list[int], k: int) -> StepLogits | None:
@@ -115,8 +124,12 @@ def capture_rows(logits: Any, rows: list[int], k: int) -> StepLogits | None:
     return StepLogits(rows, TorchLogitStats(logits.index_select(0, index), k), k)
 
 
-def wrap_sampler(errors: HookErrors, hook: str, before: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any],
-                 after: Callable[[Any, Any, Any], Any]) -> SamplerWrapper:
+def wrap_sampler(
+    errors: HookErrors,
+    hook: str,
+    before: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any],
+    after: Callable[[Any, Any, Any], Any],
+) -> SamplerWrapper:
     """A wrapt wrapper around an engine's sampler: ``before(instance, args, kwargs)`` returns a
     plan (None: nothing to capture this step) before the sampler runs, ``after(instance, plan,
     output)`` reads its output. Failures of either are counted under ``hook`` and never reach the
@@ -139,4 +152,3 @@ def wrap_sampler(errors: HookErrors, hook: str, before: Callable[[Any, tuple[Any
         return output
 
     return wrapper
-

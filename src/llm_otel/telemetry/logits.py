@@ -99,8 +99,14 @@ def _xp_stats(x: Any, k: int) -> LogitStats:
     top_ids = xp.take_along_axis(part, order, axis=1)
     top_lp = xp.take_along_axis(part_lp, order, axis=1)
     packed = xp.concatenate(
-        [top_ids.astype(xp.float64), top_lp.astype(xp.float64),
-         entropy[:, None].astype(xp.float64), nonfinite[:, None].astype(xp.float64)], axis=1)
+        [
+            top_ids.astype(xp.float64),
+            top_lp.astype(xp.float64),
+            entropy[:, None].astype(xp.float64),
+            nonfinite[:, None].astype(xp.float64),
+        ],
+        axis=1,
+    )
     host = packed if xp is np else packed.get()
     return _unpack(host, k)
 
@@ -145,21 +151,25 @@ class TorchLogitStats:
         import torch
 
         with torch.no_grad():
-            parts = [self.top_ids.double(), self.top_lp.double(), self.entropy[:, None].double(),
-                     self.nonfinite[:, None].double()]
+            parts = [
+                self.top_ids.double(),
+                self.top_lp.double(),
+                self.entropy[:, None].double(),
+                self.nonfinite[:, None].double(),
+            ]
             if sampled_ids is not None:
                 ids = sampled_ids.reshape(-1, 1).long().to(self.logp.device)
                 parts.append(self.logp.gather(1, ids).double())
             host = torch.cat(parts, dim=1).cpu().numpy()
         k = self.k
-        stats = _unpack(host[:, :2 * k + 2], k)
+        stats = _unpack(host[:, : 2 * k + 2], k)
         return stats, (host[:, 2 * k + 2].copy() if sampled_ids is not None else None)
 
 
 def _unpack(host: np.ndarray, k: int) -> LogitStats:
     nonfinite = host[:, 2 * k + 1] > 0.5
     top_ids = host[:, :k].astype(np.int64)
-    top_lp = host[:, k:2 * k].copy()
+    top_lp = host[:, k : 2 * k].copy()
     entropy = host[:, 2 * k].copy()
     top_ids[nonfinite] = -1
     top_lp[nonfinite] = np.nan
@@ -168,8 +178,9 @@ def _unpack(host: np.ndarray, k: int) -> LogitStats:
     return LogitStats(top_ids, top_lp, entropy, margin, nonfinite)
 
 
-def topk_logprob_stats(top_logprobs: np.ndarray, vocab_size: int | None = None
-                       ) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.bool_]]:
+def topk_logprob_stats(
+    top_logprobs: np.ndarray, vocab_size: int | None = None
+) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.bool_]]:
     """Entropy estimate, margin and non-finite flag from engine-returned top-k log-probs.
 
     Args:

@@ -45,8 +45,19 @@ NO_TRACE = trace.set_span_in_context(trace.INVALID_SPAN)
 # ``llm.server.token.usage`` attributes): see Instruments._attribute_sets
 AttributeSets = tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]
 # one finished request's observations: see Instruments.observations
-Observations = tuple[AttributeSets, bool, float, float | None, float | None, Sequence[float], float | None,
-                     float | None, int, int, str | None]
+Observations = tuple[
+    AttributeSets,
+    bool,
+    float,
+    float | None,
+    float | None,
+    Sequence[float],
+    float | None,
+    float | None,
+    int,
+    int,
+    str | None,
+]
 
 
 class Instruments:
@@ -82,31 +93,74 @@ class Instruments:
         # the per-request metrics) a finished request's observations go there as one record
         self.sink = outlet.push_request if outlet is not None else None
 
-        def hist(attr: str, name: str, unit: str, buckets: tuple[float, ...],
-                 description: str) -> Histogram | MetricInstrument:
+        def hist(
+            attr: str, name: str, unit: str, buckets: tuple[float, ...], description: str
+        ) -> Histogram | MetricInstrument:
             if outlet is not None:  # recorded elsewhere: the outlet's stand-in for this attribute
                 return outlet.instrument(attr)
-            return meter.create_histogram(name, unit=unit, description=description,
-                                          explicit_bucket_boundaries_advisory=list(buckets))
+            return meter.create_histogram(
+                name, unit=unit, description=description, explicit_bucket_boundaries_advisory=list(buckets)
+            )
 
         self.meter = meter
-        self.ttft = hist("ttft", M.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN, M.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN_UNIT,
-                         M.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN_BUCKETS, "Time to generate first token for successful responses.")
-        self.tpot = hist("tpot", M.GEN_AI_SERVER_TIME_PER_OUTPUT_TOKEN, M.GEN_AI_SERVER_TIME_PER_OUTPUT_TOKEN_UNIT,
-                         M.GEN_AI_SERVER_TIME_PER_OUTPUT_TOKEN_BUCKETS, "Time per output token generated after the first token for successful responses.")
-        self.duration = hist("duration", M.GEN_AI_SERVER_REQUEST_DURATION, M.GEN_AI_SERVER_REQUEST_DURATION_UNIT,
-                             M.GEN_AI_SERVER_REQUEST_DURATION_BUCKETS, "Generative AI server request duration.")
-        self.tokens = hist("tokens", M.LLM_SERVER_TOKEN_USAGE, M.LLM_SERVER_TOKEN_USAGE_UNIT,
-                           M.LLM_SERVER_TOKEN_USAGE_BUCKETS, "Input and output tokens per request.")
-        self.queue = hist("queue", M.LLM_SERVER_REQUEST_QUEUE_TIME, M.LLM_SERVER_REQUEST_QUEUE_TIME_UNIT,
-                          M.LLM_SERVER_REQUEST_QUEUE_TIME_BUCKETS, "Seconds requests waited in the scheduler queue.")
-        self.itl = hist("itl", M.LLM_SERVER_INTER_TOKEN_LATENCY, M.LLM_SERVER_INTER_TOKEN_LATENCY_UNIT,
-                        M.LLM_SERVER_INTER_TOKEN_LATENCY_BUCKETS, "Seconds between token-producing engine steps of a request, per token.")
-        self.token_rate = hist("token_rate", M.LLM_SERVER_OUTPUT_TOKEN_RATE, M.LLM_SERVER_OUTPUT_TOKEN_RATE_UNIT,
-                               M.LLM_SERVER_OUTPUT_TOKEN_RATE_BUCKETS, "Output tokens per second of request duration.")
-        self.requests: Counter | MetricInstrument = outlet.instrument("requests") if outlet is not None else meter.create_counter(
-            M.LLM_SERVER_REQUESTS, unit=M.LLM_SERVER_REQUESTS_UNIT,
-            description="Finished and rejected requests by finish reason and error.type.")
+        self.ttft = hist(
+            "ttft",
+            M.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN,
+            M.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN_UNIT,
+            M.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN_BUCKETS,
+            "Time to generate first token for successful responses.",
+        )
+        self.tpot = hist(
+            "tpot",
+            M.GEN_AI_SERVER_TIME_PER_OUTPUT_TOKEN,
+            M.GEN_AI_SERVER_TIME_PER_OUTPUT_TOKEN_UNIT,
+            M.GEN_AI_SERVER_TIME_PER_OUTPUT_TOKEN_BUCKETS,
+            "Time per output token generated after the first token for successful responses.",
+        )
+        self.duration = hist(
+            "duration",
+            M.GEN_AI_SERVER_REQUEST_DURATION,
+            M.GEN_AI_SERVER_REQUEST_DURATION_UNIT,
+            M.GEN_AI_SERVER_REQUEST_DURATION_BUCKETS,
+            "Generative AI server request duration.",
+        )
+        self.tokens = hist(
+            "tokens",
+            M.LLM_SERVER_TOKEN_USAGE,
+            M.LLM_SERVER_TOKEN_USAGE_UNIT,
+            M.LLM_SERVER_TOKEN_USAGE_BUCKETS,
+            "Input and output tokens per request.",
+        )
+        self.queue = hist(
+            "queue",
+            M.LLM_SERVER_REQUEST_QUEUE_TIME,
+            M.LLM_SERVER_REQUEST_QUEUE_TIME_UNIT,
+            M.LLM_SERVER_REQUEST_QUEUE_TIME_BUCKETS,
+            "Seconds requests waited in the scheduler queue.",
+        )
+        self.itl = hist(
+            "itl",
+            M.LLM_SERVER_INTER_TOKEN_LATENCY,
+            M.LLM_SERVER_INTER_TOKEN_LATENCY_UNIT,
+            M.LLM_SERVER_INTER_TOKEN_LATENCY_BUCKETS,
+            "Seconds between token-producing engine steps of a request, per token.",
+        )
+        self.token_rate = hist(
+            "token_rate",
+            M.LLM_SERVER_OUTPUT_TOKEN_RATE,
+            M.LLM_SERVER_OUTPUT_TOKEN_RATE_UNIT,
+            M.LLM_SERVER_OUTPUT_TOKEN_RATE_BUCKETS,
+            "Output tokens per second of request duration.",
+        )
+        self.requests: Counter | MetricInstrument = (
+            outlet.instrument("requests")
+            if outlet is not None
+            else meter.create_counter(
+                M.LLM_SERVER_REQUESTS,
+                unit=M.LLM_SERVER_REQUESTS_UNIT,
+                description="Finished and rejected requests by finish reason and error.type.",
+            )
+        )
         self._error_types: set[str] = set()
         self._attr_sets: dict[tuple[Any, ...], AttributeSets] = {}  # see _attribute_sets
         self._error_lock = threading.Lock()
@@ -122,8 +176,11 @@ class Instruments:
                 return value
             if not self._warned_error_types:
                 self._warned_error_types = True
-                logger.warning("llm-otel: more than %d distinct error.type values; further ones are "
-                               "recorded as %s", MAX_ERROR_TYPES, OTHER)
+                logger.warning(
+                    "llm-otel: more than %d distinct error.type values; further ones are recorded as %s",
+                    MAX_ERROR_TYPES,
+                    OTHER,
+                )
         return OTHER
 
     def record(self, rec: RequestRecord, duration_s: float) -> None:
@@ -161,12 +218,32 @@ class Instruments:
             ttft = rec.time_to_first_token_s()
             tpot = rec.time_per_output_token_s()
             out = rec.num_output_tokens
-            return (sets, whole, duration_s, None if ttft is None else max(0.0, ttft),
-                    None if tpot is None else max(0.0, tpot), self._itl_gaps(rec),
-                    out / duration_s if out and duration_s > 0 else None, rec.queue_time_s(),
-                    rec.input_tokens, out, None)
-        return (sets, whole, duration_s, None, None, (), None, rec.queue_time_s(), rec.input_tokens,
-                rec.num_output_tokens, self.error_type(rec.error_type))
+            return (
+                sets,
+                whole,
+                duration_s,
+                None if ttft is None else max(0.0, ttft),
+                None if tpot is None else max(0.0, tpot),
+                self._itl_gaps(rec),
+                out / duration_s if out and duration_s > 0 else None,
+                rec.queue_time_s(),
+                rec.input_tokens,
+                out,
+                None,
+            )
+        return (
+            sets,
+            whole,
+            duration_s,
+            None,
+            None,
+            (),
+            None,
+            rec.queue_time_s(),
+            rec.input_tokens,
+            rec.num_output_tokens,
+            self.error_type(rec.error_type),
+        )
 
     def apply(self, obs: Observations, ctx: Context) -> None:
         """Record one request's :meth:`observations` with ``ctx`` (the request span's context for
@@ -174,8 +251,19 @@ class Instruments:
         serving process and in the exporter process. Token counts never carry the exemplar; of
         the ITL gaps only the largest does (the bucket's exemplar then leads to a request that
         stalled there)."""
-        ((attrs, count_attrs, input_attrs, output_attrs), whole, duration_s, ttft, tpot, gaps, token_rate, queue,
-         input_tokens, output_tokens, error_type) = obs
+        (
+            (attrs, count_attrs, input_attrs, output_attrs),
+            whole,
+            duration_s,
+            ttft,
+            tpot,
+            gaps,
+            token_rate,
+            queue,
+            input_tokens,
+            output_tokens,
+            error_type,
+        ) = obs
         if error_type is None:
             if whole:
                 self.duration.record(duration_s, attrs, ctx)
@@ -208,8 +296,15 @@ class Instruments:
         whole = obs[1]
         if obs[10] is not None:
             return 3 * whole + (obs[7] is not None) + 1
-        return (3 * whole + (obs[3] is not None) + (obs[4] is not None) + len(obs[5]) + (obs[6] is not None)
-                + (obs[7] is not None) + 1)
+        return (
+            3 * whole
+            + (obs[3] is not None)
+            + (obs[4] is not None)
+            + len(obs[5])
+            + (obs[6] is not None)
+            + (obs[7] is not None)
+            + 1
+        )
 
     def _attribute_sets(self, rec: RequestRecord) -> AttributeSets:
         """(request attributes, ``llm.server.requests`` attributes without ``error.type``, input
@@ -218,8 +313,14 @@ class Instruments:
         never mutated (at most :data:`MAX_ATTRIBUTE_SETS` kept; the cache restarts when full)."""
         labels = rec.metric_attributes  # request class and tier labels, bounded by llm_otel.signals
         key: tuple[Any, ...] | None  # None: not cached
-        key = (rec.operation, rec.provider, rec.model, rec.response_model, rec.finish_reason,
-               tuple(labels.items()) if labels else ())
+        key = (
+            rec.operation,
+            rec.provider,
+            rec.model,
+            rec.response_model,
+            rec.finish_reason,
+            tuple(labels.items()) if labels else (),
+        )
         try:
             sets = self._attr_sets.get(key)
         except TypeError:  # an unhashable label value: built for this request alone
@@ -238,8 +339,12 @@ class Instruments:
         token_attrs = dict(count_attrs)
         if rec.finish_reason is not None:
             count_attrs[A.LLM_RESPONSE_FINISH_REASON] = rec.finish_reason
-        sets = (attrs, count_attrs, {**token_attrs, A.GEN_AI_TOKEN_TYPE: "input"},
-                {**token_attrs, A.GEN_AI_TOKEN_TYPE: "output"})
+        sets = (
+            attrs,
+            count_attrs,
+            {**token_attrs, A.GEN_AI_TOKEN_TYPE: "input"},
+            {**token_attrs, A.GEN_AI_TOKEN_TYPE: "output"},
+        )
         if key is not None:
             if len(self._attr_sets) >= MAX_ATTRIBUTE_SETS:
                 self._attr_sets.clear()
@@ -278,13 +383,19 @@ class Instruments:
             try:
                 return [Observation(read())]
             except Exception as exc:  # noqa: BLE001 - a sampler that cannot say: no point this time
-                process_errors().report("telemetry.metrics.sampling_probability", exc,
-                                        "the sampler's probability cannot be read; no gauge point")
+                process_errors().report(
+                    "telemetry.metrics.sampling_probability",
+                    exc,
+                    "the sampler's probability cannot be read; no gauge point",
+                )
                 return []
 
-        self.meter.create_observable_gauge(M.LLM_OTEL_SAMPLING_PROBABILITY, callbacks=[observe],
-                                           unit=M.LLM_OTEL_SAMPLING_PROBABILITY_UNIT,
-                                           description="Head-sampling probability of new traces now.")
+        self.meter.create_observable_gauge(
+            M.LLM_OTEL_SAMPLING_PROBABILITY,
+            callbacks=[observe],
+            unit=M.LLM_OTEL_SAMPLING_PROBABILITY_UNIT,
+            description="Head-sampling probability of new traces now.",
+        )
         return True
 
 
@@ -335,5 +446,8 @@ class BoundedValues:
             self._warned = True
             logging.getLogger("llm_otel").warning(
                 "llm-otel: more than %d %s served; metrics of further ones are recorded as model _OTHER "
-                "(spans keep their names)", self.limit, self.what)
+                "(spans keep their names)",
+                self.limit,
+                self.what,
+            )
         return self.OTHER

@@ -40,11 +40,13 @@ class SpanTreeOutlet(Protocol):
 class MetricInstrument(Protocol):
     """The part of an OpenTelemetry histogram or counter the core calls."""
 
-    def record(self, amount: float, attributes: Mapping[str, Any] | None = None,
-               context: Context | None = None) -> None: ...
+    def record(
+        self, amount: float, attributes: Mapping[str, Any] | None = None, context: Context | None = None
+    ) -> None: ...
 
-    def add(self, amount: float, attributes: Mapping[str, Any] | None = None,
-            context: Context | None = None) -> None: ...
+    def add(
+        self, amount: float, attributes: Mapping[str, Any] | None = None, context: Context | None = None
+    ) -> None: ...
 
 
 class MetricsOutlet(Protocol):

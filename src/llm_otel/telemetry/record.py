@@ -57,14 +57,42 @@ class RequestRecord:
     """
 
     __slots__ = (
-        "request_id", "operation", "provider", "model", "response_model",
-        "span", "recording", "arrival_s", "mono_offset_ns",
-        "queued_mono", "scheduled_mono", "preempted_mono", "step_times", "step_token_counts",
-        "num_output_tokens", "head_token_ids", "head_cap", "input_tokens", "cached_tokens",
-        "finish_reason", "error_type", "error_message", "request_attributes",
-        "logprob_rows", "logprob_cap",
-        "finished", "timing_source", "injected_logprobs", "vocab_size", "output_state",
-        "metric_attributes", "signal_state", "handed_s", "handed_mono", "engine_clock", "choice_group",
+        "request_id",
+        "operation",
+        "provider",
+        "model",
+        "response_model",
+        "span",
+        "recording",
+        "arrival_s",
+        "mono_offset_ns",
+        "queued_mono",
+        "scheduled_mono",
+        "preempted_mono",
+        "step_times",
+        "step_token_counts",
+        "num_output_tokens",
+        "head_token_ids",
+        "head_cap",
+        "input_tokens",
+        "cached_tokens",
+        "finish_reason",
+        "error_type",
+        "error_message",
+        "request_attributes",
+        "logprob_rows",
+        "logprob_cap",
+        "finished",
+        "timing_source",
+        "injected_logprobs",
+        "vocab_size",
+        "output_state",
+        "metric_attributes",
+        "signal_state",
+        "handed_s",
+        "handed_mono",
+        "engine_clock",
+        "choice_group",
     )
 
     def __init__(
@@ -162,19 +190,47 @@ class RequestRecord:
     # --- shipped to an exporter process --------------------------------------------------------
     # the fields :class:`llm_otel.telemetry.spans.SpanBuilder` reads to build ``llm.prompt`` and
     # ``llm.token_stream``, in :meth:`span_fields`' order
-    SPAN_FIELDS = ("arrival_s", "mono_offset_ns", "queued_mono", "scheduled_mono", "preempted_mono",
-                   "step_times", "step_token_counts", "num_output_tokens", "head_token_ids", "input_tokens",
-                   "cached_tokens", "finish_reason", "error_type", "error_message", "timing_source", "handed_s")
+    SPAN_FIELDS = (
+        "arrival_s",
+        "mono_offset_ns",
+        "queued_mono",
+        "scheduled_mono",
+        "preempted_mono",
+        "step_times",
+        "step_token_counts",
+        "num_output_tokens",
+        "head_token_ids",
+        "input_tokens",
+        "cached_tokens",
+        "finish_reason",
+        "error_type",
+        "error_message",
+        "timing_source",
+        "handed_s",
+    )
 
     def span_fields(self, token_ids: bool) -> tuple[Any, ...]:
         """The raw data ``llm.prompt`` / ``llm.token_stream`` are built from, as plain values that
         pickle cheaply (:data:`SPAN_FIELDS` order): the step arrays as bytes (one copy, no per-token
         objects), the head token ids only when ``token_ids`` (content capture). Called once, at finish."""
-        return (self.arrival_s, self.mono_offset_ns, self.queued_mono, self.scheduled_mono,
-                tuple(self.preempted_mono), self.step_times.tobytes(), self.step_token_counts.tobytes(),
-                self.num_output_tokens, tuple(self.head_token_ids) if token_ids else (), self.input_tokens,
-                self.cached_tokens, self.finish_reason, self.error_type, self.error_message, self.timing_source,
-                self.handed_s)
+        return (
+            self.arrival_s,
+            self.mono_offset_ns,
+            self.queued_mono,
+            self.scheduled_mono,
+            tuple(self.preempted_mono),
+            self.step_times.tobytes(),
+            self.step_token_counts.tobytes(),
+            self.num_output_tokens,
+            tuple(self.head_token_ids) if token_ids else (),
+            self.input_tokens,
+            self.cached_tokens,
+            self.finish_reason,
+            self.error_type,
+            self.error_message,
+            self.timing_source,
+            self.handed_s,
+        )
 
     @classmethod
     def from_span_fields(cls, fields: tuple[Any, ...]) -> RequestRecord:

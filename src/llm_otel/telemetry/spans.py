@@ -105,8 +105,10 @@ class SpanBuilder:
 
         # llm.prompt: arrival -> first token (or -> end when no token came)
         prompt_end = first_ns if first_ns is not None else end_ns
-        attrs: dict[str, AttributeValue] = {A.GEN_AI_USAGE_INPUT_TOKENS: rec.input_tokens,
-                                            A.LLM_REQUEST_TIMING_SOURCE: rec.timing_source}
+        attrs: dict[str, AttributeValue] = {
+            A.GEN_AI_USAGE_INPUT_TOKENS: rec.input_tokens,
+            A.LLM_REQUEST_TIMING_SOURCE: rec.timing_source,
+        }
         if rec.cached_tokens is not None:
             attrs[A.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = rec.cached_tokens
         if rec.preempted_mono:
@@ -115,7 +117,8 @@ class SpanBuilder:
             attrs[A.LLM_REQUEST_FRONTEND_DURATION] = max(0.0, rec.handed_s - rec.arrival_s)
             if rec.queued_mono is not None:
                 attrs[A.LLM_REQUEST_ENGINE_INPUT_WAIT_DURATION] = max(
-                    0.0, (rec.epoch_ns(rec.queued_mono) - round(rec.handed_s * 1e9)) / 1e9)
+                    0.0, (rec.epoch_ns(rec.queued_mono) - round(rec.handed_s * 1e9)) / 1e9
+                )
         elif rec.queued_mono is not None:  # an adapter that cannot stamp the hand-over
             attrs[A.LLM_REQUEST_FRONTEND_DURATION] = max(0.0, (rec.epoch_ns(rec.queued_mono) - start_ns) / 1e9)
         queue = rec.queue_time_s()
@@ -125,8 +128,9 @@ class SpanBuilder:
             attrs[A.LLM_REQUEST_PREFILL_DURATION] = max(0.0, (first_ns - rec.epoch_ns(rec.scheduled_mono)) / 1e9)
         if error is not None and first_ns is None:
             attrs[A.ERROR_TYPE] = error
-        prompt = self.tracer.start_span(S.LLM_PROMPT, context=ctx, kind=SpanKind.INTERNAL,
-                                        start_time=start_ns, attributes=attrs)
+        prompt = self.tracer.start_span(
+            S.LLM_PROMPT, context=ctx, kind=SpanKind.INTERNAL, start_time=start_ns, attributes=attrs
+        )
         if rec.queued_mono is not None:
             prompt.add_event(S.EVENT_LLM_REQUEST_QUEUED, timestamp=clamp(rec.epoch_ns(rec.queued_mono)))
         if rec.scheduled_mono is not None:
@@ -146,7 +150,9 @@ class SpanBuilder:
             self._token_stream(rec, ctx, first_ns, last_ns, preempt_in_decode)
         return first_ns, last_ns
 
-    def _token_stream(self, rec: RequestRecord, ctx: Context | None, first_ns: int, last_ns: int, preempts: list[int]) -> None:
+    def _token_stream(
+        self, rec: RequestRecord, ctx: Context | None, first_ns: int, last_ns: int, preempts: list[int]
+    ) -> None:
         st = self.settings
         times, counts = rec.step_times, rec.step_token_counts  # plain floats/ints: no NumPy per request
         ttft = (first_ns - rec.arrival_ns) / 1e9
@@ -164,8 +170,14 @@ class SpanBuilder:
         threshold: float | None = None
         if itl:
             p50, p90, p99, mx = _percentiles(itl)
-            attrs.update({A.LLM_INTER_TOKEN_LATENCY_P50: p50, A.LLM_INTER_TOKEN_LATENCY_P90: p90,
-                          A.LLM_INTER_TOKEN_LATENCY_P99: p99, A.LLM_INTER_TOKEN_LATENCY_MAX: mx})
+            attrs.update(
+                {
+                    A.LLM_INTER_TOKEN_LATENCY_P50: p50,
+                    A.LLM_INTER_TOKEN_LATENCY_P90: p90,
+                    A.LLM_INTER_TOKEN_LATENCY_P99: p99,
+                    A.LLM_INTER_TOKEN_LATENCY_MAX: mx,
+                }
+            )
             if p50 > 0:
                 threshold = st.stall_factor * p50
                 attrs[A.LLM_TOKEN_STALL_THRESHOLD] = threshold
@@ -173,16 +185,24 @@ class SpanBuilder:
             attrs[A.LLM_REQUEST_PREEMPTIONS] = len(rec.preempted_mono)
         if rec.error_type is not None:
             attrs[A.ERROR_TYPE] = rec.error_type
-        span = self.tracer.start_span(S.LLM_TOKEN_STREAM, context=ctx, kind=SpanKind.INTERNAL,
-                                      start_time=first_ns, attributes=attrs)
+        span = self.tracer.start_span(
+            S.LLM_TOKEN_STREAM, context=ctx, kind=SpanKind.INTERNAL, start_time=first_ns, attributes=attrs
+        )
         # token events: the first N tokens, each stamped with its step's time; tokens that came
         # in the same step (speculative decoding) have latency 0
-        token_times = itertools.islice(itertools.chain.from_iterable(map(itertools.repeat, times, counts)),
-                                       st.token_events)  # each token's step time, first N tokens
+        token_times = itertools.islice(
+            itertools.chain.from_iterable(map(itertools.repeat, times, counts)), st.token_events
+        )  # each token's step time, first N tokens
         # token ids decode back to the completion with the model's tokenizer: content
-        add_token_events(span, token_times, (rec.arrival_ns - rec.mono_offset_ns) / 1e9,  # arrival, engine clock
-                         rec.head_token_ids, with_ids=st.capture_content, per_second=1.0,
-                         stamp=lambda t: min(max(rec.epoch_ns(t), first_ns), last_ns))
+        add_token_events(
+            span,
+            token_times,
+            (rec.arrival_ns - rec.mono_offset_ns) / 1e9,  # arrival, engine clock
+            rec.head_token_ids,
+            with_ids=st.capture_content,
+            per_second=1.0,
+            stamp=lambda t: min(max(rec.epoch_ns(t), first_ns), last_ns),
+        )
         dropped = 0
         # stall events: steps whose inter-token latency exceeds k x median
         if threshold is not None:
@@ -190,11 +210,15 @@ class SpanBuilder:
             if stalls:
                 cum = list(itertools.accumulate(counts))
                 for s in stalls[: st.max_stall_events]:
-                    span.add_event(S.EVENT_LLM_TOKEN_STALL, {
-                        A.LLM_TOKEN_INDEX: int(cum[s]),  # first token of step s+1
-                        A.LLM_TOKEN_LATENCY: float(itl[s]),
-                        A.LLM_TOKEN_STALL_THRESHOLD: float(threshold),
-                    }, timestamp=min(max(rec.epoch_ns(times[s + 1]), first_ns), last_ns))
+                    span.add_event(
+                        S.EVENT_LLM_TOKEN_STALL,
+                        {
+                            A.LLM_TOKEN_INDEX: int(cum[s]),  # first token of step s+1
+                            A.LLM_TOKEN_LATENCY: float(itl[s]),
+                            A.LLM_TOKEN_STALL_THRESHOLD: float(threshold),
+                        },
+                        timestamp=min(max(rec.epoch_ns(times[s + 1]), first_ns), last_ns),
+                    )
                 dropped += max(0, len(stalls) - st.max_stall_events)
         for ts in preempts:
             span.add_event(S.EVENT_LLM_REQUEST_PREEMPTED, timestamp=ts)
@@ -212,12 +236,27 @@ class SpanBuilder:
         top_ids, top_lp = ids[:, 1:], lps[:, 1:]
         entropy, margin, nonfinite = logits.topk_logprob_stats(top_lp, rec.vocab_size)
         # one step per output token, stamped with its step's time
-        token_times = np.repeat(np.frombuffer(rec.step_times, dtype=np.float64),
-                                np.asarray(rec.step_token_counts, dtype=np.int64))[:len(lps)]
-        times_ns = [min(max(rec.epoch_ns(float(t)), first_ns), last_ns) for t in token_times[:self.settings.logit_events]]
-        emit_logit_dist(self.tracer, self.settings, ctx, source="engine_logprobs", start_ns=first_ns,
-                        end_ns=last_ns, times_ns=times_ns, top_ids=top_ids, top_logprobs=top_lp,
-                        sampled_logprobs=lps[:, 0], entropy=entropy, margin=margin, nonfinite=nonfinite)
+        token_times = np.repeat(
+            np.frombuffer(rec.step_times, dtype=np.float64), np.asarray(rec.step_token_counts, dtype=np.int64)
+        )[: len(lps)]
+        times_ns = [
+            min(max(rec.epoch_ns(float(t)), first_ns), last_ns) for t in token_times[: self.settings.logit_events]
+        ]
+        emit_logit_dist(
+            self.tracer,
+            self.settings,
+            ctx,
+            source="engine_logprobs",
+            start_ns=first_ns,
+            end_ns=last_ns,
+            times_ns=times_ns,
+            top_ids=top_ids,
+            top_logprobs=top_lp,
+            sampled_logprobs=lps[:, 0],
+            entropy=entropy,
+            margin=margin,
+            nonfinite=nonfinite,
+        )
 
     def _finish_request_span(self, rec: RequestRecord, end_ns: int) -> None:
         span = cast(Span, rec.span)  # emit() runs for a recording request's span only
@@ -241,8 +280,16 @@ class SpanBuilder:
         span.end(end_time=end_ns)
 
 
-def add_token_events(span: Span, token_times: Iterable[float], start: float, token_ids: Sequence[int], *,
-                     with_ids: bool, per_second: float, stamp: Callable[[float], int]) -> None:
+def add_token_events(
+    span: Span,
+    token_times: Iterable[float],
+    start: float,
+    token_ids: Sequence[int],
+    *,
+    with_ids: bool,
+    per_second: float,
+    stamp: Callable[[float], int],
+) -> None:
     """One ``llm.token`` event per time in ``token_times`` (an iterable already cut to the events
     wanted), with its index and its latency since the previous token (the first: since ``start``).
 
@@ -260,10 +307,22 @@ def add_token_events(span: Span, token_times: Iterable[float], start: float, tok
         prev = t
 
 
-def emit_logit_dist(tracer: Tracer, settings: Settings, parent: Context | None, *, source: str, start_ns: int, end_ns: int,
-                    times_ns: list[int], top_ids: np.ndarray, top_logprobs: np.ndarray,
-                    sampled_logprobs: np.ndarray | None, entropy: np.ndarray, margin: np.ndarray,
-                    nonfinite: np.ndarray) -> None:
+def emit_logit_dist(
+    tracer: Tracer,
+    settings: Settings,
+    parent: Context | None,
+    *,
+    source: str,
+    start_ns: int,
+    end_ns: int,
+    times_ns: list[int],
+    top_ids: np.ndarray,
+    top_logprobs: np.ndarray,
+    sampled_logprobs: np.ndarray | None,
+    entropy: np.ndarray,
+    margin: np.ndarray,
+    nonfinite: np.ndarray,
+) -> None:
     """One ``llm.logit_dist`` span from per-step arrays (``(steps, k)`` and ``(steps,)``, nats).
 
     ``parent``: the request span's Context (local or remote). ``times_ns``: epoch ns of the first
@@ -291,8 +350,9 @@ def emit_logit_dist(tracer: Tracer, settings: Settings, parent: Context | None, 
         ppl = logits.perplexity(sampled_logprobs)
         if not math.isnan(ppl):
             attrs[A.LLM_LOGIT_PERPLEXITY] = ppl
-    span = tracer.start_span(S.LLM_LOGIT_DIST, context=parent, kind=SpanKind.INTERNAL,
-                             start_time=start_ns, attributes=attrs)
+    span = tracer.start_span(
+        S.LLM_LOGIT_DIST, context=parent, kind=SpanKind.INTERNAL, start_time=start_ns, attributes=attrs
+    )
     for i in range(min(steps, settings.logit_events, len(times_ns))):
         row = top_logprobs[i]
         order = np.argsort(-np.where(np.isnan(row), -np.inf, row), kind="stable")

@@ -72,15 +72,46 @@ class StageRecord:
             nonfinite, sampled_logprob)``.
     """
 
-    __slots__ = ("stage", "request_id", "choice_index", "group_id", "parent", "span_context", "start_ns",
-                 "queued_ns", "scheduled_ns", "frontend_arrival_s", "input_tokens", "output_tokens",
-                 "cached_tokens", "token_times", "token_ids", "token_id_cap", "logprob_sum", "resumed",
-                 "logit_top_k", "logit_rows", "finish_reason", "aborted")
+    __slots__ = (
+        "stage",
+        "request_id",
+        "choice_index",
+        "group_id",
+        "parent",
+        "span_context",
+        "start_ns",
+        "queued_ns",
+        "scheduled_ns",
+        "frontend_arrival_s",
+        "input_tokens",
+        "output_tokens",
+        "cached_tokens",
+        "token_times",
+        "token_ids",
+        "token_id_cap",
+        "logprob_sum",
+        "resumed",
+        "logit_top_k",
+        "logit_rows",
+        "finish_reason",
+        "aborted",
+    )
 
-    def __init__(self, stage: str, request_id: int, parent: Context, *, group_id: int, choice_index: int,
-                 start_ns: int, token_id_cap: int, queued_ns: int | None = None,
-                 frontend_arrival_s: Any = None, output_tokens: int | None = None,
-                 logit_top_k: int = 0) -> None:
+    def __init__(
+        self,
+        stage: str,
+        request_id: int,
+        parent: Context,
+        *,
+        group_id: int,
+        choice_index: int,
+        start_ns: int,
+        token_id_cap: int,
+        queued_ns: int | None = None,
+        frontend_arrival_s: Any = None,
+        output_tokens: int | None = None,
+        logit_top_k: int = 0,
+    ) -> None:
         if stage not in STAGES:
             raise ValueError(f"unknown stage {stage!r}; one of {STAGES}")
         self.stage = stage
@@ -149,15 +180,23 @@ def emit_stage(tracer: Tracer, settings: Settings, rec: StageRecord, end_ns: int
         attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] = [rec.finish_reason]
     if rec.aborted:
         attrs[A.ERROR_TYPE] = "aborted"
-    span = tracer.start_span(rec.stage, context=rec.parent, kind=SpanKind.INTERNAL, attributes=attrs,
-                             start_time=rec.start_ns)
+    span = tracer.start_span(
+        rec.stage, context=rec.parent, kind=SpanKind.INTERNAL, attributes=attrs, start_time=rec.start_ns
+    )
     if rec.queued_ns is not None:
         span.add_event(S.EVENT_LLM_REQUEST_QUEUED, timestamp=rec.queued_ns)
     if rec.scheduled_ns is not None:
         span.add_event(S.EVENT_LLM_REQUEST_SCHEDULED, timestamp=rec.scheduled_ns)
     # token ids decode back to the text: only with content capture on
-    add_token_events(span, itertools.islice(times, len(rec.token_ids)), rec.start_ns, rec.token_ids,
-                     with_ids=settings.capture_content, per_second=1e9, stamp=int)
+    add_token_events(
+        span,
+        itertools.islice(times, len(rec.token_ids)),
+        rec.start_ns,
+        rec.token_ids,
+        with_ids=settings.capture_content,
+        per_second=1e9,
+        stamp=int,
+    )
     if rec.aborted:
         span.set_status(Status(StatusCode.ERROR, "aborted"))
     span.end(end_time=max(end_ns, times[-1] if times else end_ns))
@@ -170,8 +209,17 @@ def _emit_logits(tracer: Tracer, settings: Settings, rec: StageRecord) -> None:
     rows = rec.logit_rows
     rec.logit_rows = []
     emit_logit_dist(
-        tracer, settings, rec.parent, source="full_vocab_logits",
-        start_ns=rows[0][0], end_ns=rows[-1][0], times_ns=[r[0] for r in rows],
-        top_ids=np.stack([r[1] for r in rows]), top_logprobs=np.stack([r[2] for r in rows]),
-        sampled_logprobs=np.asarray([r[6] for r in rows]), entropy=np.asarray([r[3] for r in rows]),
-        margin=np.asarray([r[4] for r in rows]), nonfinite=np.asarray([r[5] for r in rows]))
+        tracer,
+        settings,
+        rec.parent,
+        source="full_vocab_logits",
+        start_ns=rows[0][0],
+        end_ns=rows[-1][0],
+        times_ns=[r[0] for r in rows],
+        top_ids=np.stack([r[1] for r in rows]),
+        top_logprobs=np.stack([r[2] for r in rows]),
+        sampled_logprobs=np.asarray([r[6] for r in rows]),
+        entropy=np.asarray([r[3] for r in rows]),
+        margin=np.asarray([r[4] for r in rows]),
+        nonfinite=np.asarray([r[5] for r in rows]),
+    )

@@ -122,9 +122,16 @@ class EngineSteps:
         """Whether a step span may start now; ask before collecting the batch's links."""
         return self.budget.ready()
 
-    def start(self, requests: Sequence[SpanContext], *, start_ns: int, batch_size: int,
-              prefill_tokens: int | None = None, decode_tokens: int | None = None,
-              preempted: int | None = None) -> Span | None:
+    def start(
+        self,
+        requests: Sequence[SpanContext],
+        *,
+        start_ns: int,
+        batch_size: int,
+        prefill_tokens: int | None = None,
+        decode_tokens: int | None = None,
+        preempted: int | None = None,
+    ) -> Span | None:
         """Start the step span (takes one token of the budget) with a link to each request span;
         None when ``requests`` is empty (no sampled request in the batch: no span).
 
@@ -146,9 +153,13 @@ class EngineSteps:
             attrs[A.LLM_ENGINE_STEP_DECODE_TOKENS] = decode_tokens
         if preempted is not None:
             attrs[A.LLM_ENGINE_STEP_PREEMPTED] = preempted
-        return self.telemetry.tracer.start_span(S.LLM_ENGINE_STEP, kind=SpanKind.INTERNAL,
-                                                links=[Link(sc) for sc in requests], attributes=attrs,
-                                                start_time=start_ns)
+        return self.telemetry.tracer.start_span(
+            S.LLM_ENGINE_STEP,
+            kind=SpanKind.INTERNAL,
+            links=[Link(sc) for sc in requests],
+            attributes=attrs,
+            start_time=start_ns,
+        )
 
     @staticmethod
     def finish(span: Span, *, end_ns: int | None = None, cpu_time_s: float | None = None) -> None:
@@ -221,22 +232,48 @@ class StepTracker(DeviceTimeline):
         start_thread: False for tests that drive :meth:`drain` themselves.
     """
 
-    def __init__(self, telemetry: StepTelemetry, *, backend: Any = "auto", capacity: int = DEFAULT_CAPACITY, nvtx: Any = True,
-                 drain_period_s: float = 0.005, step_timeout_s: float = 10.0, calibrate_every_s: float = 10.0,
-                 max_pending: int = 65536, max_requests: int = 1 << 16, start_thread: bool = True) -> None:
+    def __init__(
+        self,
+        telemetry: StepTelemetry,
+        *,
+        backend: Any = "auto",
+        capacity: int = DEFAULT_CAPACITY,
+        nvtx: Any = True,
+        drain_period_s: float = 0.005,
+        step_timeout_s: float = 10.0,
+        calibrate_every_s: float = 10.0,
+        max_pending: int = 65536,
+        max_requests: int = 1 << 16,
+        start_thread: bool = True,
+    ) -> None:
         self.telemetry = telemetry
         self.tracer = telemetry.tracer
         self.nvtx = nvtx if isinstance(nvtx, NvtxRanges) else NvtxRanges(enabled=bool(nvtx))
         self.max_requests = max_requests
         self._requests: dict[str, list[int]] = {}  # request id -> [device ns, steps], insertion-ordered
         self._local_ids = itertools.count(1)  # ring keys of steps begun without a step span
-        super().__init__(telemetry.errors, getattr(telemetry, "meter", None), backend=backend, capacity=capacity,
-                         drain_period_s=drain_period_s, step_timeout_s=step_timeout_s,
-                         calibrate_every_s=calibrate_every_s, max_pending=max_pending, start_thread=start_thread)
+        super().__init__(
+            telemetry.errors,
+            getattr(telemetry, "meter", None),
+            backend=backend,
+            capacity=capacity,
+            drain_period_s=drain_period_s,
+            step_timeout_s=step_timeout_s,
+            calibrate_every_s=calibrate_every_s,
+            max_pending=max_pending,
+            start_thread=start_thread,
+        )
 
     # --- the adapter-facing API -----------------------------------------------------------
-    def begin(self, request_ids: Iterable[str], *, parent: SpanContext | None = None, phase: str = "mixed",
-              stream: Any = None, request_spans: dict[str, tuple[int, int]] | None = None) -> StepContext | None:
+    def begin(
+        self,
+        request_ids: Iterable[str],
+        *,
+        parent: SpanContext | None = None,
+        phase: str = "mixed",
+        stream: Any = None,
+        request_spans: dict[str, tuple[int, int]] | None = None,
+    ) -> StepContext | None:
         """Start one step, before the model's kernels are launched. Never raises, never blocks.
 
         Args:
@@ -261,9 +298,15 @@ class StepTracker(DeviceTimeline):
                 return None
             now = time.time_ns()
             span_id, trace_id = (parent.span_id, parent.trace_id) if parent is not None else (next(self._local_ids), 0)
-            ctx = StepContext(span_id=span_id, trace_id=trace_id, request_ids=request_ids,
-                              phase=phase if phase in PHASES else "mixed", launch_ns=now, parent=parent,
-                              thread=threading.get_ident())
+            ctx = StepContext(
+                span_id=span_id,
+                trace_id=trace_id,
+                request_ids=request_ids,
+                phase=phase if phase in PHASES else "mixed",
+                launch_ns=now,
+                parent=parent,
+                thread=threading.get_ident(),
+            )
             if request_spans:
                 for rid, (tid, sid) in request_spans.items():
                     self.nvtx.start_request(rid, tid, sid)
@@ -284,8 +327,9 @@ class StepTracker(DeviceTimeline):
         if ctx is None:
             return
         if not isinstance(ctx, StepContext):
-            self.telemetry.errors.bad_input("gpu.step.end", f"ctx must be what begin() returned, "
-                                                            f"got {type(ctx).__name__}")
+            self.telemetry.errors.bad_input(
+                "gpu.step.end", f"ctx must be what begin() returned, got {type(ctx).__name__}"
+            )
             return
         try:
             if threading.get_ident() == ctx.thread:
@@ -344,8 +388,13 @@ class StepTracker(DeviceTimeline):
                 attrs = self.device_attributes(ctx)
                 attrs[A.LLM_ENGINE_STEP_BATCH_SIZE] = len(ctx.request_ids)
                 parent = trace.set_span_in_context(NonRecordingSpan(ctx.parent))
-                child = self.tracer.start_span(S.LLM_ENGINE_STEP_DEVICE, context=parent, kind=SpanKind.INTERNAL,
-                                               attributes=attrs, start_time=ctx.device_begin_ns)
+                child = self.tracer.start_span(
+                    S.LLM_ENGINE_STEP_DEVICE,
+                    context=parent,
+                    kind=SpanKind.INTERNAL,
+                    attributes=attrs,
+                    start_time=ctx.device_begin_ns,
+                )
                 child.end(end_time=ctx.device_end_ns)
         except Exception as exc:  # noqa: BLE001
             self.telemetry.errors.report("gpu.step.complete", exc)
@@ -371,8 +420,9 @@ class StepTracker(DeviceTimeline):
 
 def step_parent(trace_id: int, span_id: int, sampled: bool = True) -> SpanContext:
     """The SpanContext of a step span received from another process (for ``begin(parent=...)``)."""
-    return SpanContext(trace_id, span_id, is_remote=True,
-                       trace_flags=TraceFlags(TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT))
+    return SpanContext(
+        trace_id, span_id, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT)
+    )
 
 
 def _check_begin(request_ids: Any, parent: Any) -> tuple[tuple[Any, ...], str | None]:

@@ -81,12 +81,38 @@ outlets in :mod:`llm_otel.telemetry.outlets`; :func:`request_outlets` makes this
 pair of providers, and whoever builds ``Telemetry`` passes them in (``Telemetry(..., outlets=...)``).
 """
 
-from llm_otel.export.offload.recorder import (OffloadOutlets, OffloadSpan, OffloadTracer, OffloadTracerProvider,
-                                              prewarm, request_outlets)
+from llm_otel.export.offload.recorder import (
+    OffloadOutlets,
+    OffloadSpan,
+    OffloadTracer,
+    OffloadTracerProvider,
+    prewarm,
+    request_outlets,
+)
 from llm_otel.export.offload.replay import expand_trees
-from llm_otel.export.offload.writer import (BACKLOG, DEFAULT_BUFFER, DOWN, ENCODING, MetricAccount, OffloadBuffer,
-                                            RemoteInstrument)
+from llm_otel.export.offload.writer import (
+    BACKLOG,
+    DEFAULT_BUFFER,
+    DOWN,
+    ENCODING,
+    MetricAccount,
+    OffloadBuffer,
+    RemoteInstrument,
+)
 
-__all__ = ["BACKLOG", "DEFAULT_BUFFER", "DOWN", "ENCODING", "MetricAccount", "OffloadBuffer", "OffloadOutlets",
-           "OffloadSpan", "OffloadTracer", "OffloadTracerProvider", "RemoteInstrument", "expand_trees", "prewarm",
-           "request_outlets"]
+__all__ = [
+    "BACKLOG",
+    "DEFAULT_BUFFER",
+    "DOWN",
+    "ENCODING",
+    "MetricAccount",
+    "OffloadBuffer",
+    "OffloadOutlets",
+    "OffloadSpan",
+    "OffloadTracer",
+    "OffloadTracerProvider",
+    "RemoteInstrument",
+    "expand_trees",
+    "prewarm",
+    "request_outlets",
+]

@@ -16,7 +16,6 @@ from llm_otel.export.offload.frames import read_frame, span_count, write_frame
 from llm_otel.export.offload.replay import ChildMetrics, expand_trees, readable_spans
 from llm_otel.export.offload.writer import DEFAULT_DEADLINE_S
 
-
 # span frames (each at most writer._BATCH records) the exporter process holds waiting for its export
 # thread; one more may be in export. Its only holding besides the SDK's: bounded.
 _EXPORT_QUEUE = 4
@@ -83,8 +82,11 @@ class _SpanExports:
                 except Exception as exc:  # noqa: BLE001 - silent: counted as failed, the thread goes on
                     exporter.last_error = f"{type(exc).__name__}: {exc}"
                     result = SpanExportResult.FAILURE
-                failed = len(spans) if result is not SpanExportResult.SUCCESS and exporter.failed == before \
+                failed = (
+                    len(spans)
+                    if result is not SpanExportResult.SUCCESS and exporter.failed == before
                     else exporter.failed - before
+                )
                 if lost:
                     exporter.last_error = "cannot build a request's spans in the exporter process"
                 status = ("status", len(spans) - failed, failed + lost, exporter.last_error)

@@ -8,7 +8,7 @@ what the exporter process builds and records (:func:`request_outlets` makes them
 from __future__ import annotations
 
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 from opentelemetry import trace as trace_api
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
@@ -23,8 +23,20 @@ class OffloadSpan(trace_api.Span):
     one record to its provider's :class:`OffloadBuffer`. Attribute values are kept as given
     (validated by the SDK in the exporter process); a second ``end`` is ignored."""
 
-    __slots__ = ("_name", "_context", "_parent", "_kind", "_attributes", "_events", "_links", "_status",
-                 "_start", "_end", "_scope", "_buffer")
+    __slots__ = (
+        "_name",
+        "_context",
+        "_parent",
+        "_kind",
+        "_attributes",
+        "_events",
+        "_links",
+        "_status",
+        "_start",
+        "_end",
+        "_scope",
+        "_buffer",
+    )
 
     def __init__(self, name, context, parent, kind, attributes, links, start, scope, buffer) -> None:
         self._name = name
@@ -83,9 +95,12 @@ class OffloadSpan(trace_api.Span):
     def record_exception(self, exception, attributes=None, timestamp=None, escaped=False) -> None:
         import traceback
 
-        attrs = {"exception.type": type(exception).__qualname__, "exception.message": str(exception),
-                 "exception.stacktrace": "".join(traceback.format_exception(exception)),
-                 "exception.escaped": str(escaped)}
+        attrs = {
+            "exception.type": type(exception).__qualname__,
+            "exception.message": str(exception),
+            "exception.stacktrace": "".join(traceback.format_exception(exception)),
+            "exception.escaped": str(escaped),
+        }
         if attributes:
             attrs.update(attributes)
         self.add_event("exception", attrs, timestamp)
@@ -97,14 +112,34 @@ class OffloadSpan(trace_api.Span):
         ctx, parent = self._context, self._parent
         if not ctx.trace_flags.sampled:  # recorded, not sampled (RECORD_ONLY): not exported, as in the SDK
             return
-        self._buffer.push((
-            self._name, ctx.trace_id, ctx.span_id, int(ctx.trace_flags), tuple(ctx.trace_state.items()),
-            None if parent is None else (parent.trace_id, parent.span_id, parent.is_remote, int(parent.trace_flags),
-                                         tuple(parent.trace_state.items())),
-            # no new container for a span without events or links (most): fewer objects for the
-            # garbage collector to traverse while the record waits for the writer
-            self._kind.value, self._start, self._end, self._attributes, self._events or (),
-            tuple([_link_record(link) for link in self._links]) if self._links else (), self._status, self._scope))
+        self._buffer.push(
+            (
+                self._name,
+                ctx.trace_id,
+                ctx.span_id,
+                int(ctx.trace_flags),
+                tuple(ctx.trace_state.items()),
+                None
+                if parent is None
+                else (
+                    parent.trace_id,
+                    parent.span_id,
+                    parent.is_remote,
+                    int(parent.trace_flags),
+                    tuple(parent.trace_state.items()),
+                ),
+                # no new container for a span without events or links (most): fewer objects for the
+                # garbage collector to traverse while the record waits for the writer
+                self._kind.value,
+                self._start,
+                self._end,
+                self._attributes,
+                self._events or (),
+                tuple([_link_record(link) for link in self._links]) if self._links else (),
+                self._status,
+                self._scope,
+            )
+        )
 
     def __enter__(self):
         return self
@@ -116,8 +151,14 @@ def _copied(attributes) -> dict:
 
 def _link_record(link: Link) -> tuple:
     c = link.context
-    return (c.trace_id, c.span_id, c.is_remote, int(c.trace_flags), tuple(c.trace_state.items()),
-            dict(link.attributes) if link.attributes else None)
+    return (
+        c.trace_id,
+        c.span_id,
+        c.is_remote,
+        int(c.trace_flags),
+        tuple(c.trace_state.items()),
+        dict(link.attributes) if link.attributes else None,
+    )
 
 
 class OffloadTracer(trace_api.Tracer):
@@ -125,13 +166,22 @@ class OffloadTracer(trace_api.Tracer):
     (same id generator, sampler call, trace flags and ``tracestate``); unsampled spans are
     ``NonRecordingSpan`` with their real context, as in the SDK."""
 
-    def __init__(self, provider: "OffloadTracerProvider", scope: tuple) -> None:
+    def __init__(self, provider: OffloadTracerProvider, scope: tuple) -> None:
         self._provider = provider
         self._scope = scope
         self._settings: tuple = (None, ())  # (Settings, settings_fields of it) of the last tree shipped
 
-    def start_span(self, name: str, context=None, kind: SpanKind = SpanKind.INTERNAL, attributes=None,
-                   links=(), start_time=None, record_exception=True, set_status_on_exception=True):
+    def start_span(
+        self,
+        name: str,
+        context=None,
+        kind: SpanKind = SpanKind.INTERNAL,
+        attributes=None,
+        links=(),
+        start_time=None,
+        record_exception=True,
+        set_status_on_exception=True,
+    ):
         provider = self._provider
         links = links or ()
         parent = trace_api.get_current_span(context).get_span_context()
@@ -143,13 +193,26 @@ class OffloadTracer(trace_api.Tracer):
             trace_id = parent.trace_id
         result = provider.sampler.should_sample(context, trace_id, name, kind, attributes, links)
         flags = TraceFlags.SAMPLED if result.decision.is_sampled() else TraceFlags.DEFAULT
-        span_context = SpanContext(trace_id, ids.generate_span_id(), is_remote=False,
-                                   trace_flags=TraceFlags(flags), trace_state=result.trace_state)
+        span_context = SpanContext(
+            trace_id,
+            ids.generate_span_id(),
+            is_remote=False,
+            trace_flags=TraceFlags(flags),
+            trace_state=result.trace_state,
+        )
         if not result.decision.is_recording() or provider.buffer is None:
             return trace_api.NonRecordingSpan(span_context)
-        return OffloadSpan(name, span_context, parent, kind, result.attributes,
-                           tuple(link for link in links if link.context is not None and link.context.is_valid),
-                           start_time if start_time is not None else time.time_ns(), self._scope, provider.buffer)
+        return OffloadSpan(
+            name,
+            span_context,
+            parent,
+            kind,
+            result.attributes,
+            tuple(link for link in links if link.context is not None and link.context.is_valid),
+            start_time if start_time is not None else time.time_ns(),
+            self._scope,
+            provider.buffer,
+        )
 
     def ship_children(self, rec, end_ns: int, settings) -> bool:
         """Have the exporter process build ``rec``'s ``llm.prompt`` and ``llm.token_stream``
@@ -172,26 +235,50 @@ class OffloadTracer(trace_api.Tracer):
         for name in CHILDREN if rec.step_times else PROMPT_ONLY:
             if result is None or not provider.children_decide_alike:
                 result = sampler.should_sample(context, trace_id, name, SpanKind.INTERNAL, None, ())
-                decision = (tuple(result.trace_state.items()) if result.trace_state else (),
-                            dict(result.attributes) if result.attributes else None)
+                decision = (
+                    tuple(result.trace_state.items()) if result.trace_state else (),
+                    dict(result.attributes) if result.attributes else None,
+                )
             span_id = ids.generate_span_id()
             if result.decision.is_sampled():  # recording but not sampled: not exported, as in start_span
                 children.append((name, span_id, *decision))
         if children:
             if settings is not self._settings[0]:
                 self._settings = (settings, settings_fields(settings))
-            span._buffer.push((
-                None, len(children), self._scope,
-                (trace_id, parent.span_id, False, int(parent.trace_flags), tuple(parent.trace_state.items())),
-                tuple(children), end_ns, self._settings[1], rec.span_fields(settings.capture_content)), len(children))
+            span._buffer.push(
+                (
+                    None,
+                    len(children),
+                    self._scope,
+                    (trace_id, parent.span_id, False, int(parent.trace_flags), tuple(parent.trace_state.items())),
+                    tuple(children),
+                    end_ns,
+                    self._settings[1],
+                    rec.span_fields(settings.capture_content),
+                ),
+                len(children),
+            )
         return True
 
-    def start_as_current_span(self, name, context=None, kind=SpanKind.INTERNAL, attributes=None, links=(),
-                              start_time=None, record_exception=True, set_status_on_exception=True,
-                              end_on_exit=True):
+    def start_as_current_span(
+        self,
+        name,
+        context=None,
+        kind=SpanKind.INTERNAL,
+        attributes=None,
+        links=(),
+        start_time=None,
+        record_exception=True,
+        set_status_on_exception=True,
+        end_on_exit=True,
+    ):
         span = self.start_span(name, context, kind, attributes, links, start_time)
-        return trace_api.use_span(span, end_on_exit=end_on_exit, record_exception=record_exception,
-                                  set_status_on_exception=set_status_on_exception)
+        return trace_api.use_span(
+            span,
+            end_on_exit=end_on_exit,
+            record_exception=record_exception,
+            set_status_on_exception=set_status_on_exception,
+        )
 
 
 class OffloadTracerProvider(trace_api.TracerProvider):
@@ -206,8 +293,15 @@ class OffloadTracerProvider(trace_api.TracerProvider):
         env: the environment the exporter process is started with (its OTLP settings).
     """
 
-    def __init__(self, resource, sampler, id_generator, endpoint: str = "", buffer_size: int = DEFAULT_BUFFER,
-                 env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        resource,
+        sampler,
+        id_generator,
+        endpoint: str = "",
+        buffer_size: int = DEFAULT_BUFFER,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.resource = resource
         self.sampler = sampler
         self.id_generator = id_generator
@@ -219,8 +313,9 @@ class OffloadTracerProvider(trace_api.TracerProvider):
         self.children_decide_alike = decides_children_by_parent(sampler)
         # started lazily, with the first span; prewarm() starts it now where llm-otel knows this
         # is a serving frontend (under opentelemetry-instrument every Python process builds one)
-        self.buffer: OffloadBuffer | None = OffloadBuffer(dict(resource.attributes), resource.schema_url or "",
-                                                          endpoint, buffer_size, env)
+        self.buffer: OffloadBuffer | None = OffloadBuffer(
+            dict(resource.attributes), resource.schema_url or "", endpoint, buffer_size, env
+        )
         # the meter provider built together with this one for OTLP metric export (same resource),
         # set by whoever built both: the per-request GenAI metrics recorded on it may be recorded
         # by the exporter process instead (request_outlets); None: they stay in process
@@ -234,10 +329,18 @@ class OffloadTracerProvider(trace_api.TracerProvider):
         if buffer is not None:
             buffer.set_resource(dict(self.resource.attributes), self.resource.schema_url or "")
 
-    def get_tracer(self, instrumenting_module_name, instrumenting_library_version=None, schema_url=None,
-                   attributes=None):
-        return OffloadTracer(self, (instrumenting_module_name or "", instrumenting_library_version or "",
-                                    schema_url or "", dict(attributes) if attributes else None))
+    def get_tracer(
+        self, instrumenting_module_name, instrumenting_library_version=None, schema_url=None, attributes=None
+    ):
+        return OffloadTracer(
+            self,
+            (
+                instrumenting_module_name or "",
+                instrumenting_library_version or "",
+                schema_url or "",
+                dict(attributes) if attributes else None,
+            ),
+        )
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         buffer = self.buffer

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from opentelemetry import trace as trace_api
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
@@ -18,11 +18,18 @@ from llm_otel.errors import process_errors
 from llm_otel.export.offload.frames import TREE_SETTINGS, metric_points
 from llm_otel.export.offload.recorder import OffloadSpan
 
-
 # GenAI request instruments of :class:`llm_otel.telemetry.metrics.Instruments` recorded in the
 # exporter process: the ones every finished request records (attribute name -> "record"/"add")
-OFFLOADED_INSTRUMENTS = {"duration": "record", "ttft": "record", "tpot": "record", "itl": "record",
-                         "token_rate": "record", "queue": "record", "tokens": "record", "requests": "add"}
+OFFLOADED_INSTRUMENTS = {
+    "duration": "record",
+    "ttft": "record",
+    "tpot": "record",
+    "itl": "record",
+    "token_rate": "record",
+    "queue": "record",
+    "tokens": "record",
+    "requests": "add",
+}
 # the per-request instruments of :class:`llm_otel.signals.Signals` (two KV-size observations and
 # the SLO checks of every request): in-process SDK records of these cost the frontend more per
 # request than the tuple each becomes
@@ -31,8 +38,9 @@ _OFFLOADED_KIND = {**OFFLOADED_INSTRUMENTS, **OFFLOADED_SIGNAL_INSTRUMENTS}
 
 
 def _context(trace_id, span_id, is_remote, flags, state) -> SpanContext:
-    return SpanContext(trace_id, span_id, is_remote=is_remote, trace_flags=TraceFlags(flags),
-                       trace_state=TraceState(list(state)))
+    return SpanContext(
+        trace_id, span_id, is_remote=is_remote, trace_flags=TraceFlags(flags), trace_state=TraceState(list(state))
+    )
 
 
 class _SpanSink:
@@ -59,8 +67,17 @@ class _ChildTracer:
         self._children = {name: (span_id, state, extra) for name, span_id, state, extra in children}
         self._sink = sink
 
-    def start_span(self, name, context=None, kind=SpanKind.INTERNAL, attributes=None, links=(), start_time=None,
-                   record_exception=True, set_status_on_exception=True):
+    def start_span(
+        self,
+        name,
+        context=None,
+        kind=SpanKind.INTERNAL,
+        attributes=None,
+        links=(),
+        start_time=None,
+        record_exception=True,
+        set_status_on_exception=True,
+    ):
         child = self._children.get(name)
         if child is None:
             return trace_api.INVALID_SPAN
@@ -68,10 +85,24 @@ class _ChildTracer:
         if extra:  # what the sampler adds to the span's own attributes (as _AdaptiveSampler merges them)
             attributes = {**(attributes or {}), **extra}
         parent = self._parent
-        context = SpanContext(parent.trace_id, span_id, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED),
-                              trace_state=TraceState(list(state)))
-        return OffloadSpan(name, context, parent, kind, attributes, (),
-                           start_time if start_time is not None else time.time_ns(), self._scope, self._sink)
+        context = SpanContext(
+            parent.trace_id,
+            span_id,
+            is_remote=False,
+            trace_flags=TraceFlags(TraceFlags.SAMPLED),
+            trace_state=TraceState(list(state)),
+        )
+        return OffloadSpan(
+            name,
+            context,
+            parent,
+            kind,
+            attributes,
+            (),
+            start_time if start_time is not None else time.time_ns(),
+            self._scope,
+            self._sink,
+        )
 
 
 def expand_trees(records: Sequence[tuple]) -> tuple[list, int]:
@@ -94,12 +125,17 @@ def expand_trees(records: Sequence[tuple]) -> tuple[list, int]:
         _, n, scope, parent, children, end_ns, settings, fields = record
         sink = _SpanSink()
         try:
-            builder = SpanBuilder(_ChildTracer(scope, parent, children, sink),
-                                  SimpleNamespace(**dict(zip(TREE_SETTINGS, settings))))
+            builder = SpanBuilder(
+                _ChildTracer(scope, parent, children, sink),
+                SimpleNamespace(**dict(zip(TREE_SETTINGS, settings, strict=False))),
+            )
             builder.children(RequestRecord.from_span_fields(fields), None, end_ns)
         except Exception as exc:  # noqa: BLE001 - a bad record loses its spans, not the batch
-            process_errors().report("export.offload.tree", exc, "cannot build a request's spans in the exporter "
-                                    "process; that request's spans are lost and counted")
+            process_errors().report(
+                "export.offload.tree",
+                exc,
+                "cannot build a request's spans in the exporter process; that request's spans are lost and counted",
+            )
             sink.records = []
         out.extend(sink.records)
         lost += max(0, n - len(sink.records))
@@ -116,29 +152,62 @@ def readable_spans(records: Sequence[tuple], resource, limits) -> list:
 
     scopes: dict = {}
     out = []
-    for (name, trace_id, span_id, flags, state, parent, kind, start, end, attributes, events, links, status,
-         scope) in records:
+    for (
+        name,
+        trace_id,
+        span_id,
+        flags,
+        state,
+        parent,
+        kind,
+        start,
+        end,
+        attributes,
+        events,
+        links,
+        status,
+        scope,
+    ) in records:
         inst = scopes.get(scope)
         if inst is None:
-            inst = scopes[scope] = InstrumentationScope(scope[0], scope[1] or None, scope[2] or None,
-                                                        scope[3])
+            inst = scopes[scope] = InstrumentationScope(scope[0], scope[1] or None, scope[2] or None, scope[3])
         bounded_events = BoundedList(limits.max_events)
         for ev_name, ev_attrs, ts in events:
-            bounded_events.append(Event(ev_name, BoundedAttributes(
-                limits.max_event_attributes, ev_attrs, immutable=True,
-                max_value_len=limits.max_attribute_length), ts))
+            bounded_events.append(
+                Event(
+                    ev_name,
+                    BoundedAttributes(
+                        limits.max_event_attributes, ev_attrs, immutable=True, max_value_len=limits.max_attribute_length
+                    ),
+                    ts,
+                )
+            )
         bounded_links = BoundedList(limits.max_links)
         for l_trace, l_span, l_remote, l_flags, l_state, l_attrs in links:
-            bounded_links.append(Link(_context(l_trace, l_span, l_remote, l_flags, l_state), BoundedAttributes(
-                limits.max_link_attributes, l_attrs, immutable=True, max_value_len=limits.max_attribute_length)))
+            bounded_links.append(
+                Link(
+                    _context(l_trace, l_span, l_remote, l_flags, l_state),
+                    BoundedAttributes(
+                        limits.max_link_attributes, l_attrs, immutable=True, max_value_len=limits.max_attribute_length
+                    ),
+                )
+            )
         span = ReadableSpan(
-            name=name, context=_context(trace_id, span_id, False, flags, state),
-            parent=None if parent is None else _context(*parent), resource=resource,
-            attributes=BoundedAttributes(limits.max_span_attributes, attributes, immutable=False,
-                                         max_value_len=limits.max_attribute_length),
-            events=bounded_events, links=bounded_links, kind=SpanKind(kind),
-            status=Status(StatusCode(status[0]), status[1]), start_time=start, end_time=end,
-            instrumentation_scope=inst)
+            name=name,
+            context=_context(trace_id, span_id, False, flags, state),
+            parent=None if parent is None else _context(*parent),
+            resource=resource,
+            attributes=BoundedAttributes(
+                limits.max_span_attributes, attributes, immutable=False, max_value_len=limits.max_attribute_length
+            ),
+            events=bounded_events,
+            links=bounded_links,
+            kind=SpanKind(kind),
+            status=Status(StatusCode(status[0]), status[1]),
+            start_time=start,
+            end_time=end,
+            instrumentation_scope=inst,
+        )
         out.append(span)
     return out
 
@@ -201,6 +270,7 @@ class ChildMetrics:
         self.provider = MeterProvider(resource=self.resource, metric_readers=[reader], shutdown_on_exit=False)
         gather = getattr(reader, "_collect", None)  # the SDK's collection callback, set by MeterProvider
         if gather is not None:
+
             def collect_marked(r, timeout_millis: float = 10_000):
                 with owner._apply_lock:  # whole batches only: the mark is exact
                     reader.mark = owner._applied
@@ -210,7 +280,7 @@ class ChildMetrics:
         meter = self.provider.get_meter(name, version or None, schema_url=schema_url or None)
         self.instruments = instruments = Instruments(meter, itl_every)
         self._by_name = {name: getattr(instruments, name) for name in OFFLOADED_INSTRUMENTS}
-        self._by_name.update(zip(OFFLOADED_SIGNAL_INSTRUMENTS, request_instruments(meter)))
+        self._by_name.update(zip(OFFLOADED_SIGNAL_INSTRUMENTS, request_instruments(meter), strict=False))
 
     def set_resource(self, resource) -> None:
         """The serving process's new resource: the meter provider's is re-labelled in place, as
@@ -242,8 +312,11 @@ class ChildMetrics:
             ctx = NO_TRACE
             if name == "request":  # one finished request's observations: the request span's ids, once
                 if ids is not None:
-                    ctx = trace_api.set_span_in_context(trace_api.NonRecordingSpan(
-                        SpanContext(ids[0], ids[1], is_remote=False, trace_flags=TraceFlags(ids[2]))))
+                    ctx = trace_api.set_span_in_context(
+                        trace_api.NonRecordingSpan(
+                            SpanContext(ids[0], ids[1], is_remote=False, trace_flags=TraceFlags(ids[2]))
+                        )
+                    )
                 instruments.apply(value, ctx)
                 continue
             if ids is not None:
@@ -251,8 +324,11 @@ class ChildMetrics:
                 if ctx is None:
                     if len(contexts) > 4096:
                         contexts.clear()
-                    ctx = contexts[ids] = trace_api.set_span_in_context(trace_api.NonRecordingSpan(
-                        SpanContext(ids[0], ids[1], is_remote=False, trace_flags=TraceFlags(ids[2]))))
+                    ctx = contexts[ids] = trace_api.set_span_in_context(
+                        trace_api.NonRecordingSpan(
+                            SpanContext(ids[0], ids[1], is_remote=False, trace_flags=TraceFlags(ids[2]))
+                        )
+                    )
             instrument = by_name[name]
             if _OFFLOADED_KIND[name] == "add":
                 instrument.add(value, attributes, ctx)

@@ -15,15 +15,22 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import Mapping
+from collections.abc import Mapping
 
 from opentelemetry import trace as trace_api
 
 from llm_otel.config import Settings
 from llm_otel.errors import guard, process_errors
 from llm_otel.export.drops import DropCounter
-from llm_otel.export.offload.frames import (REQUEST_POINTS, clean_record, encode, metric_points, metric_weight,
-                                            read_frame, span_count)
+from llm_otel.export.offload.frames import (
+    REQUEST_POINTS,
+    clean_record,
+    encode,
+    metric_points,
+    metric_weight,
+    read_frame,
+    span_count,
+)
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import metrics as M
 
@@ -33,9 +40,9 @@ logger = logging.getLogger("llm_otel")
 # without a timeout, and the exporter process when it cannot read the setting
 DEFAULT_BUFFER: int = Settings().export_process_buffer
 DEFAULT_DEADLINE_S: float = Settings().flush_deadline_s
-_BATCH = 512            # records per frame
-_INTERVAL_S = 0.2       # the writer sends at least this often when something is buffered
-_RESPAWN_S = 5.0        # at most one exporter-process start per this many seconds
+_BATCH = 512  # records per frame
+_INTERVAL_S = 0.2  # the writer sends at least this often when something is buffered
+_RESPAWN_S = 5.0  # at most one exporter-process start per this many seconds
 # this process's pid, refreshed in a forked child: compared on every push (os.getpid() is a system
 # call, and the hot path asks for it a dozen times per request)
 _PID = [os.getpid()]
@@ -55,8 +62,9 @@ class OffloadBuffer:
     (spans lost), ``in_flight`` (spans buffered or sent and not yet reported exported),
     ``last_error``, ``endpoint``, ``max_request_bytes`` (marks it as a span exporter)."""
 
-    def __init__(self, resource_attributes: dict, schema_url: str, endpoint: str, capacity: int,
-                 env: Mapping[str, str] | None) -> None:
+    def __init__(
+        self, resource_attributes: dict, schema_url: str, endpoint: str, capacity: int, env: Mapping[str, str] | None
+    ) -> None:
         self.endpoint = endpoint
         self.capacity = max(1, int(capacity))
         self.respawn_s = _RESPAWN_S
@@ -67,7 +75,7 @@ class OffloadBuffer:
         self._no_trace = None  # the core's context of observations without an exemplar (declare_instruments)
         self.metric_capacity = 4 * self.capacity
         self.metric_points_dropped = 0
-        self._metric_drops = None     # counter llm_otel.metric_points.dropped, once bound
+        self._metric_drops = None  # counter llm_otel.metric_points.dropped, once bound
         self.metric_account = MetricAccount(endpoint)
         # the exporter process reads its OTLP settings from the environment llm-otel's providers
         # were configured from, and imports the same llm_otel as this process
@@ -75,8 +83,8 @@ class OffloadBuffer:
         self._env["PYTHONPATH"] = os.pathsep.join(p for p in (_IMPORT_ROOT, self._env.get("PYTHONPATH", "")) if p)
         self._env["LLM_OTEL_EXPORT_PROCESS"] = "false"  # the exporter process exports itself
         _no_auto_instrumentation(self._env)
-        self.attributes_dropped = 0   # span/metric attribute values pickle could not encode
-        self.spans_unencodable = 0    # spans lost whole for that reason
+        self.attributes_dropped = 0  # span/metric attribute values pickle could not encode
+        self.spans_unencodable = 0  # spans lost whole for that reason
         self.drops = DropCounter(endpoint)
         self._created_pid = os.getpid()
         self._disowned_pid: int | None = None
@@ -88,7 +96,7 @@ class OffloadBuffer:
     def _start_state(self) -> None:
         self._pid = os.getpid()
         self._queue: deque = deque()
-        self._mqueue: deque = deque()      # metric records (RemoteInstrument, push_request)
+        self._mqueue: deque = deque()  # metric records (RemoteInstrument, push_request)
         # observations put into / taken out of _mqueue (a request record weighs what it may record):
         # the metric buffer is bounded in observations, whatever their records' sizes. One writer
         # each - the serving thread puts, the writer thread takes (under _lock) - and an int
@@ -96,20 +104,20 @@ class OffloadBuffer:
         self._mput = 0
         self._mtaken = 0
         self._wake = threading.Event()
-        self._lock = threading.Lock()      # the pipe: one writer at a time (thread, flush)
+        self._lock = threading.Lock()  # the pipe: one writer at a time (thread, flush)
         self._start_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._proc: subprocess.Popen | None = None
         self._instruments_to: subprocess.Popen | None = None  # the process told about the instruments
         self._reader: threading.Thread | None = None
         self._last_start = -float("inf")
-        self._sent = 0                     # records written to the current process
-        self._acked = 0                    # of which it reported exported or failed
+        self._sent = 0  # records written to the current process
+        self._acked = 0  # of which it reported exported or failed
         # metric points written to the current process / of which it reported exported to the
         # collector (its "metrics_exported" mark): the rest die with it, counted
         self._msent = 0
         self._mexported = 0
-        self._death_logged = False         # one "ended" line per outage, until a process exports again
+        self._death_logged = False  # one "ended" line per outage, until a process exports again
         self._replies: dict[int, tuple] = {}
         self._reply_cv = threading.Condition()
         self._token = 0
@@ -126,11 +134,15 @@ class OffloadBuffer:
         """Count lost spans in ``llm_otel.spans.dropped`` and lost metric observations in
         ``llm_otel.metric_points.dropped`` of ``meter_provider``."""
         self.drops.bind(meter_provider)
-        with guard("export.offload.metric_drops",
-                   message="cannot create the metric drop counter; lost metric observations are not counted"):
+        with guard(
+            "export.offload.metric_drops",
+            message="cannot create the metric drop counter; lost metric observations are not counted",
+        ):
             self._metric_drops = meter_provider.get_meter("llm_otel").create_counter(
-                M.LLM_OTEL_METRIC_POINTS_DROPPED, unit=M.LLM_OTEL_METRIC_POINTS_DROPPED_UNIT,
-                description="GenAI metric observations this process could not hand to its exporter process.")
+                M.LLM_OTEL_METRIC_POINTS_DROPPED,
+                unit=M.LLM_OTEL_METRIC_POINTS_DROPPED_UNIT,
+                description="GenAI metric observations this process could not hand to its exporter process.",
+            )
 
     def push_metric(self, record: tuple, weight: int = 1) -> None:
         """One metric observation ``(instrument attribute, value, attributes, (trace_id, span_id,
@@ -178,7 +190,7 @@ class OffloadBuffer:
         self._instruments_init = ("instruments", *scope, itl_every)
         self._no_trace = no_trace
 
-    def instrument(self, name: str) -> "RemoteInstrument":
+    def instrument(self, name: str) -> RemoteInstrument:
         """The stand-in for the core's instrument ``name`` (an attribute of
         :class:`~llm_otel.telemetry.metrics.Instruments`, or ``kv_size`` / ``slo_checks`` of
         :class:`~llm_otel.signals.Signals`): its observations are recorded by the exporter process."""
@@ -194,8 +206,12 @@ class OffloadBuffer:
         if counter is not None:
             counter.add(n, {A.ERROR_TYPE: error_type})
         if first:
-            logger.warning("llm-otel: %d metric observation(s) could not be handed to the exporter process (%s); "
-                           "further losses are counted in llm_otel.metric_points.dropped", n, error_type)
+            logger.warning(
+                "llm-otel: %d metric observation(s) could not be handed to the exporter process (%s); "
+                "further losses are counted in llm_otel.metric_points.dropped",
+                n,
+                error_type,
+            )
 
     def set_resource(self, attributes: dict, schema_url: str) -> None:
         """The serving process's resource changed (re-labelled): an exporter process started from
@@ -366,9 +382,13 @@ class OffloadBuffer:
         elif lost:
             self._lose_metrics(lost, ENCODING)
         if first and (dropped or lost):
-            logger.warning("llm-otel: %d attribute value(s) of types OpenTelemetry does not accept were dropped "
-                           "(and %d %s that could not be encoded at all); further ones are counted quietly",
-                           dropped, lost, "span(s)" if kind == "spans" else "metric observation(s)")
+            logger.warning(
+                "llm-otel: %d attribute value(s) of types OpenTelemetry does not accept were dropped "
+                "(and %d %s that could not be encoded at all); further ones are counted quietly",
+                dropped,
+                lost,
+                "span(s)" if kind == "spans" else "metric observation(s)",
+            )
         return (kind, out)
 
     def _process(self) -> subprocess.Popen | None:
@@ -382,20 +402,27 @@ class OffloadBuffer:
             return None
         self._last_start = now
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "llm_otel.export.offload"], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, env=self._env, close_fds=True)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "llm_otel.export.offload"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=self._env,
+                close_fds=True,
+            )
             for frame in (self._init, self._instruments_init):
                 if frame is not None:
                     proc.stdin.write(encode(frame))
         except Exception as exc:  # noqa: BLE001
             self.last_error = f"cannot start the exporter process: {type(exc).__name__}: {exc}"
-            process_errors().report("export.offload.start", exc, "cannot start the exporter process; its spans "
-                                    "are dropped and counted (llm_otel.spans.dropped)")
+            process_errors().report(
+                "export.offload.start",
+                exc,
+                "cannot start the exporter process; its spans are dropped and counted (llm_otel.spans.dropped)",
+            )
             return None
         self._proc, self._sent, self._acked, self._msent, self._mexported = proc, 0, 0, 0, 0
         self._instruments_to = proc if self._instruments_init is not None else None
-        self._reader = threading.Thread(target=self._read, args=(proc,), name="llm-otel-offload-status",
-                                        daemon=True)
+        self._reader = threading.Thread(target=self._read, args=(proc,), name="llm-otel-offload-status", daemon=True)
         self._reader.start()
         return proc
 
@@ -412,8 +439,11 @@ class OffloadBuffer:
             self._lose(lost, DOWN, why)  # logged once per outage by the drop counter
         elif not self._death_logged:  # a process that keeps dying is one outage in the log, not a line a restart
             self._death_logged = True
-            logger.warning("llm-otel: the span exporter process ended (%s); a new one starts for the next spans "
-                           "(further restarts are not logged until one exports)", why)
+            logger.warning(
+                "llm-otel: the span exporter process ended (%s); a new one starts for the next spans "
+                "(further restarts are not logged until one exports)",
+                why,
+            )
 
     def _read(self, proc: subprocess.Popen) -> None:
         """Status frames from the exporter process: spans exported / failed, flush answers."""
@@ -447,8 +477,12 @@ class OffloadBuffer:
             pass  # the pipe closed under the read: the exporter process ended or was ended (a restart
             # or the final flush); its spans are accounted for by _process_died / the flush
         except Exception as exc:  # noqa: BLE001
-            process_errors().report("export.offload.status_reader", exc, "the exporter process's status reader "
-                                    "stopped; its export outcomes are not counted until it is restarted")
+            process_errors().report(
+                "export.offload.status_reader",
+                exc,
+                "the exporter process's status reader "
+                "stopped; its export outcomes are not counted until it is restarted",
+            )
         finally:
             with self._reply_cv:
                 self._reply_cv.notify_all()
@@ -574,7 +608,6 @@ def _no_auto_instrumentation(env: dict) -> None:
     ``PYTHONPATH`` it inherits (otherwise it would build providers, pollers and perhaps its own
     exporter process) and disable the SDK's automatic configuration there."""
     suffix = os.path.join("opentelemetry", "instrumentation", "auto_instrumentation")
-    kept = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-            if p and not os.path.normpath(p).endswith(suffix)]
+    kept = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and not os.path.normpath(p).endswith(suffix)]
     env["PYTHONPATH"] = os.pathsep.join(kept)
     env["OTEL_PYTHON_DISABLED_INSTRUMENTATIONS"] = "*"  # were it imported anyway

@@ -37,7 +37,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 import threading
-from typing import Any, Collection
+from collections.abc import Collection
+from typing import Any
 
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
@@ -130,18 +131,29 @@ class LightLLMInstrumentor(ImportHooked, BaseInstrumentor):
         if report and layout is not None:
             # a known layout that lacks one of its targets: one warning per target, naming it
             for target in report:
-                logger.warning("llm-otel: LightLLM module %s (layout %s) has no %s; that stage is not traced, "
-                               "the others keep working", name, layout, target)
+                logger.warning(
+                    "llm-otel: LightLLM module %s (layout %s) has no %s; that stage is not traced, "
+                    "the others keep working",
+                    name,
+                    layout,
+                    target,
+                )
         elif report:
-            logger.warning("llm-otel: LightLLM module %s has an unknown layout (known: main, v1.0, pr965, 2024): "
-                           "%s not found; those stages are not traced, the others keep working",
-                           name, ", ".join(report))
+            logger.warning(
+                "llm-otel: LightLLM module %s has an unknown layout (known: main, v1.0, pr965, 2024): "
+                "%s not found; those stages are not traced, the others keep working",
+                name,
+                ", ".join(report),
+            )
 
     def _install_setstate(self, module) -> None:
         cls = getattr(module, "MultimodalParams", None)
         if cls is None:
-            logger.warning("llm-otel: LightLLM module %s has no MultimodalParams; trace context does not "
-                           "cross processes (HTTP-side spans still work)", module.__name__)
+            logger.warning(
+                "llm-otel: LightLLM module %s has no MultimodalParams; trace context does not "
+                "cross processes (HTTP-side spans still work)",
+                module.__name__,
+            )
             return
         previous = vars(cls).get("__setstate__")
         cls.__setstate__ = carrier.make_setstate(previous)

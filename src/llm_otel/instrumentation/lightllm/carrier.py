@@ -72,8 +72,11 @@ TABLE = CarrierTable()
 
 
 def valid(carrier: Any) -> bool:
-    return isinstance(carrier, dict) and isinstance(carrier.get(GROUP_KEY), int) \
+    return (
+        isinstance(carrier, dict)
+        and isinstance(carrier.get(GROUP_KEY), int)
         and isinstance(carrier.get(TRACEPARENT), str)
+    )
 
 
 def make_setstate(original=None):

@@ -27,8 +27,15 @@ from opentelemetry.trace import SpanKind
 
 from llm_otel.errors import guard
 from llm_otel.instrumentation.lightllm import carrier as C
-from llm_otel.instrumentation.lightllm.requests import (MAX_LIVE, PROVIDER, bind, engine_version, finish_info,
-                                                        model_name, request_id)
+from llm_otel.instrumentation.lightllm.requests import (
+    MAX_LIVE,
+    PROVIDER,
+    bind,
+    engine_version,
+    finish_info,
+    model_name,
+    request_id,
+)
 from llm_otel.listeners import RequestFacts
 from llm_otel.propagation import TRACEPARENT, TRACESTATE, carrier_from_span, context_from_carrier, extract_carrier
 from llm_otel.semconv import attributes as A
@@ -46,8 +53,21 @@ _HEALTH_PROBE: contextvars.ContextVar[bool] = contextvars.ContextVar("llm_otel_l
 class _HttpRequest:
     """One ``generate`` call (a group of ``n`` choices) in an HTTP worker."""
 
-    __slots__ = ("arrival_s", "parent", "kind", "operation", "attrs", "headers", "group_id", "records", "shm_reqs",
-                 "health", "aborted", "done", "context")
+    __slots__ = (
+        "arrival_s",
+        "parent",
+        "kind",
+        "operation",
+        "attrs",
+        "headers",
+        "group_id",
+        "records",
+        "shm_reqs",
+        "health",
+        "aborted",
+        "done",
+        "context",
+    )
 
     def __init__(self, arrival_s: float, parent, kind, operation: str, attrs: dict, headers=None) -> None:
         self.arrival_s = arrival_s
@@ -208,20 +228,33 @@ class HttpAdapter:
         for i in range(n):
             input_tokens = getattr(shm_reqs[i], "input_len", 0) if i < len(shm_reqs) else 0
             rec = self.telemetry.start_request(
-                str(gid + i), operation=state.operation, provider=PROVIDER, model=self.model,
-                arrival_s=state.arrival_s, input_tokens=int(input_tokens), kind=state.kind, parent=state.parent,
-                engine_version=self.version, choice_index=i, request_attributes=state.attrs,
-                facts=RequestFacts(state.headers))
+                str(gid + i),
+                operation=state.operation,
+                provider=PROVIDER,
+                model=self.model,
+                arrival_s=state.arrival_s,
+                input_tokens=int(input_tokens),
+                kind=state.kind,
+                parent=state.parent,
+                engine_version=self.version,
+                choice_index=i,
+                request_attributes=state.attrs,
+                facts=RequestFacts(state.headers),
+            )
             state.records[i] = rec
         self.live[gid] = state
         first = state.records[0].span
-        state.context = otel_context.set_value(_STATE_KEY, state,
-                                               self.telemetry.request_context(state.records[0], state.parent))
+        state.context = otel_context.set_value(
+            _STATE_KEY, state, self.telemetry.request_context(state.records[0], state.parent)
+        )
         if multimodal_params is not None:
             carrier = carrier_from_span(first)
             if TRACEPARENT in carrier:
-                value = {TRACEPARENT: carrier[TRACEPARENT], C.GROUP_KEY: gid,
-                         C.CHOICES_KEY: [carrier_from_span(r.span).get(TRACEPARENT, "") for r in state.records.values()]}
+                value = {
+                    TRACEPARENT: carrier[TRACEPARENT],
+                    C.GROUP_KEY: gid,
+                    C.CHOICES_KEY: [carrier_from_span(r.span).get(TRACEPARENT, "") for r in state.records.values()],
+                }
                 if carrier.get(TRACESTATE):
                     value[TRACESTATE] = carrier[TRACESTATE]
                 k = logit_top_k(self.telemetry.settings, first, recording=first.is_recording())
@@ -309,13 +342,20 @@ class HttpAdapter:
             error = "aborted"
         if not state.records and not state.health and failure is not None and error != "aborted":
             # refused before it was handed to the router (prompt too long, bad parameters, ...)
-            self.telemetry.reject(operation=state.operation, provider=PROVIDER, model=self.model,
-                                  arrival_s=state.arrival_s, error=failure, kind=state.kind, parent=state.parent,
-                                  engine_version=self.version, request_attributes=state.attrs)
+            self.telemetry.reject(
+                operation=state.operation,
+                provider=PROVIDER,
+                model=self.model,
+                arrival_s=state.arrival_s,
+                error=failure,
+                kind=state.kind,
+                parent=state.parent,
+                engine_version=self.version,
+                request_attributes=state.attrs,
+            )
             return
         for index, rec in state.records.items():
             if index in state.done:
                 continue
             rec.error_type = error or "incomplete"
             self._finish(state, index)
-

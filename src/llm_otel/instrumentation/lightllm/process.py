@@ -160,8 +160,11 @@ def relabel_this_process(role: str | None = None, **extra: Any) -> None:
         if role == "frontend":  # the HTTP worker serves: its exporter process starts now
             _prewarm()
     except Exception as exc:  # noqa: BLE001
-        process_errors().report("instrumentation.lightllm.process.relabel", exc,
-                                "could not tell which LightLLM process this is; its spans keep the old labels")
+        process_errors().report(
+            "instrumentation.lightllm.process.relabel",
+            exc,
+            "could not tell which LightLLM process this is; its spans keep the old labels",
+        )
 
 
 def relabel_as_found() -> None:
@@ -217,8 +220,9 @@ def install() -> None:
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=_after_os_fork)
     except Exception as exc:  # noqa: BLE001
-        process_errors().report("instrumentation.lightllm.process.install", exc,
-                                "LightLLM process labels not installed")
+        process_errors().report(
+            "instrumentation.lightllm.process.install", exc, "LightLLM process labels not installed"
+        )
 
 
 def _relabel_as(process: Any) -> None:

@@ -16,8 +16,14 @@ from __future__ import annotations
 import time
 
 from llm_otel.instrumentation.lightllm import carrier as C
-from llm_otel.instrumentation.lightllm.requests import (MAX_LIVE, bind, end_stage, finish_info, read_then_call,
-                                                        request_id)
+from llm_otel.instrumentation.lightllm.requests import (
+    MAX_LIVE,
+    bind,
+    end_stage,
+    finish_info,
+    read_then_call,
+    request_id,
+)
 from llm_otel.telemetry import Telemetry
 from llm_otel.telemetry.stages import ROUTER, StageRecord
 from llm_otel.telemetry.steps import EngineSteps
@@ -58,8 +64,15 @@ class RouterAdapter:
             if not sampled:
                 continue
             self.reqs[gid + i] = self.telemetry.start_stage(
-                ROUTER, gid + i, parent, group_id=gid, choice_index=i, start_ns=now, queued_ns=now,
-                frontend_arrival_s=time_mark)
+                ROUTER,
+                gid + i,
+                parent,
+                group_id=gid,
+                choice_index=i,
+                start_ns=now,
+                queued_ns=now,
+                frontend_arrival_s=time_mark,
+            )
 
     def admit(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
@@ -98,8 +111,11 @@ class RouterAdapter:
             return await coro
         finally:
             try:  # per step: inline, not errors.guard (0.3-0.7 us more)
-                linked = [st.span_context for st in (self.reqs.get(request_id(getattr(r, "request_id", None)))
-                                                     for r in reqs) if st]
+                linked = [
+                    st.span_context
+                    for st in (self.reqs.get(request_id(getattr(r, "request_id", None))) for r in reqs)
+                    if st
+                ]
                 span = self.step_spans.start(linked, start_ns=start_ns, batch_size=len(reqs))
                 if span is not None:
                     self.step_spans.finish(span)
@@ -138,6 +154,10 @@ class RouterAdapter:
         output = getattr(req, "shm_cur_output_len", None)
         if output is None:  # 2024 layout: io_struct.Req
             output = getattr(req, "cur_output_len", None)
-        return {"output": output, "cache": getattr(req, "prompt_cache_len", None),
-                "input": getattr(req, "input_len", None), "reason": reason,
-                "aborted": bool(getattr(req, "is_aborted", False)) or aborted}
+        return {
+            "output": output,
+            "cache": getattr(req, "prompt_cache_len", None),
+            "input": getattr(req, "input_len", None),
+            "reason": reason,
+            "aborted": bool(getattr(req, "is_aborted", False)) or aborted,
+        }

@@ -16,8 +16,14 @@ from __future__ import annotations
 import time
 
 from llm_otel.instrumentation.lightllm import carrier as C
-from llm_otel.instrumentation.lightllm.requests import (MAX_LIVE, bind, end_stage, finish_info, read_then_call,
-                                                        request_id)
+from llm_otel.instrumentation.lightllm.requests import (
+    MAX_LIVE,
+    bind,
+    end_stage,
+    finish_info,
+    read_then_call,
+    request_id,
+)
 from llm_otel.telemetry import Telemetry
 from llm_otel.telemetry.logit_capture import capture_rows, stage_row, wrap_sampler
 from llm_otel.telemetry.stages import INFER, StageRecord
@@ -77,8 +83,15 @@ class WorkerAdapter:
                 top_k = top_k if isinstance(top_k, int) and 0 < top_k <= 64 else 0
                 # the worker counts the tokens it produces (one set_next_gen_token_id call each)
                 self.reqs[rid] = self.telemetry.start_stage(
-                    INFER, rid, parent, group_id=gid, choice_index=rid - gid, start_ns=now, output_tokens=0,
-                    logit_top_k=top_k)
+                    INFER,
+                    rid,
+                    parent,
+                    group_id=gid,
+                    choice_index=rid - gid,
+                    start_ns=now,
+                    output_tokens=0,
+                    logit_top_k=top_k,
+                )
 
     def token(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
@@ -163,6 +176,9 @@ class WorkerAdapter:
         """The facts :func:`~.requests.end_stage` takes, off an ``InferReq`` as it leaves."""
         shm = getattr(req, "shm_req", None)
         _finished, aborted, reason = finish_info(getattr(req, "finish_status", None))
-        return {"reason": reason, "input": getattr(shm, "input_len", None), "cache": getattr(shm, "prompt_cache_len", None),
-                "aborted": aborted or bool(getattr(shm, "router_aborted", False) or getattr(shm, "is_aborted", False))}
-
+        return {
+            "reason": reason,
+            "input": getattr(shm, "input_len", None),
+            "cache": getattr(shm, "prompt_cache_len", None),
+            "aborted": aborted or bool(getattr(shm, "router_aborted", False) or getattr(shm, "is_aborted", False)),
+        }

@@ -38,7 +38,8 @@ request) - see :class:`llm_otel.config.Settings`.
 from __future__ import annotations
 
 import threading
-from typing import Any, Collection
+from collections.abc import Collection
+from typing import Any
 
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 

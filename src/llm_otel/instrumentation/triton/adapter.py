@@ -28,13 +28,22 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from llm_otel.errors import guard
-from llm_otel.instrumentation.triton.parsing import (Malformed, Signatures, client_server, error_type,
-                                                     expected_outputs, flavour, request_attributes,
-                                                     response_problem, url_server)
-from llm_otel.instrumentation.triton.streams import AioResponses, PeekAioCall, PeekIterator, StreamState, Streams
+from llm_otel.instrumentation.triton.parsing import (
+    Malformed,
+    Signatures,
+    client_server,
+    error_type,
+    expected_outputs,
+    flavour,
+    request_attributes,
+    response_problem,
+    url_server,
+)
+from llm_otel.instrumentation.triton.streams import AioResponses, PeekAioCall, PeekIterator, Streams, StreamState
 from llm_otel.semconv import attributes as A
 from llm_otel.telemetry import Telemetry
 from llm_otel.telemetry.client import ClientCall, ClientStream
@@ -69,18 +78,34 @@ class TritonAdapter:
     def _server(self, client: Any) -> dict[str, Any]:
         return client_server(client, self._urls)
 
-    def _start_call(self, flavour: str, client: Any, model: Any, version: Any, request_id: Any,
-                    inputs: Any, parameters: Any, streaming: bool, stream: ClientStream | None = None,
-                    outputs: Any = None) -> ClientCall:
+    def _start_call(
+        self,
+        flavour: str,
+        client: Any,
+        model: Any,
+        version: Any,
+        request_id: Any,
+        inputs: Any,
+        parameters: Any,
+        streaming: bool,
+        stream: ClientStream | None = None,
+        outputs: Any = None,
+    ) -> ClientCall:
         """A call's core record from tritonclient's arguments (``flavour``: the client kind)."""
         llm, req_attrs = request_attributes(inputs, parameters)
         attrs: dict[str, Any] = {A.LLM_TRITON_CLIENT: flavour, **req_attrs}
         if version:
             attrs[A.LLM_TRITON_MODEL_VERSION] = str(version)
-        return self.calls.start(operation="text_completion" if llm else "infer", model=str(model),
-                                server=self._server(client), attributes=attrs,
-                                request_id=str(request_id or ""), streaming=streaming,
-                                expected=expected_outputs(outputs), stream=stream)
+        return self.calls.start(
+            operation="text_completion" if llm else "infer",
+            model=str(model),
+            server=self._server(client),
+            attributes=attrs,
+            request_id=str(request_id or ""),
+            streaming=streaming,
+            expected=expected_outputs(outputs),
+            stream=stream,
+        )
 
     def _malformed(self, call: ClientCall, result: Any) -> Malformed | None:
         """The finding of :func:`response_problem` on a unary call's ``InferResult``, or None."""
@@ -93,14 +118,25 @@ class TritonAdapter:
         problem = response_problem(response, call.expected, streaming=False)
         return Malformed(problem) if problem else None
 
-    def finish(self, call: ClientCall, error: BaseException | None = None, end_reason: str | None = None,
-               end_mono: float | None = None) -> None:
+    def finish(
+        self,
+        call: ClientCall,
+        error: BaseException | None = None,
+        end_reason: str | None = None,
+        end_mono: float | None = None,
+    ) -> None:
         """End ``call`` exactly once (:meth:`~llm_otel.telemetry.client.ClientCalls.finish`) with what
         tritonclient raised or handed back (``error``), or a streamed response's finding. Never raises."""
         if error is None and call.problem is not None:
             error = Malformed(call.problem)
-        self.calls.finish(call, error=error, error_type=None if error is None else error_type(error),
-                          content_free=isinstance(error, Malformed), end_reason=end_reason, end_mono=end_mono)
+        self.calls.finish(
+            call,
+            error=error,
+            error_type=None if error is None else error_type(error),
+            content_free=isinstance(error, Malformed),
+            end_reason=end_reason,
+            end_mono=end_mono,
+        )
 
     def _begin(self, hook: str, fn: Callable[[], Any]) -> Any:
         """Run llm-otel's own set-up; on failure report once and return None (call goes on bare)."""
@@ -108,8 +144,9 @@ class TritonAdapter:
             return fn()
         return None
 
-    def _wrap(self, qualname: str, prepare: Callable, *, returned: Callable, failed: Callable,
-              current: Callable | None = None):
+    def _wrap(
+        self, qualname: str, prepare: Callable, *, returned: Callable, failed: Callable, current: Callable | None = None
+    ):
         """The one skeleton of every synchronous traced call.
 
         ``prepare(wrapped, instance, args, kwargs)`` is llm-otel's set-up: ``(record, bound)``, with
@@ -150,9 +187,17 @@ class TritonAdapter:
             if bound is None:
                 return None
             a = bound.arguments
-            call = self._start_call(flavour, instance, a.get("model_name"), a.get("model_version"),
-                                    a.get("request_id"), a.get("inputs"), a.get("parameters"), False,
-                                    outputs=a.get("outputs"))
+            call = self._start_call(
+                flavour,
+                instance,
+                a.get("model_name"),
+                a.get("model_version"),
+                a.get("request_id"),
+                a.get("inputs"),
+                a.get("parameters"),
+                False,
+                outputs=a.get("outputs"),
+            )
             a["headers"] = self.calls.headers_with_context(a.get("headers"), call)
             return call, bound
 
@@ -168,8 +213,9 @@ class TritonAdapter:
 
     def sync_call(self, qualname: str):
         """http / grpc ``infer``: the span ends when tritonclient returns or raises."""
-        return self._wrap(qualname, self._unary(flavour(qualname)), current=_itself,
-                          returned=self._returned, failed=self._failed)
+        return self._wrap(
+            qualname, self._unary(flavour(qualname)), current=_itself, returned=self._returned, failed=self._failed
+        )
 
     def aio_call(self, qualname: str):
         """http.aio / grpc.aio ``infer``: the same around the coroutine."""
@@ -279,11 +325,13 @@ class TritonAdapter:
     def _open_stream(self, flavour: str, client: Any) -> StreamState:
         return self.streams.open(flavour, self._server(client))
 
-    def _stream_request(self, state: StreamState, client: Any, model, version, request_id, inputs,
-                        parameters) -> ClientCall:
+    def _stream_request(
+        self, state: StreamState, client: Any, model, version, request_id, inputs, parameters
+    ) -> ClientCall:
         """A request on a stream (parent and link: :meth:`ClientCalls.start`), now in flight on it."""
-        return self._start_call(state.client, client, model, version, request_id, inputs, parameters,
-                                streaming=True, stream=state.stream)
+        return self._start_call(
+            state.client, client, model, version, request_id, inputs, parameters, streaming=True, stream=state.stream
+        )
 
     def _stream_failed(self, instance: Any, state: StreamState, exc: BaseException) -> None:
         self.streams.close(state, error=exc)
@@ -320,8 +368,9 @@ class TritonAdapter:
                 self._streams[instance] = state
             return result
 
-        return self._wrap(qualname, prepare, current=lambda state: state.stream, returned=returned,
-                          failed=self._stream_failed)
+        return self._wrap(
+            qualname, prepare, current=lambda state: state.stream, returned=returned, failed=self._stream_failed
+        )
 
     def stream_peek(self, qualname: str):
         """Wraps the response iterator so the callback wrapper sees each raw response (tritonclient
@@ -348,8 +397,15 @@ class TritonAdapter:
             if bound is None:
                 return None
             a = bound.arguments
-            call = self._stream_request(state, instance, a.get("model_name"), a.get("model_version"),
-                                        a.get("request_id"), a.get("inputs"), a.get("parameters"))
+            call = self._stream_request(
+                state,
+                instance,
+                a.get("model_name"),
+                a.get("model_version"),
+                a.get("request_id"),
+                a.get("inputs"),
+                a.get("parameters"),
+            )
             return (call, state), None
 
         def failed(instance: Any, record: tuple[ClientCall, StreamState], exc: BaseException) -> None:
@@ -391,8 +447,7 @@ class TritonAdapter:
                 return None
             state = self._open_stream(kind, instance)
             bound.arguments["headers"] = self.calls.headers_with_context(bound.arguments.get("headers"), state.stream)
-            bound.arguments["inputs_iterator"] = self._aio_requests(state, instance,
-                                                                    bound.arguments["inputs_iterator"])
+            bound.arguments["inputs_iterator"] = self._aio_requests(state, instance, bound.arguments["inputs_iterator"])
             return state, bound
 
         def returned(instance: Any, state: StreamState, responses: Any) -> Any:
@@ -401,13 +456,21 @@ class TritonAdapter:
                 responses._grpc_call = PeekAioCall(grpc_call, state)
             return AioResponses(responses, self.streams, state)
 
-        return self._wrap(qualname, prepare, current=lambda state: state.stream, returned=returned,
-                          failed=self._stream_failed)
+        return self._wrap(
+            qualname, prepare, current=lambda state: state.stream, returned=returned, failed=self._stream_failed
+        )
 
     async def _aio_requests(self, state: StreamState, client: Any, inputs_iterator):
         async for item in inputs_iterator:
             if isinstance(item, dict):
                 with guard("triton.aio_stream_request", self.errors):
-                    self._stream_request(state, client, item.get("model_name"), item.get("model_version"),
-                                         item.get("request_id"), item.get("inputs"), item.get("parameters"))
+                    self._stream_request(
+                        state,
+                        client,
+                        item.get("model_name"),
+                        item.get("model_version"),
+                        item.get("request_id"),
+                        item.get("inputs"),
+                        item.get("parameters"),
+                    )
             yield item

@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -139,7 +140,7 @@ def _first_value(inp: Any) -> Any:
     dtype = inp.datatype()
     if dtype == "BYTES":  # 4-byte little-endian length, then the bytes
         n = int.from_bytes(raw[:4], "little")
-        return bytes(raw[4:4 + n]).decode("utf-8", "replace")
+        return bytes(raw[4 : 4 + n]).decode("utf-8", "replace")
     from tritonclient.utils import triton_to_np_dtype
 
     np_dtype = triton_to_np_dtype(dtype)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import wrapt
 
@@ -74,8 +75,12 @@ class Streams:
             # the stream itself ended with a gRPC status: every request on it ends with it
             if state.cancelling:
                 for call in state.stream.drain():
-                    self.finish(call, error=Cancelled("stream stopped with cancel_requests=True"),
-                                end_reason="cancelled", end_mono=now)
+                    self.finish(
+                        call,
+                        error=Cancelled("stream stopped with cancel_requests=True"),
+                        end_reason="cancelled",
+                        end_mono=now,
+                    )
                 return
             state.error = error
             for call in state.stream.drain():
@@ -106,14 +111,17 @@ class Streams:
         error = error or (None if cancelled else state.error)
         for call in state.stream.drain():
             if cancelled:
-                self.finish(call, error=Cancelled("stream stopped with cancel_requests=True"),
-                            end_reason="cancelled")
+                self.finish(call, error=Cancelled("stream stopped with cancel_requests=True"), end_reason="cancelled")
             else:
                 # no final flag came: the request ended with its last response
                 end = call.times[-1] if call.times else None
                 self.finish(call, error=error, end_reason="stream_end", end_mono=end)
-        self.calls.end_stream(state.stream, {A.LLM_TRITON_STREAM_REQUESTS: state.stream.requests},
-                              error_type=None if error is None else error_type(error), cancelled=cancelled)
+        self.calls.end_stream(
+            state.stream,
+            {A.LLM_TRITON_STREAM_REQUESTS: state.stream.requests},
+            error_type=None if error is None else error_type(error),
+            cancelled=cancelled,
+        )
 
     def abandon(self, state: StreamState) -> None:
         """Finalizer of a grpc.aio response iterator collected before its stream ended: each open
@@ -124,10 +132,10 @@ class Streams:
             state.stream.closed = True
             now = time.monotonic()
             for call in state.stream.drain():
-                self.finish(call, error=Cancelled("the response iterator was dropped"), end_reason="abandoned",
-                            end_mono=now)
-            self.calls.end_stream(state.stream, {A.LLM_TRITON_STREAM_REQUESTS: state.stream.requests},
-                                  cancelled=True)
+                self.finish(
+                    call, error=Cancelled("the response iterator was dropped"), end_reason="abandoned", end_mono=now
+                )
+            self.calls.end_stream(state.stream, {A.LLM_TRITON_STREAM_REQUESTS: state.stream.requests}, cancelled=True)
 
 
 class PeekIterator(wrapt.ObjectProxy):

@@ -40,17 +40,24 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, Collection
+from collections.abc import Collection
+from typing import Any
 
 import wrapt
-
 from opentelemetry.instrumentation.dependencies import get_dependency_conflicts
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 from llm_otel.config import ConfigError, Settings
 from llm_otel.errors import guard, process_errors
-from llm_otel.instrumentation._hooks import (AppliedHook, _resolve, apply_hooks, configuration_refused,
-                                             flush_after_later_exit_handlers, library_missing, remove_hooks)
+from llm_otel.instrumentation._hooks import (
+    AppliedHook,
+    _resolve,
+    apply_hooks,
+    configuration_refused,
+    flush_after_later_exit_handlers,
+    library_missing,
+    remove_hooks,
+)
 from llm_otel.instrumentation.vllm.adapter import VLLMAdapter
 from llm_otel.instrumentation.vllm.engine_processes import BEFORE_FINAL_FLUSH
 from llm_otel.instrumentation.vllm.hooks import HOOKS
@@ -90,8 +97,11 @@ class VLLMInstrumentor(BaseInstrumentor):
 
         if library_missing("vllm", "vLLM"):
             return
-        if kwargs.get("tracer_provider") is None and kwargs.get("meter_provider") is None \
-                and engine_processes.unnamed_spawned_child():
+        if (
+            kwargs.get("tracer_provider") is None
+            and kwargs.get("meter_provider") is None
+            and engine_processes.unnamed_spawned_child()
+        ):
             # `opentelemetry-instrument` runs in vLLM's spawned engine processes before they know
             # which one they are; the vllm.general_plugins entry point activates this later, the
             # engine processes' providers come when multiprocessing bootstraps the child
@@ -144,13 +154,16 @@ class VLLMInstrumentor(BaseInstrumentor):
                 self._set_enable_env = False
             configuration_refused("vLLM", exc)
         except Exception as exc:  # noqa: BLE001 - inside the application's `import vllm`
-            process_errors().report("instrumentation.vllm.import_hook", exc,
-                                    "could not instrument vLLM in this process; it runs uninstrumented")
+            process_errors().report(
+                "instrumentation.vllm.import_hook",
+                exc,
+                "could not instrument vLLM in this process; it runs uninstrumented",
+            )
 
     def _activate(self, **kwargs: Any) -> None:
-        from llm_otel.process.providers import ensure_providers
         from llm_otel.export.offload import request_outlets
         from llm_otel.instrumentation.vllm import engine_processes
+        from llm_otel.process.providers import ensure_providers
 
         self._pending = None
         settings = kwargs.get("settings") or Settings.from_env()
@@ -164,8 +177,14 @@ class VLLMInstrumentor(BaseInstrumentor):
             else:
                 tracer_provider, meter_provider = engine_processes.engine_process_providers(role)
                 sampling = None  # engine processes sample as their parent decided (SDK default)
-        telemetry = Telemetry(tracer_provider, meter_provider, settings, scope=__name__, sampling=sampling,
-                              outlets=request_outlets(tracer_provider, meter_provider))
+        telemetry = Telemetry(
+            tracer_provider,
+            meter_provider,
+            settings,
+            scope=__name__,
+            sampling=sampling,
+            outlets=request_outlets(tracer_provider, meter_provider),
+        )
         if role == "frontend":  # where requests start: the head-sampling probability applies here
             from opentelemetry import trace
 
@@ -222,8 +241,11 @@ class VLLMInstrumentor(BaseInstrumentor):
             late = apply_hooks(ready, self.adapter, "vLLM") if ready else []
             self._applied.extend(late)
             if late:
-                logger.info("llm-otel: %d vLLM hook(s) applied late (vLLM was still being imported by another "
-                            "thread when the instrumentation started); every target is wrapped now", len(late))
+                logger.info(
+                    "llm-otel: %d vLLM hook(s) applied late (vLLM was still being imported by another "
+                    "thread when the instrumentation started); every target is wrapped now",
+                    len(late),
+                )
             return len(late)
         return 0
 

@@ -20,20 +20,30 @@ import inspect
 import logging
 import time
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from opentelemetry.trace import SpanKind
 
 from llm_otel.errors import guard
-from llm_otel.process.ports import serving_started
 from llm_otel.instrumentation.vllm.engine_core import EngineCoreAdapter
 from llm_otel.instrumentation.vllm.fields import class_fields, kv_spec
 from llm_otel.instrumentation.vllm.inbound import ENGINE_CARRIER, INBOUND, OPERATION, Inbound, traced_handler
+from llm_otel.instrumentation.vllm.requests import (
+    ERROR_TYPES,
+    EVENT_KINDS,
+    FINISH,
+    DropSampleLogprobs,
+    EngineState,
+    bind_add_request,
+    engine_params,
+    engine_version,
+    occupancy_source,
+    sampling_attributes,
+)
 from llm_otel.instrumentation.vllm.shutdown import flush_at_exit, flush_before_kill
-from llm_otel.instrumentation.vllm.requests import (ERROR_TYPES, EVENT_KINDS, FINISH, DropSampleLogprobs,
-                                                    EngineState, bind_add_request, engine_params,
-                                                    engine_version, occupancy_source, sampling_attributes)
 from llm_otel.listeners import RequestFacts
+from llm_otel.process.ports import serving_started
 from llm_otel.propagation import context_from_carrier, extract_carrier
 from llm_otel.semconv import attributes as A
 from llm_otel.signals import kv_source_for
@@ -47,6 +57,7 @@ logger = logging.getLogger("llm_otel")
 PROVIDER = "vllm"
 MAX_LIVE_REQUESTS = 1_000_000  # records beyond this are not tracked (one warning)
 MAX_LORA_NAMES = 32  # distinct LoRA adapter names per process that get their own metric series
+
 
 class VLLMAdapter:
     """Wrapper factories for the hooks in :mod:`.hooks` (each takes the hook's qualified name)."""
@@ -84,8 +95,9 @@ class VLLMAdapter:
         first = state.kv is None
         if not state.load_attached:
             state.load_attached = True
-            capacity = getattr(getattr(getattr(engine, "vllm_config", None), "scheduler_config", None),
-                               "max_num_seqs", None)
+            capacity = getattr(
+                getattr(getattr(engine, "vllm_config", None), "scheduler_config", None), "max_num_seqs", None
+            )
             if isinstance(capacity, int) and capacity > 0:
                 self.telemetry.attach_engine_load(occupancy_source(state, capacity))
         # cache_config.num_gpu_blocks is known once the engine core reported its KV pool
@@ -128,8 +140,9 @@ class VLLMAdapter:
         class name; True if there was any. The exception's message is not recorded (it can quote
         the prompt)."""
         with guard(hook, self.telemetry.errors):
-            if not self._end_in_flight(self._states.get(getattr(engine, "output_processor", None)),
-                                       type(error).__name__):
+            if not self._end_in_flight(
+                self._states.get(getattr(engine, "output_processor", None)), type(error).__name__
+            ):
                 return False
             try:
                 error._llm_otel_reported = True
@@ -168,8 +181,9 @@ class VLLMAdapter:
         """OpenAI completions/chat handlers (:func:`.inbound.traced_handler`)."""
         return traced_handler(self.telemetry.errors, hook, self._rejected_http)
 
-    def _rejected_http(self, hook: str, args, kwargs, inbound: Inbound, arrival: float,
-                       error_type: str, message: str) -> None:
+    def _rejected_http(
+        self, hook: str, args, kwargs, inbound: Inbound, arrival: float, error_type: str, message: str
+    ) -> None:
         with guard(hook, self.telemetry.errors):
             request = kwargs.get("request", args[0] if args else None)
             model = getattr(request, "model", None) or "unknown"
@@ -178,9 +192,16 @@ class VLLMAdapter:
                 pass
 
             _Error.__qualname__ = error_type
-            self.telemetry.reject(operation=inbound.operation, provider=PROVIDER, model=str(model),
-                                  arrival_s=arrival, error=_Error(message), kind=SpanKind.SERVER,
-                                  parent=context_from_carrier(inbound.carrier), engine_version=self.version)
+            self.telemetry.reject(
+                operation=inbound.operation,
+                provider=PROVIDER,
+                model=str(model),
+                arrival_s=arrival,
+                error=_Error(message),
+                kind=SpanKind.SERVER,
+                parent=context_from_carrier(inbound.carrier),
+                engine_version=self.version,
+            )
 
     def engine_init(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
@@ -229,10 +250,15 @@ class VLLMAdapter:
                 self._register_engine(engine)
             state = self._state_for(engine.output_processor)
             params = kwargs.get("params", args[2] if len(args) > 2 else None)
-            self.telemetry.reject(operation=OPERATION.get() or "text_completion", provider=PROVIDER,
-                                  model=state.model, arrival_s=arrival, error=error,
-                                  engine_version=self.version,
-                                  request_attributes=sampling_attributes(params))
+            self.telemetry.reject(
+                operation=OPERATION.get() or "text_completion",
+                provider=PROVIDER,
+                model=state.model,
+                arrival_s=arrival,
+                error=error,
+                engine_version=self.version,
+                request_attributes=sampling_attributes(params),
+            )
 
     def output_add_request(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
@@ -243,8 +269,9 @@ class VLLMAdapter:
 
         return wrapper
 
-    def _start(self, output_processor: Any, request: Any, prompt: str | None, parent_req: Any,
-               request_index: int) -> None:
+    def _start(
+        self, output_processor: Any, request: Any, prompt: str | None, parent_req: Any, request_index: int
+    ) -> None:
         state = self._state_for(output_processor)
         rid = request.request_id
         sp = request.sampling_params
@@ -276,21 +303,31 @@ class VLLMAdapter:
         if inbound is not None:
             inbound.started += 1
         rec = self.telemetry.start_request(
-            rid, operation=OPERATION.get() or "text_completion", provider=PROVIDER, model=model,
+            rid,
+            operation=OPERATION.get() or "text_completion",
+            provider=PROVIDER,
+            model=model,
             kind=SpanKind.SERVER if inbound is not None else SpanKind.INTERNAL,
             parent=context_from_carrier(carrier) if carrier else None,
-            arrival_s=float(request.arrival_time), input_tokens=len(prompt_ids) if prompt_ids is not None else 0,
-            engine_version=self.version, choice_index=int(request_index or 0),
-            request_attributes=attrs, user_logprobs=user_logprobs, prompt_text=prompt,
-            facts=RequestFacts(inbound.headers if inbound is not None else None, class_fields(request), state.kv))
+            arrival_s=float(request.arrival_time),
+            input_tokens=len(prompt_ids) if prompt_ids is not None else 0,
+            engine_version=self.version,
+            choice_index=int(request_index or 0),
+            request_attributes=attrs,
+            user_logprobs=user_logprobs,
+            prompt_text=prompt,
+            facts=RequestFacts(inbound.headers if inbound is not None else None, class_fields(request), state.kv),
+        )
         rec.vocab_size = state.vocab_size
         if lora_name:  # metric dimensions: the adapter name bounded per process, and the base model
             bounded = self._lora_metric_name(model)
-            rec.metric_attributes.update({A.GEN_AI_REQUEST_MODEL: bounded, A.GEN_AI_RESPONSE_MODEL: bounded,
-                                          A.LLM_LORA_BASE_MODEL: state.model})
+            rec.metric_attributes.update(
+                {A.GEN_AI_REQUEST_MODEL: bounded, A.GEN_AI_RESPONSE_MODEL: bounded, A.LLM_LORA_BASE_MODEL: state.model}
+            )
         user_asked = user_logprobs is not None or bool(getattr(sp, "logprob_token_ids", None))
-        k = logit_top_k(self.settings, rec.span, recording=rec.recording, limit=state.max_logprobs,
-                        user_asked=user_asked)
+        k = logit_top_k(
+            self.settings, rec.span, recording=rec.recording, limit=state.max_logprobs, user_asked=user_asked
+        )
         in_worker = k > 0 and self.settings.vllm_worker_logits
         if not k or in_worker:
             rec.logprob_cap = 0  # llm.logit_dist comes from the worker's logits, or not at all
@@ -337,7 +374,9 @@ class VLLMAdapter:
             outputs = ts = None
             try:  # per step: inline, not errors.guard (0.3-0.7 us more)
                 outputs = args[0] if args else kwargs["engine_core_outputs"]
-                ts = self._before_step(state, outputs, args[1] if len(args) > 1 else kwargs.get("engine_core_timestamp"))
+                ts = self._before_step(
+                    state, outputs, args[1] if len(args) > 1 else kwargs.get("engine_core_timestamp")
+                )
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
             result = wrapped(*args, **kwargs)
@@ -412,7 +451,7 @@ class VLLMAdapter:
                 if text is not None:
                     self.telemetry.set_completion(rec, text, rec.finish_reason)
             if rec.logprob_rows and len(rec.logprob_rows) > rec.num_output_tokens:
-                del rec.logprob_rows[rec.num_output_tokens:]
+                del rec.logprob_rows[rec.num_output_tokens :]
             self.telemetry.finish(rec)
         if produced:
             self.telemetry.on_tokens(produced, ts)
@@ -441,8 +480,10 @@ class VLLMAdapter:
     def fail_in_flight_at_exit(self) -> int:
         """End every request still tracked when this process exits (``error.type=shutdown``):
         vLLM will never finish them, and their spans and metrics would otherwise be lost."""
-        return sum(self._end_in_flight(state, "shutdown", "the process exited before the request finished")
-                   for state in list(self._states.values()))
+        return sum(
+            self._end_in_flight(state, "shutdown", "the process exited before the request finished")
+            for state in list(self._states.values())
+        )
 
     def _end_in_flight(self, state: EngineState | None, error_type: str, message: str | None = None) -> int:
         """End every request ``state`` still tracks with ``error_type``; returns how many."""
@@ -482,5 +523,3 @@ class VLLMAdapter:
             return aborted
 
         return wrapper
-
-

@@ -56,7 +56,7 @@ def step_tokens(scheduler_output: Any) -> tuple[int, int]:
     scheduled = scheduler_output.num_scheduled_tokens
     prefill = sum(scheduled.get(r.req_id, 0) for r in scheduler_output.scheduled_new_reqs)
     cached = scheduler_output.scheduled_cached_reqs
-    for req_id, n_out in zip(cached.req_ids, cached.num_output_tokens):
+    for req_id, n_out in zip(cached.req_ids, cached.num_output_tokens, strict=False):
         if n_out == 0:  # chunked prefill continuing
             prefill += scheduled.get(req_id, 0)
     return prefill, int(scheduler_output.total_num_scheduled_tokens) - prefill

@@ -60,7 +60,8 @@ class EngineCoreAdapter:
             from llm_otel.instrumentation.vllm.process import vllm_dp_rank
 
             self.state_metrics, self.gpu_metrics = engine_state_instruments(
-                self.telemetry, self.phase_clock.phase, dp_rank=vllm_dp_rank())
+                self.telemetry, self.phase_clock.phase, dp_rank=vllm_dp_rank()
+            )
         return self.state_metrics
 
     def make_stats(self, hook: str):
@@ -114,8 +115,9 @@ class EngineCoreAdapter:
                     self.telemetry.errors.report(hook, exc)
                 if span is not None:
                     try:
-                        self.step_spans.finish(span, end_ns=time.time_ns(),
-                                               cpu_time_s=(time.thread_time_ns() - cpu0) / 1e9)
+                        self.step_spans.finish(
+                            span, end_ns=time.time_ns(), cpu_time_s=(time.thread_time_ns() - cpu0) / 1e9
+                        )
                     except Exception as exc:  # noqa: BLE001
                         self.telemetry.errors.report(hook, exc)
             return result
@@ -152,8 +154,14 @@ class EngineCoreAdapter:
             return
         prefill, decode = step_tokens(output)
         start_ns = self._step_start_ns if self._step_start_ns is not None else time.time_ns()
-        span = self.step_spans.start(linked, start_ns=start_ns, batch_size=len(scheduled), prefill_tokens=prefill,
-                                     decode_tokens=decode, preempted=len(output.preempted_req_ids or ()))
+        span = self.step_spans.start(
+            linked,
+            start_ns=start_ns,
+            batch_size=len(scheduled),
+            prefill_tokens=prefill,
+            decode_tokens=decode,
+            preempted=len(output.preempted_req_ids or ()),
+        )
         if self._step_start_ns is None:  # schedule() outside a hooked step: nothing would end it
             self.step_spans.finish(span)
             return
@@ -173,7 +181,8 @@ def scheduler_state(stats: Any) -> SchedulerState | None:
         running=getattr(stats, "num_running_reqs", None),
         waiting=getattr(stats, "num_waiting_reqs", None),
         prefix_queries=None if prefix is None else int(getattr(prefix, "queries", 0) or 0),
-        prefix_hits=None if prefix is None else int(getattr(prefix, "hits", 0) or 0))
+        prefix_hits=None if prefix is None else int(getattr(prefix, "hits", 0) or 0),
+    )
 
 
 def _served_model(scheduler: Any) -> str:

@@ -26,9 +26,14 @@ def kv_spec(vllm_config: Any) -> KVSpec | None:
         dtype = str(cache.cache_dtype)
         size = dtype_bytes(model.dtype) if dtype == "auto" else dtype_bytes(dtype)
         num_blocks = getattr(cache, "num_gpu_blocks", None)
-        return KVSpec.checked(layers=int(model.get_num_layers(parallel)), kv_heads=int(model.get_num_kv_heads(parallel)),
-                              head_dim=int(model.get_head_size()), dtype_bytes=size,
-                              block_size=int(cache.block_size), num_blocks=int(num_blocks) if num_blocks else None)
+        return KVSpec.checked(
+            layers=int(model.get_num_layers(parallel)),
+            kv_heads=int(model.get_num_kv_heads(parallel)),
+            head_dim=int(model.get_head_size()),
+            dtype_bytes=size,
+            block_size=int(cache.block_size),
+            num_blocks=int(num_blocks) if num_blocks else None,
+        )
     except Exception:  # noqa: BLE001 - silent: an engine layout we do not know: no KV signals
         return None
 
@@ -42,5 +47,7 @@ def class_fields(request: Any) -> dict[str, str | None]:
     priority = getattr(request, "priority", None)
     lora = getattr(request, "lora_request", None)
     name = getattr(lora, "lora_name", None) if lora is not None else None
-    return {ENGINE_PRIORITY: None if priority is None else str(priority),
-            ENGINE_LORA: None if name is None else str(name)}
+    return {
+        ENGINE_PRIORITY: None if priority is None else str(priority),
+        ENGINE_LORA: None if name is None else str(name),
+    }

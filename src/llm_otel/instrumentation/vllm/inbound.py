@@ -18,7 +18,7 @@ from llm_otel.propagation import extract_carrier
 # Operation of the LLM entry point on this thread/task ("chat" inside LLM.chat).
 OPERATION: contextvars.ContextVar[str | None] = contextvars.ContextVar("llm_otel_vllm_operation", default=None)
 # The HTTP request this task serves (OpenAI server), and trace headers given to AsyncLLM directly.
-INBOUND: contextvars.ContextVar["Inbound | None"] = contextvars.ContextVar("llm_otel_vllm_inbound", default=None)
+INBOUND: contextvars.ContextVar[Inbound | None] = contextvars.ContextVar("llm_otel_vllm_inbound", default=None)
 ENGINE_CARRIER: contextvars.ContextVar[dict | None] = contextvars.ContextVar("llm_otel_vllm_carrier", default=None)
 
 
@@ -35,7 +35,7 @@ class Inbound:
         self.headers = headers  # the inbound request's headers, for request classes (llm_otel.signals)
 
 
-async def in_context(stream, inbound: "Inbound", operation: str):
+async def in_context(stream, inbound: Inbound, operation: str):
     """Iterate ``stream`` with this request's inbound context set; closing us closes it (vLLM
     aborts the request when its generator is closed by a client disconnect)."""
     INBOUND.set(inbound)
@@ -60,8 +60,11 @@ def traced_handler(errors, hook: str, rejected):
         inbound = None
         with guard(hook, errors):
             raw = kwargs.get("raw_request", args[1] if len(args) > 1 else None)
-            inbound = Inbound(extract_carrier(raw.headers) if raw is not None else None, operation,
-                               raw.headers if raw is not None else None)
+            inbound = Inbound(
+                extract_carrier(raw.headers) if raw is not None else None,
+                operation,
+                raw.headers if raw is not None else None,
+            )
             INBOUND.set(inbound)  # the request's task (and the streaming tasks it starts) see it
             OPERATION.set(operation)
         try:
@@ -73,8 +76,9 @@ def traced_handler(errors, hook: str, rejected):
         if inbound is not None and not inbound.started:
             err = getattr(result, "error", None)
             if err is not None and hasattr(err, "message"):
-                rejected(hook, args, kwargs, inbound, arrival,
-                         str(getattr(err, "type", None) or "error"), str(err.message))
+                rejected(
+                    hook, args, kwargs, inbound, arrival, str(getattr(err, "type", None) or "error"), str(err.message)
+                )
         if inbound is not None and inspect.isasyncgen(result):
             # vLLM runs the handler in a task of its own (with_cancellation) and the response
             # iterates the stream from another: carry the request's context into that one.

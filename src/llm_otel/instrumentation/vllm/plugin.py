@@ -23,16 +23,15 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import sys
 
 from llm_otel.config import ConfigError
 from llm_otel.errors import process_errors
+from llm_otel.instrumentation.vllm.engine_processes import enabled, process_role, unnamed_spawned_child
 from llm_otel.instrumentation.vllm.process import vllm_api_server_index
 from llm_otel.process.bootstrap import at_forked_bootstrap
 
 logger = logging.getLogger("llm_otel")
-from llm_otel.instrumentation.vllm.engine_processes import (ENABLE_ENV, enabled, process_role,
-                                                        unnamed_spawned_child)
+
 
 def keep_warnings() -> None:
     """Give the ``llm_otel`` logger level WARNING when nobody set one. vLLM 0.32's OpenAI server
@@ -83,8 +82,9 @@ def register() -> None:
 
         configuration_refused("vLLM", exc)
     except Exception as exc:  # noqa: BLE001
-        process_errors().report("instrumentation.vllm.plugin", exc,
-                                "could not instrument this vLLM process; it runs uninstrumented")
+        process_errors().report(
+            "instrumentation.vllm.plugin", exc, "could not instrument this vLLM process; it runs uninstrumented"
+        )
 
 
 def _health_port(base: int) -> int:
@@ -135,8 +135,9 @@ def _after_multiprocessing_fork() -> None:
         inst.instrument()
         logger.debug("llm-otel: forked vLLM %s process (pid %d) set up for its role", role, os.getpid())
     except Exception as exc:  # noqa: BLE001
-        process_errors().report("instrumentation.vllm.plugin.fork", exc,
-                                "could not set up this forked vLLM process; it runs uninstrumented")
+        process_errors().report(
+            "instrumentation.vllm.plugin.fork", exc, "could not set up this forked vLLM process; it runs uninstrumented"
+        )
 
 
 at_forked_bootstrap(_after_multiprocessing_fork)

@@ -22,7 +22,8 @@ import multiprocessing
 import os
 import re
 import sys
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from llm_otel.errors import process_errors
 from llm_otel.process.identity import in_ray_worker, process_identity, read_identity_with
@@ -117,7 +118,9 @@ def vllm_process_identity(role: str | None = None, env: Mapping[str, str] | None
         _IDENTITIES[os.getpid()] = made
         return made
     except Exception as exc:  # noqa: BLE001 - identity must never stop the engine process
-        process_errors().report("instrumentation.vllm.identity", exc, "process identity incomplete; only role and pid are set")
+        process_errors().report(
+            "instrumentation.vllm.identity", exc, "process identity incomplete; only role and pid are set"
+        )
         return process_identity(role or "frontend", env=env)
 
 
@@ -185,17 +188,27 @@ def _vllm_process_identity(role: str | None, env: Mapping[str, str] | None) -> d
         if role != "frontend":
             why.append(f"process {name!r} is not one vLLM names")
     if why:
-        logger.info("llm-otel: some indices of this vLLM %s process are left out of its resource: %s",
-                    role, "; ".join(why))
-    return process_identity(role, process_name=None if name == "MainProcess" else name, api_server_index=api,
-                            dp_rank=dp, tp_rank=tp, pp_rank=pp, ray=ray, env=env)
+        logger.info(
+            "llm-otel: some indices of this vLLM %s process are left out of its resource: %s", role, "; ".join(why)
+        )
+    return process_identity(
+        role,
+        process_name=None if name == "MainProcess" else name,
+        api_server_index=api,
+        dp_rank=dp,
+        tp_rank=tp,
+        pp_rank=pp,
+        ray=ray,
+        env=env,
+    )
 
 
 def engine_process_role(process_name: str) -> str | None:
     """``engine_core`` / ``worker`` for the multiprocessing name vLLM gives a child it starts
     (``EngineCore_DP<r>``, ``VllmWorker-<rank>``), else None."""
-    return "engine_core" if _ENGINE_CORE_RE.match(process_name) else "worker" if _WORKER_RE.match(process_name) \
-        else None
+    return (
+        "engine_core" if _ENGINE_CORE_RE.match(process_name) else "worker" if _WORKER_RE.match(process_name) else None
+    )
 
 
 # the providers built in this process from now on carry vLLM's labels

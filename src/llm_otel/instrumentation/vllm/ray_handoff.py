@@ -15,7 +15,7 @@ ranks come from :mod:`llm_otel.instrumentation.vllm.process` (the vLLM object lo
 from __future__ import annotations
 
 import os
-from typing import MutableMapping
+from collections.abc import MutableMapping
 
 PREFIXES_ENV = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
 PREFIXES = ("OTEL_", "LLM_OTEL_")

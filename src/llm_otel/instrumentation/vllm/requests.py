@@ -37,8 +37,17 @@ def engine_version() -> str:
 class EngineState:
     """What we keep per vLLM OutputProcessor: engine facts and the live request records."""
 
-    __slots__ = ("model", "max_logprobs", "vocab_size", "records", "logprob_records", "kv", "load_attached", "clock",
-                 "__weakref__")
+    __slots__ = (
+        "model",
+        "max_logprobs",
+        "vocab_size",
+        "records",
+        "logprob_records",
+        "kv",
+        "load_attached",
+        "clock",
+        "__weakref__",
+    )
 
     def __init__(self, model: str = "unknown", max_logprobs: int = 20) -> None:
         self.model = model
@@ -133,9 +142,12 @@ def sampling_attributes(sp: Any) -> dict[str, Any]:
     max_tokens = getattr(sp, "max_tokens", None)
     if max_tokens is not None:
         attrs[A.GEN_AI_REQUEST_MAX_TOKENS] = int(max_tokens)
-    for key, field in ((A.GEN_AI_REQUEST_TEMPERATURE, "temperature"), (A.GEN_AI_REQUEST_TOP_P, "top_p"),
-                       (A.GEN_AI_REQUEST_FREQUENCY_PENALTY, "frequency_penalty"),
-                       (A.GEN_AI_REQUEST_PRESENCE_PENALTY, "presence_penalty")):
+    for key, field in (
+        (A.GEN_AI_REQUEST_TEMPERATURE, "temperature"),
+        (A.GEN_AI_REQUEST_TOP_P, "top_p"),
+        (A.GEN_AI_REQUEST_FREQUENCY_PENALTY, "frequency_penalty"),
+        (A.GEN_AI_REQUEST_PRESENCE_PENALTY, "presence_penalty"),
+    ):
         value = getattr(sp, field, None)
         if value is not None:
             attrs[key] = float(value)

@@ -57,8 +57,15 @@ import numpy as np
 
 from llm_otel.errors import guard
 from llm_otel.gpu.capture import capture_gate
-from llm_otel.instrumentation.vllm.carrier import (CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY,
-                                                   request_span_context, step_ids, step_phase, step_tokens)
+from llm_otel.instrumentation.vllm.carrier import (
+    CARRIER_KEY,
+    CARRIER_STATE_KEY,
+    CARRIER_TOPK_KEY,
+    request_span_context,
+    step_ids,
+    step_phase,
+    step_tokens,
+)
 from llm_otel.propagation import context_from_carrier
 from llm_otel.telemetry import Telemetry
 from llm_otel.telemetry.logit_capture import capture_rows, wrap_sampler
@@ -163,6 +170,7 @@ class WorkerAdapter:
         """Wrapper for ``GPUModelRunner.execute_model(scheduler_output, intermediate_tensors=None)``
         (V1) and MRv2's ``execute_model(scheduler_output, intermediate_tensors=None, dummy_run=False,
         ...)``; MRv2 dummy runs (profiling, CUDA-graph capture, DP padding) are passed through."""
+
         def wrapper(wrapped, instance, args, kwargs):
             ctx = None
             if kwargs.get("dummy_run"):  # MRv2 passes it by keyword (_dummy_run); no step of a request
@@ -192,6 +200,7 @@ class WorkerAdapter:
 
     def sample_tokens(self, hook: str):
         """Wrapper for ``GPUModelRunner.sample_tokens(grammar_output)``: ends the open step."""
+
         def wrapper(wrapped, instance, args, kwargs):
             try:
                 return wrapped(*args, **kwargs)
@@ -241,16 +250,20 @@ class WorkerAdapter:
                 sc = request_span_context(getattr(r, "sampling_params", None))
                 if sc is not None:
                     request_spans[r.req_id] = (sc.trace_id, sc.span_id)
-        return steps.begin(list(so.num_scheduled_tokens), parent=step_parent(trace_id, span_id, sampled),
-                           phase=step_phase(*step_tokens(so)), stream=stream, request_spans=request_spans)
+        return steps.begin(
+            list(so.num_scheduled_tokens),
+            parent=step_parent(trace_id, span_id, sampled),
+            phase=step_phase(*step_tokens(so)),
+            stream=stream,
+            request_spans=request_spans,
+        )
 
     def _end_step(self, ctx: Any, hook: str) -> None:
         try:  # per step: inline, not errors.guard (0.3-0.7 us more)
             stream = self._cuda_stream()
             # while a graph is captured the end record is not launched: the step completes
             # without device times instead of putting our kernel into the engine's graph
-            self.telemetry.steps.end(ctx, stream=stream if stream is not False else None,
-                                     record=stream is not False)
+            self.telemetry.steps.end(ctx, stream=stream if stream is not False else None, record=stream is not False)
         except Exception as exc:  # noqa: BLE001
             self.telemetry.errors.report(hook, exc)
 
@@ -295,14 +308,16 @@ class WorkerAdapter:
             if discard is not None and i < len(discard) and discard[i]:
                 continue
             rows.append(i)
-            members.append((req_ids[i], extra, getattr(sp, "max_tokens", None),
-                            len(getattr(state, "output_token_ids", ()))))
+            members.append(
+                (req_ids[i], extra, getattr(sp, "max_tokens", None), len(getattr(state, "output_token_ids", ())))
+            )
         return self._reduce(logits, rows, members)
 
     # --- logit statistics: Model Runner V2 ----------------------------------------------------
     def sampler_add_request(self, hook: str):
         """Wrapper for MRv2 ``Sampler.add_request(req_idx, sampling_params)``: remembers the slot of
         a request chosen for logit statistics (and forgets a reused slot's previous request)."""
+
         def wrapper(wrapped, instance, args, kwargs):
             output = wrapped(*args, **kwargs)
             with guard(hook, self.telemetry.errors):
@@ -363,8 +378,10 @@ class WorkerAdapter:
         cu = batch.cu_num_logits_np
         # vectorised over the batch; the Python loop runs over the chosen requests only
         wanted = slots.matches(idx_mapping)
-        wanted &= ~(batch.num_computed_tokens_np[:num_reqs] + batch.num_scheduled_tokens[:num_reqs]
-                    < batch.prefill_len_np[:num_reqs])
+        wanted &= ~(
+            batch.num_computed_tokens_np[:num_reqs] + batch.num_scheduled_tokens[:num_reqs]
+            < batch.prefill_len_np[:num_reqs]
+        )
         n_rows = int(logits.shape[0])
         rows, members, requests = [], [], []
         for i in np.flatnonzero(wanted).tolist():
@@ -411,8 +428,9 @@ class WorkerAdapter:
             for j, (req_id, extra, max_tokens, tokens_before) in enumerate(members):
                 stream = streams.get(req_id)
                 if stream is None:
-                    parent = context_from_carrier({"traceparent": extra.get(CARRIER_KEY),
-                                                   "tracestate": extra.get(CARRIER_STATE_KEY)})
+                    parent = context_from_carrier(
+                        {"traceparent": extra.get(CARRIER_KEY), "tracestate": extra.get(CARRIER_STATE_KEY)}
+                    )
                     if parent is None:
                         continue
                     stream = streams[req_id] = _Stream(parent, int(extra[CARRIER_TOPK_KEY]), max_tokens)
@@ -426,7 +444,7 @@ class WorkerAdapter:
             # requests vLLM no longer holds have finished (EOS, stop, abort)
             done.extend(r for r in streams if r not in live and r not in done)
             finished = [(r, streams.pop(r)) for r in done if r in streams]
-        for req_id, stream in finished:
+        for _req_id, stream in finished:
             self._emit(stream)
         self._ensure_flusher()
         return {req_id for req_id, _ in finished}
@@ -444,9 +462,19 @@ class WorkerAdapter:
         nonfinite = np.array([st[1].nonfinite[j] for st, j in steps], dtype=bool)
         sampled_lp = np.array([st[2][j] if st[2] is not None else np.nan for st, j in steps], dtype=np.float64)
         emit_logit_dist_for(
-            self.telemetry, stream.parent, source="full_vocab_logits",
-            start_ns=times_ns[0], end_ns=times_ns[-1], times_ns=times_ns, top_ids=top_ids, top_logprobs=top_lp,
-            sampled_logprobs=sampled_lp, entropy=entropy, margin=margin, nonfinite=nonfinite)
+            self.telemetry,
+            stream.parent,
+            source="full_vocab_logits",
+            start_ns=times_ns[0],
+            end_ns=times_ns[-1],
+            times_ns=times_ns,
+            top_ids=top_ids,
+            top_logprobs=top_lp,
+            sampled_logprobs=sampled_lp,
+            entropy=entropy,
+            margin=margin,
+            nonfinite=nonfinite,
+        )
 
     def flush(self, idle_s: float = 0.0) -> int:
         """Emit streams that saw no step for ``idle_s`` seconds (all with 0); returns how many."""
