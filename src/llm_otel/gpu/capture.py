@@ -100,7 +100,9 @@ class CaptureGate:
         Idempotent; returns False (one debug line) when the class or methods are missing."""
         try:
             if graph_cls is None:
-                from torch.cuda.graphs import CUDAGraph as graph_cls  # noqa: N813
+                from torch.cuda.graphs import CUDAGraph
+
+                graph_cls = CUDAGraph
             if graph_cls in self._installed:
                 return True
             begin, end = vars(graph_cls)["capture_begin"], vars(graph_cls)["capture_end"]

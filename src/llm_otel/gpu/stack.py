@@ -82,7 +82,7 @@ def cuda_stack(import_torch: bool = False) -> CudaStack:
     torch = sys.modules.get("torch")
     if torch is None and import_torch:
         try:
-            import torch  # noqa: F811
+            torch = importlib.import_module("torch")
         except Exception:  # noqa: BLE001 - silent: feature probe: no torch
             torch = None
     torch_cuda = getattr(getattr(torch, "version", None), "cuda", None) if torch is not None else None

@@ -160,7 +160,7 @@ class Signals:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.health_server: HealthServer | None = None
-        self._exporter_checked = (-1e18, None)
+        self._exporter_checked: tuple[float, bool | None] = (-1e18, None)
         self._own_poller = False
 
     # --- request path ----------------------------------------------------------------------
@@ -206,18 +206,18 @@ class Signals:
     def _admission(self, rec: Any, metric_attrs: Mapping[str, Any], tier: Tier | None, kv: KVSpec | None) -> SpanNotes:
         rec.metric_attributes = dict(metric_attrs)
         rec.signal_state = (tier, kv)
-        attributes = None
+        attributes: dict[str, Any] | None = None
         if kv is not None:
             size = kv.bytes(rec.input_tokens)
-            attrs = {A.GEN_AI_REQUEST_MODEL: rec.model, A.LLM_KV_CACHE_PHASE: "admission"}
+            attrs: dict[str, Any] = {A.GEN_AI_REQUEST_MODEL: rec.model, A.LLM_KV_CACHE_PHASE: "admission"}
             if tier is not None:
                 attrs[A.LLM_REQUEST_TIER] = tier.name
             self.kv_size.record(size, attrs)
             attributes = {A.LLM_REQUEST_KV_CACHE_PROMPT_BYTES: size}
-        events = ()
+        events: tuple[tuple[str, dict[str, Any]], ...] = ()
         level = self.pressure.level
         if level != "ok" and rec.recording:
-            event = {A.LLM_VRAM_PRESSURE_LEVEL: level}
+            event: dict[str, Any] = {A.LLM_VRAM_PRESSURE_LEVEL: level}
             if self.pressure.usage is not None:
                 event[A.LLM_VRAM_USAGE] = float(self.pressure.usage)
             if self.pressure.source is not None:
@@ -479,7 +479,9 @@ def kv_source_for(records_owner: Any, spec_of: Callable[[Any], KVSpec | None]) -
 
     def source() -> tuple[int, int] | None:
         owner = ref()
-        spec = spec_of(owner) if owner is not None else None
+        if owner is None:
+            return None
+        spec = spec_of(owner)
         if spec is None or not spec.num_blocks:
             return None
         for _ in range(3):  # the engine thread may add or drop a record while we copy the dict

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from typing import Protocol
 
 from opentelemetry import trace as trace_api
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
@@ -16,6 +17,13 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode,
 from llm_otel.errors import guard
 from llm_otel.export.offload.frames import CHILDREN, PROMPT_ONLY, settings_fields
 from llm_otel.export.offload.writer import DEFAULT_BUFFER, DEFAULT_DEADLINE_S, OffloadBuffer
+
+
+class RecordSink(Protocol):
+    """Where an :class:`OffloadSpan` puts its record on ``end``: the provider's
+    :class:`OffloadBuffer`, or the exporter process's collector of rebuilt tree spans."""
+
+    def push(self, record: tuple) -> None: ...
 
 
 class OffloadSpan(trace_api.Span):
@@ -48,9 +56,9 @@ class OffloadSpan(trace_api.Span):
         self._links = links
         self._status = (0, None)
         self._start = start
-        self._end = None
+        self._end: int | None = None
         self._scope = scope
-        self._buffer = buffer
+        self._buffer: RecordSink = buffer
 
     def get_span_context(self) -> SpanContext:
         return self._context
@@ -184,7 +192,7 @@ class OffloadTracer(trace_api.Tracer):
     ):
         provider = self._provider
         links = links or ()
-        parent = trace_api.get_current_span(context).get_span_context()
+        parent: SpanContext | None = trace_api.get_current_span(context).get_span_context()
         ids = provider.id_generator
         if parent is None or not parent.is_valid:
             parent = None

@@ -7,16 +7,27 @@ records by the core's own :meth:`~llm_otel.telemetry.spans.SpanBuilder.children`
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 from opentelemetry import trace as trace_api
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
+from llm_otel.config import Settings
 from llm_otel.errors import process_errors
 from llm_otel.export.offload.frames import TREE_SETTINGS, metric_points
 from llm_otel.export.offload.recorder import OffloadSpan
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    from llm_otel.export.exporters import ProcessMetricExporter
+    from llm_otel.telemetry.metrics import Instruments
 
 # GenAI request instruments of :class:`llm_otel.telemetry.metrics.Instruments` recorded in the
 # exporter process: the ones every finished request records (attribute name -> "record"/"add")
@@ -105,6 +116,14 @@ class _ChildTracer:
         )
 
 
+@functools.lru_cache(maxsize=16)
+def _tree_settings(values: tuple) -> Settings:
+    """The :class:`Settings` a tree record's :data:`TREE_SETTINGS` values describe (the rest at
+    their defaults: :meth:`SpanBuilder.children` reads only these). Frozen, so one object per
+    distinct tuple is shared (a serving process sends the same values with every tree)."""
+    return dataclasses.replace(Settings(), **dict(zip(TREE_SETTINGS, values, strict=False)))
+
+
 def expand_trees(records: Sequence[tuple]) -> tuple[list, int]:
     """Span records with every tree record (:meth:`OffloadTracer.ship_children`) replaced by the
     ``llm.prompt`` / ``llm.token_stream`` span records :class:`~llm_otel.telemetry.spans.SpanBuilder`
@@ -112,8 +131,6 @@ def expand_trees(records: Sequence[tuple]) -> tuple[list, int]:
     lost): a tree that cannot be built (logged once) loses the spans it announced."""
     if not any(record[0] is None for record in records):
         return list(records), 0
-    from types import SimpleNamespace
-
     from llm_otel.telemetry.record import RequestRecord
     from llm_otel.telemetry.spans import SpanBuilder
 
@@ -125,9 +142,10 @@ def expand_trees(records: Sequence[tuple]) -> tuple[list, int]:
         _, n, scope, parent, children, end_ns, settings, fields = record
         sink = _SpanSink()
         try:
+            # _ChildTracer is no opentelemetry Tracer subclass: it has the one method
+            # SpanBuilder.children calls (start_span), with Tracer.start_span's signature
             builder = SpanBuilder(
-                _ChildTracer(scope, parent, children, sink),
-                SimpleNamespace(**dict(zip(TREE_SETTINGS, settings, strict=False))),
+                cast("trace_api.Tracer", _ChildTracer(scope, parent, children, sink)), _tree_settings(settings)
             )
             builder.children(RequestRecord.from_span_fields(fields), None, end_ns)
         except Exception as exc:  # noqa: BLE001 - a bad record loses its spans, not the batch
@@ -171,7 +189,7 @@ def readable_spans(records: Sequence[tuple], resource, limits) -> list:
         inst = scopes.get(scope)
         if inst is None:
             inst = scopes[scope] = InstrumentationScope(scope[0], scope[1] or None, scope[2] or None, scope[3])
-        bounded_events = BoundedList(limits.max_events)
+        bounded_events: BoundedList[Event] = BoundedList(limits.max_events)
         for ev_name, ev_attrs, ts in events:
             bounded_events.append(
                 Event(
@@ -182,7 +200,7 @@ def readable_spans(records: Sequence[tuple], resource, limits) -> list:
                     ts,
                 )
             )
-        bounded_links = BoundedList(limits.max_links)
+        bounded_links: BoundedList[Link] = BoundedList(limits.max_links)
         for l_trace, l_span, l_remote, l_flags, l_state, l_attrs in links:
             bounded_links.append(
                 Link(
@@ -227,12 +245,12 @@ class ChildMetrics:
 
     def __init__(self, resource, write=None, new_exporter=None) -> None:
         self.resource = resource
-        self.provider = None
-        self.instruments = None
-        self.exporter = None
+        self.provider: MeterProvider | None = None
+        self.instruments: Instruments | None = None
+        self.exporter: ProcessMetricExporter | None = None
         self._new_exporter = new_exporter
         self._by_name: dict = {}  # instrument name in a metric record -> the SDK instrument
-        self._contexts: dict = {}
+        self._contexts: dict[tuple, Context] = {}
         self._write = write
         self._applied = 0  # metric points recorded so far
         self._apply_lock = threading.Lock()  # a collection sees whole batches: its mark is exact
@@ -249,6 +267,7 @@ class ChildMetrics:
         self.exporter = self._new_exporter() if self._new_exporter is not None else None
         if self.exporter is None:
             return
+        exporter: ProcessMetricExporter = self.exporter  # for _MarkingReader: never None there
         owner = self
 
         class _MarkingReader(PeriodicExportingMetricReader):
@@ -258,15 +277,15 @@ class ChildMetrics:
             mark = 0
 
             def _receive_metrics(self, metrics_data, timeout_millis: float = 10_000, **kwargs) -> None:
-                mark, failed = self.mark, owner.exporter.failed
+                mark, failed = self.mark, exporter.failed
                 super()._receive_metrics(metrics_data, timeout_millis=timeout_millis, **kwargs)
-                if owner.exporter.failed == failed and owner._write is not None:
+                if exporter.failed == failed and owner._write is not None:
                     try:
                         owner._write(("metrics_exported", mark))
                     except (OSError, ValueError):
                         pass  # silent: the serving process went away
 
-        reader = _MarkingReader(self.exporter)
+        reader = _MarkingReader(exporter)
         self.provider = MeterProvider(resource=self.resource, metric_readers=[reader], shutdown_on_exit=False)
         gather = getattr(reader, "_collect", None)  # the SDK's collection callback, set by MeterProvider
         if gather is not None:
@@ -320,15 +339,16 @@ class ChildMetrics:
                 instruments.apply(value, ctx)
                 continue
             if ids is not None:
-                ctx = contexts.get(ids)
-                if ctx is None:
+                cached = contexts.get(ids)
+                if cached is None:
                     if len(contexts) > 4096:
                         contexts.clear()
-                    ctx = contexts[ids] = trace_api.set_span_in_context(
+                    cached = contexts[ids] = trace_api.set_span_in_context(
                         trace_api.NonRecordingSpan(
                             SpanContext(ids[0], ids[1], is_remote=False, trace_flags=TraceFlags(ids[2]))
                         )
                     )
+                ctx = cached
             instrument = by_name[name]
             if _OFFLOADED_KIND[name] == "add":
                 instrument.add(value, attributes, ctx)
@@ -337,9 +357,10 @@ class ChildMetrics:
 
     def flush(self, timeout_ms: int, final: bool) -> int:
         """Export now (and shut down when ``final``); returns the failed exports since the last call."""
-        if self.provider is None:
+        exporter = self.exporter
+        if self.provider is None or exporter is None:  # set together by start
             return 0
-        before = self.exporter.failed
+        before = exporter.failed
         try:
             if final:
                 self.provider.shutdown(timeout_millis=max(1, timeout_ms))
@@ -347,9 +368,9 @@ class ChildMetrics:
             else:
                 self.provider.force_flush(max(1, timeout_ms))
         except Exception as exc:  # noqa: BLE001 - silent: counted as failed spans (last_error)
-            self.exporter.last_error = f"{type(exc).__name__}: {exc}"
-            return max(1, self.exporter.failed - before)
-        return self.exporter.failed - before
+            exporter.last_error = f"{type(exc).__name__}: {exc}"
+            return max(1, exporter.failed - before)
+        return exporter.failed - before
 
     def last_error(self) -> str | None:
         return getattr(self.exporter, "last_error", None)

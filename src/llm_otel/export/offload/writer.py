@@ -16,6 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping
+from typing import IO, cast
 
 from opentelemetry import trace as trace_api
 
@@ -35,6 +36,13 @@ from llm_otel.semconv import attributes as A
 from llm_otel.semconv import metrics as M
 
 logger = logging.getLogger("llm_otel")
+
+
+def _stdin(proc: subprocess.Popen) -> IO[bytes]:
+    """The exporter process's stdin: never None, every exporter process is started with
+    ``stdin=subprocess.PIPE`` (:meth:`OffloadBuffer._process`)."""
+    return cast("IO[bytes]", proc.stdin)
+
 
 # LLM_OTEL_EXPORT_PROCESS_BUFFER's default; LLM_OTEL_FLUSH_DEADLINE_S's default: a shutdown
 # without a timeout, and the exporter process when it cannot read the setting
@@ -335,11 +343,13 @@ class OffloadBuffer:
                 frame = self._encodable(frame)
                 n = span_count(frame[1]) if frame[0] == "spans" else n
                 data = encode(frame)
-            proc.stdin.write(data)
-            proc.stdin.flush()
+            stdin = _stdin(proc)
+            stdin.write(data)
+            stdin.flush()
         except (OSError, ValueError) as exc:
-            self._process_died(f"{type(exc).__name__}: {exc}")
-            self._lose(n, DOWN, self.last_error)
+            why = f"{type(exc).__name__}: {exc}"
+            self._process_died(why)
+            self._lose(n, DOWN, self.last_error or why)
             return False
         except Exception as exc:  # noqa: BLE001 - an attribute value pickle cannot take
             self._lose(n, DOWN, f"cannot encode spans: {type(exc).__name__}: {exc}")
@@ -411,7 +421,7 @@ class OffloadBuffer:
             )
             for frame in (self._init, self._instruments_init):
                 if frame is not None:
-                    proc.stdin.write(encode(frame))
+                    _stdin(proc).write(encode(frame))
         except Exception as exc:  # noqa: BLE001
             self.last_error = f"cannot start the exporter process: {type(exc).__name__}: {exc}"
             process_errors().report(
@@ -540,7 +550,7 @@ class OffloadBuffer:
         try:
             if close_stdin:
                 try:
-                    proc.stdin.close()
+                    _stdin(proc).close()
                 except OSError:
                     pass
                 proc.wait(max(0.0, min(0.5, deadline - time.monotonic() - 0.05)))
