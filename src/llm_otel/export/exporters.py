@@ -33,6 +33,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar, cast
 
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 from opentelemetry.sdk.trace import ReadableSpan
@@ -58,7 +59,9 @@ _SPAN_OVERHEAD = 256
 _ATTRIBUTE_OVERHEAD = 16
 _NUMBER_SIZE = 11
 
-_EXPORTERS: weakref.WeakSet[_PerProcess] = weakref.WeakSet()
+_EXPORTERS: weakref.WeakSet[_PerProcess[Any]] = weakref.WeakSet()
+
+_Inner = TypeVar("_Inner", SpanExporter, MetricExporter)
 
 
 def register(exporter) -> None:
@@ -82,17 +85,17 @@ def disown_inherited() -> int:
     return n
 
 
-class _PerProcess:
+class _PerProcess(Generic[_Inner]):
     """The wrapped exporter of this process, built by ``factory()`` on first use in each process."""
 
-    def __init__(self, factory: Callable[[], object], endpoint: str = "") -> None:
-        self._factory = factory
+    def __init__(self, factory: Callable[[], _Inner], endpoint: str = "") -> None:
+        self._factory: Callable[[], _Inner] = factory
         self.endpoint = endpoint
         self._created_pid = os.getpid()
         self._disowned_pid: int | None = None
-        self._inner = factory()
+        self._inner: _Inner = factory()
         self._pid = self._created_pid
-        self._inherited: list[object] = []  # parents' exporters: kept, never closed from here
+        self._inherited: list[_Inner] = []  # parents' exporters: kept, never closed from here
         self._lock = threading.Lock()
         self.failed = 0
         self.in_flight = 0
@@ -103,7 +106,7 @@ class _PerProcess:
     def disowned(self) -> bool:
         return self._disowned_pid == os.getpid()
 
-    def inner(self):
+    def inner(self) -> _Inner:
         pid = os.getpid()
         if self._pid != pid:
             with self._lock:
@@ -119,7 +122,7 @@ class _PerProcess:
         return self._inner
 
 
-class ProcessSpanExporter(_PerProcess, SpanExporter):
+class ProcessSpanExporter(_PerProcess[SpanExporter], SpanExporter):
     """Span exporter wrapper: per-process inner exporter, bounded request size, failure counts.
 
     Args:
@@ -183,7 +186,7 @@ class ProcessSpanExporter(_PerProcess, SpanExporter):
         sizes = [estimate_span_bytes(s) for s in spans]
         if sum(sizes) <= cap:
             return [spans]
-        chunks: list[list[ReadableSpan]] = []
+        chunks: list[Sequence[ReadableSpan]] = []
         current: list[ReadableSpan] = []
         used = 0
         for span, size in zip(spans, sizes, strict=False):
@@ -223,10 +226,12 @@ class ProcessSpanExporter(_PerProcess, SpanExporter):
         batch processor passes what is left of its own shutdown time)."""
         if self.disowned or self._pid != os.getpid():
             return
-        if timeout_millis is not None and "timeout_millis" in inspect.signature(self._inner.shutdown).parameters:
-            self._inner.shutdown(timeout_millis=timeout_millis)
+        # SpanExporter.shutdown() takes no timeout; the OTLP exporters' does (checked here)
+        inner_shutdown: Callable[..., None] = self._inner.shutdown
+        if timeout_millis is not None and "timeout_millis" in inspect.signature(inner_shutdown).parameters:
+            inner_shutdown(timeout_millis=timeout_millis)
         else:
-            self._inner.shutdown()
+            inner_shutdown()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         if self.disowned or self._pid != os.getpid():
@@ -234,7 +239,7 @@ class ProcessSpanExporter(_PerProcess, SpanExporter):
         return self._inner.force_flush(timeout_millis)
 
 
-class ProcessMetricExporter(_PerProcess, MetricExporter):
+class ProcessMetricExporter(_PerProcess[MetricExporter], MetricExporter):
     """Metric exporter wrapper: per-process inner exporter and failure counts (metric requests are
     small - one point per series - so they are not split)."""
 
@@ -357,7 +362,7 @@ def shrink_span(span: ReadableSpan, max_bytes: int) -> ReadableSpan:
         if excess <= 0 or not total:
             break
         budget = max(0, before - int(excess * before / total) - 64)
-        value = attributes[key]
+        value = cast(str, attributes[key])  # big holds the string attributes only
         if key in _MESSAGE_ATTRIBUTES:
             attributes[key] = _shorten_message_json(value, budget)
         else:

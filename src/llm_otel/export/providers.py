@@ -34,11 +34,18 @@ import logging
 import os
 import random
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 
 from llm_otel.config import exporter_setting, otlp_endpoint, otlp_max_request_bytes, otlp_protocol, signal_endpoint
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics.export import MetricExporter
+    from opentelemetry.sdk.trace.export import SpanExporter
+
+    from llm_otel.export.exporters import ProcessMetricExporter, ProcessSpanExporter
 
 logger = logging.getLogger("llm_otel")
 
@@ -88,7 +95,7 @@ def exporter_choice(env: Mapping[str, str], signal: str) -> str:
     return exporter_setting(env, signal)
 
 
-def span_exporter_from_env(env: Mapping[str, str] | None = None):
+def span_exporter_from_env(env: Mapping[str, str] | None = None) -> ProcessSpanExporter | None:
     """The OTLP span exporter ``env`` (default ``os.environ``) asks for, or None without an endpoint.
 
     The endpoint is taken from ``env``; headers, timeout, compression and TLS settings from the
@@ -100,28 +107,38 @@ def span_exporter_from_env(env: Mapping[str, str] | None = None):
     if exporter_choice(env, "TRACES") != "otlp" or not otlp_endpoint(env, "TRACES"):
         return None
     proto = otlp_protocol(env, "TRACES")
+    otlp_span_exporter: Callable[..., SpanExporter]  # the gRPC or the HTTP class
     if proto == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter
+
+        otlp_span_exporter = GrpcSpanExporter
     else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpanExporter
+
+        otlp_span_exporter = HttpSpanExporter
     from llm_otel.export.exporters import ProcessSpanExporter
 
     endpoint = signal_endpoint(env, "TRACES", proto)
     cap = otlp_max_request_bytes(env)
-    return ProcessSpanExporter(lambda: OTLPSpanExporter(endpoint=endpoint), cap, endpoint)
+    return ProcessSpanExporter(lambda: otlp_span_exporter(endpoint=endpoint), cap, endpoint)
 
 
-def metric_exporter_from_env(env: Mapping[str, str] | None = None):
+def metric_exporter_from_env(env: Mapping[str, str] | None = None) -> ProcessMetricExporter | None:
     """The OTLP metric exporter ``env`` asks for, or None without an endpoint (as above)."""
     env = os.environ if env is None else env
     if exporter_choice(env, "METRICS") != "otlp" or not otlp_endpoint(env, "METRICS"):
         return None
     proto = otlp_protocol(env, "METRICS")
+    otlp_metric_exporter: Callable[..., MetricExporter]  # the gRPC or the HTTP class
     if proto == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcMetricExporter
+
+        otlp_metric_exporter = GrpcMetricExporter
     else:
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HttpMetricExporter
+
+        otlp_metric_exporter = HttpMetricExporter
     from llm_otel.export.exporters import ProcessMetricExporter
 
     endpoint = signal_endpoint(env, "METRICS", proto)
-    return ProcessMetricExporter(lambda: OTLPMetricExporter(endpoint=endpoint), endpoint)
+    return ProcessMetricExporter(lambda: otlp_metric_exporter(endpoint=endpoint), endpoint)

@@ -46,12 +46,12 @@ def at_spawned_bootstrap(callback: Callable[[Any], None]) -> None:
         return
     original = _bootstrap_original = BaseProcess.__dict__["_bootstrap"]
 
-    def _bootstrap(self, *args, **kwargs):
+    def _bootstrap(self: BaseProcess, *args: Any, **kwargs: Any) -> Any:
         callbacks = list(_bootstrap_callbacks)
         _remove_bootstrap_patch()
         run = self.run
 
-        def _run():
+        def _run() -> None:
             self.__dict__.pop("run", None)
             for call in callbacks:
                 with guard(
@@ -60,10 +60,10 @@ def at_spawned_bootstrap(callback: Callable[[Any], None]) -> None:
                     call(self)
             return run()
 
-        self.run = _run
+        self.run = _run  # type: ignore[method-assign]  # per instance, removed again in _run
         return original(self, *args, **kwargs)
 
-    BaseProcess._bootstrap = _bootstrap
+    BaseProcess._bootstrap = _bootstrap  # type: ignore[attr-defined]  # private, not in typeshed
 
 
 def cancel_at_spawned_bootstrap(callback: Callable[[Any], None]) -> None:
@@ -81,7 +81,7 @@ def _remove_bootstrap_patch() -> None:
 
     _bootstrap_callbacks.clear()
     if _bootstrap_original is not None:
-        BaseProcess._bootstrap = _bootstrap_original
+        BaseProcess._bootstrap = _bootstrap_original  # type: ignore[attr-defined]  # private, not in typeshed
         _bootstrap_original = None
 
 

@@ -18,11 +18,18 @@ import logging
 import os
 import weakref
 from collections.abc import Callable
+from typing import Protocol
 
 logger = logging.getLogger("llm_otel")
 
 _fork_callbacks: list[Callable[[], None]] = []
-_restartable: weakref.WeakSet = weakref.WeakSet()
+
+
+class _Restartable(Protocol):
+    def _restart_after_fork(self) -> None: ...
+
+
+_restartable: weakref.WeakSet[_Restartable] = weakref.WeakSet()
 
 
 def _log_failure(site: str, exc: BaseException, message: str) -> None:
@@ -49,7 +56,7 @@ def on_fork_child(callback: Callable[[], None]) -> None:
     _fork_callbacks.append(callback)
 
 
-def restart_in_fork_child(component) -> None:
+def restart_in_fork_child(component: _Restartable) -> None:
     """Call ``component._restart_after_fork()`` in every child forked from this process, for as
     long as ``component`` lives (held weakly): a poller or tick thread started here runs in the
     child too."""

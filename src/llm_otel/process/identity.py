@@ -55,14 +55,20 @@ import sys
 import uuid
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llm_otel.errors import process_errors
-from llm_otel.export.resources import resource_of as _resource_of
+from llm_otel.export.resources import resource_of as _untyped_resource_of
 from llm_otel.export.resources import set_attributes as _set_attributes
 from llm_otel.semconv import attributes as A
 
+if TYPE_CHECKING:
+    from opentelemetry.sdk.resources import Resource
+
 logger = logging.getLogger("llm_otel")
+
+# export.resources is not annotated: what it returns, for this module's typed callers
+_resource_of: Callable[[object], Resource | None] = _untyped_resource_of
 
 # the instance id of this process, made once per pid (a forked child gets its own)
 _INSTANCE_IDS: dict[int, str] = {}
@@ -127,11 +133,12 @@ def process_identity(
         # (a vLLM engine core under fork) must not keep the parent's role in its id
         instance = f"{inherited}/{_suffix(role, api_server_index, dp_rank, pp_rank, tp_rank, pid)}"
     else:
-        instance = _INSTANCE_IDS.get(pid)
-        if instance is None:
-            instance = str(uuid.uuid4())
+        cached = _INSTANCE_IDS.get(pid)
+        if cached is None:
+            cached = str(uuid.uuid4())
             _INSTANCE_IDS.clear()  # only this pid's id is ever needed (a fork child drops its parent's)
-            _INSTANCE_IDS[pid] = instance
+            _INSTANCE_IDS[pid] = cached
+        instance = cached
     attrs[A.SERVICE_INSTANCE_ID] = instance
     if inherited:
         attrs[A.LLM_PROCESS_INHERITED_INSTANCE_ID] = inherited
@@ -167,15 +174,15 @@ _IDENTITY_KEYS = frozenset(_LABELS) | {
 }
 # the providers llm-otel built in this process (weakly): their *current* resource is re-labelled
 # (SDK 1.45+ replaces a provider's resource with a merged copy after fork, in its own fork hook)
-_TRACKED: list[weakref.ref] = []
+_TRACKED: list[weakref.ref[object]] = []
 _FORK_HOOKS = [0]  # after-fork re-label hooks registered (track); the newest one acts
 
 
-def _tracked() -> list:
+def _tracked() -> list[Resource]:
     """The distinct current resources of the live tracked providers."""
     providers = [r() for r in _TRACKED]
     _TRACKED[:] = [ref for ref, provider in zip(_TRACKED, providers, strict=False) if provider is not None]
-    out: list = []
+    out: list[Resource] = []
     for provider in providers:
         resource = _resource_of(provider) if provider is not None else None
         if resource is not None and all(resource is not seen for seen in out):
@@ -183,7 +190,7 @@ def _tracked() -> list:
     return out
 
 
-def track(*providers) -> None:
+def track(*providers: object) -> None:
     """Register tracer / meter providers llm-otel built for this process from
     :func:`process_identity` so that :func:`relabel` and ``fork`` re-label their resource."""
     for provider in providers:
@@ -195,9 +202,12 @@ def track(*providers) -> None:
                 # service.instance.id, a UUID, in it), so the child's identity is the last word.
                 # Only the newest such hook re-labels: it runs after every tracked provider's own
                 _FORK_HOOKS[0] += 1
-                os.register_at_fork(
-                    after_in_child=lambda n=_FORK_HOOKS[0]: n == _FORK_HOOKS[0] and _relabel_after_fork()
-                )
+
+                def _after_fork_hook(n: int = _FORK_HOOKS[0]) -> None:
+                    if n == _FORK_HOOKS[0]:
+                        _relabel_after_fork()
+
+                os.register_at_fork(after_in_child=_after_fork_hook)
 
 
 def tracked_identity() -> dict[str, Any] | None:
@@ -274,7 +284,7 @@ def in_ray_worker() -> bool:
     try:
         from ray._private import worker as ray_worker  # ray 2.x
 
-        return getattr(ray_worker.global_worker, "mode", None) == ray_worker.WORKER_MODE
+        return bool(getattr(ray_worker.global_worker, "mode", None) == ray_worker.WORKER_MODE)
     except Exception:  # noqa: BLE001 - silent: an unknown Ray layout: not a Ray worker we can recognise
         return False
 

@@ -42,7 +42,8 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any, cast
 
 from llm_otel.errors import guard, process_errors
 from llm_otel.export.exporters import DEFAULT_DEADLINE_S
@@ -80,9 +81,10 @@ class ProcessLifecycle:
     def __init__(self, role: str, deadline_s: float = DEFAULT_DEADLINE_S) -> None:
         self.role = role
         self.deadline_s = float(deadline_s)
-        self.tracer_providers: list = []
-        self.meter_providers: list = []
-        self.exporters: list = []
+        # SDK providers, llm-otel's offload providers and exporters: used duck-typed (getattr)
+        self.tracer_providers: list[Any] = []
+        self.meter_providers: list[Any] = []
+        self.exporters: list[Any] = []
         self._before: list[tuple[Callable[[], None], bool]] = []
         self._reset()
         atexit.register(self.flush)
@@ -112,7 +114,7 @@ class ProcessLifecycle:
         self._register_finalizer()
 
     # --- what to flush ------------------------------------------------------------------------
-    def add(self, tracer_provider=None, meter_provider=None, exporters=()) -> None:
+    def add(self, tracer_provider: Any = None, meter_provider: Any = None, exporters: Iterable[Any] = ()) -> None:
         """Flush these providers at exit (and count these exporters' failures for the log line)."""
         self._check_pid()
         if multiprocessing.parent_process() is not None:
@@ -165,7 +167,8 @@ class ProcessLifecycle:
         self._early_done = True
         pusher = _start_thread(self._force_flush, "llm-otel-early-export")
         if pusher is not None:
-            pusher.join(max(0.0, self._deadline_at - time.monotonic()))
+            # set by begin() before it started this thread
+            pusher.join(max(0.0, cast(float, self._deadline_at) - time.monotonic()))
             # still pushing, or a provider's flush gave up at the deadline (the exporter process's
             # does, rather than hang): the process may be killed any moment now, say it while we can
             if pusher.is_alive() or self._early_incomplete:
@@ -198,9 +201,12 @@ class ProcessLifecycle:
         else:
             # Python's last-resort handler writes to the *current* sys.stderr, which servers replace
             # (vLLM prefixes its processes' output) and may have torn down by interpreter exit
+            stderr = sys.__stderr__
+            if stderr is None:  # no stderr at all (pythonw, closed): nowhere to say it
+                return
             try:
-                sys.__stderr__.write(message + "\n")
-                sys.__stderr__.flush()
+                stderr.write(message + "\n")
+                stderr.flush()
             except (AttributeError, OSError, ValueError):
                 pass
 
@@ -247,7 +253,8 @@ class ProcessLifecycle:
         return self.complete
 
     def _remaining_ms(self) -> int:
-        return max(1, int((self._deadline_at - time.monotonic()) * 1000))
+        # only called from the final flush, after flush() set the deadline
+        return max(1, int((cast(float, self._deadline_at) - time.monotonic()) * 1000))
 
     def _shutdown_providers(self) -> None:
         # traces first: each span processor exports what it holds (bounded by its own timeout)
@@ -281,7 +288,7 @@ class ProcessLifecycle:
             self._failed(e) + getattr(e, "in_flight", 0) for e in self.exporters if not getattr(e, "disowned", False)
         )
 
-    def _failed(self, exporter) -> int:
+    def _failed(self, exporter: object) -> int:
         return max(0, getattr(exporter, "failed", 0) - self._failed_before.get(id(exporter), 0))
 
     def _undelivered(self) -> str:
@@ -379,7 +386,12 @@ def create_flush_dir() -> str | None:
     os.environ[FLUSH_DIR_ENV] = _owned_dir
     owner = _owner_pid = os.getpid()
     made = _owned_dir
-    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(made, ignore_errors=True))
+
+    def _remove_flush_dir() -> None:
+        if os.getpid() == owner:
+            shutil.rmtree(made, ignore_errors=True)
+
+    atexit.register(_remove_flush_dir)
     return _owned_dir
 
 

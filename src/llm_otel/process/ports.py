@@ -39,9 +39,13 @@ import os
 import re
 import threading
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, cast
 
 from llm_otel.config import prometheus_base_port
 from llm_otel.errors import guard
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics.export import MetricReader
 
 logger = logging.getLogger("llm_otel")
 # the process names of the topology above (vLLM's multiprocessing names: API server i, the engine
@@ -166,7 +170,7 @@ def prometheus_port(env: Mapping[str, str], role: str, process_name: str | None 
     return None
 
 
-def prometheus_reader(env: Mapping[str, str], role: str):
+def prometheus_reader(env: Mapping[str, str], role: str) -> MetricReader | None:
     """This process's Prometheus metric reader with its endpoint started on its port
     (:func:`prometheus_port`), or None (worker role, or the port is busy: logged). A vLLM
     frontend's endpoint starts once it serves requests (:func:`when_serving`); until then the
@@ -174,10 +178,14 @@ def prometheus_reader(env: Mapping[str, str], role: str):
     opentelemetry-exporter-prometheus (:mod:`llm_otel.export.prometheus`)."""
     from llm_otel.export.prometheus import prometheus_reader as reader_on
 
-    return reader_on(env, role, prometheus_port(env, role), when_serving if role == "frontend" else None)
+    # export.prometheus is not annotated: it returns its ExemplarPrometheusMetricReader or None
+    return cast(
+        "MetricReader | None",
+        reader_on(env, role, prometheus_port(env, role), when_serving if role == "frontend" else None),
+    )
 
 
-def prometheus_reader_from_env(env: Mapping[str, str] | None = None, role: str = "frontend"):
+def prometheus_reader_from_env(env: Mapping[str, str] | None = None, role: str = "frontend") -> MetricReader | None:
     """The Prometheus metric reader (endpoint started) when ``OTEL_METRICS_EXPORTER=prometheus``,
     else None; None with one warning when opentelemetry-exporter-prometheus is not installed.
     Raises ConfigError for a bad ``OTEL_EXPORTER_PROMETHEUS_PORT``."""

@@ -33,7 +33,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TextIO, cast
 
 from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider
@@ -41,6 +41,7 @@ from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetr
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+from opentelemetry.sdk.trace.sampling import Sampler
 
 from llm_otel.config import Settings, traces_sampler, validate_exporter_env
 from llm_otel.errors import process_errors
@@ -51,15 +52,46 @@ from llm_otel.export.providers import (
     span_exporter_from_env,
 )
 from llm_otel.process.identity import current_process_identity, track
-from llm_otel.process.lifecycle import lifecycle
+from llm_otel.process.lifecycle import ProcessLifecycle, lifecycle
 from llm_otel.process.ports import prometheus_reader_from_env
 from llm_otel.sampling import Sampling, adaptive_sampler, trace_budget, traces_sampler_factory
+
+if TYPE_CHECKING:
+    from opentelemetry.metrics import CallbackOptions, Observation
+
+    from llm_otel.export.exporters import ProcessMetricExporter, ProcessSpanExporter
+    from llm_otel.export.offload import MetricAccount, OffloadBuffer, OffloadTracerProvider
+    from llm_otel.gpu.nvml import UtilizationReader
+    from llm_otel.telemetry import Telemetry
 
 logger = logging.getLogger("llm_otel")
 _lock = threading.Lock()
 # the sampler parts of the global tracer provider installed here (None: none installed here, or
 # it samples without llm-otel's adaptive sampler)
 _installed_sampling: Sampling | None = None
+
+
+class _WithSampling(Protocol):
+    """llm-otel's adaptive sampler (what :func:`llm_otel.sampling.adaptive_sampler` returns):
+    it carries the parts it was built with."""
+
+    sampling: Sampling
+
+
+class _OwnedPoller(Protocol):
+    """The adaptive sampler's default poller (:class:`llm_otel.gpu.nvml.UtilizationPoller`): its
+    thread ends with the tracer provider ``owner`` refers to."""
+
+    owner: weakref.ref[Any] | None
+
+    def stop(self) -> None: ...
+
+
+class _MetricsWith(Protocol):
+    """An :class:`~llm_otel.export.offload.OffloadTracerProvider`'s ``metrics_with`` as documented
+    there (the meter provider built with it, or None); its own annotation infers ``None`` only."""
+
+    metrics_with: MeterProvider | None
 
 
 def ensure_providers(settings: Settings) -> Sampling | None:
@@ -95,7 +127,7 @@ def ensure_providers(settings: Settings) -> Sampling | None:
         return _installed_sampling
 
 
-def telemetry_on_first_use(kwargs: dict[str, Any], scope: str):
+def telemetry_on_first_use(kwargs: dict[str, Any], scope: str) -> Telemetry:
     """The :class:`llm_otel.telemetry.Telemetry` of an instrumentor whose library this process has
     just imported (called from its post-import hook, not from ``instrument()``).
 
@@ -125,7 +157,7 @@ def telemetry_on_first_use(kwargs: dict[str, Any], scope: str):
     )
 
 
-def global_where_none(tracer_provider) -> bool:
+def global_where_none(tracer_provider: trace.TracerProvider) -> bool:
     """Make ``tracer_provider`` the global tracer provider when this process has none yet (an
     application's or a distro's is kept); True when it did. Used in vLLM's engine processes, whose
     own providers are built for llm-otel's spans, so that vLLM's own start-up spans there use them."""
@@ -136,13 +168,15 @@ def global_where_none(tracer_provider) -> bool:
         return True
 
 
-def exporters_of(provider) -> list:
+def exporters_of(
+    provider: object,
+) -> list[ProcessSpanExporter | ProcessMetricExporter | OffloadBuffer | MetricAccount]:
     """The llm-otel exporter wrappers behind ``provider``'s span processors or metric readers
     (for the final flush's accounting)."""
     from llm_otel.export.exporters import ProcessMetricExporter, ProcessSpanExporter
     from llm_otel.export.offload import MetricAccount, OffloadBuffer
 
-    found = []
+    found: list[object] = []
     buffer = getattr(provider, "buffer", None)  # OffloadTracerProvider: spans in an exporter process
     if buffer is not None:
         found.extend((buffer, buffer.metric_account))
@@ -158,8 +192,11 @@ def exporters_of(provider) -> list:
 
 
 def build_providers(
-    settings: Settings, env: Mapping[str, str] | None = None, stream=None, shutdown_on_exit: bool = True
-) -> tuple[TracerProvider, MeterProvider]:
+    settings: Settings,
+    env: Mapping[str, str] | None = None,
+    stream: TextIO | None = None,
+    shutdown_on_exit: bool = True,
+) -> tuple[TracerProvider | OffloadTracerProvider, MeterProvider]:
     """Tracer and meter providers for this process (:func:`build_providers_and_sampling` without
     the sampler's parts)."""
     tracer_provider, meter_provider, _ = build_providers_and_sampling(settings, env, stream, shutdown_on_exit)
@@ -167,8 +204,11 @@ def build_providers(
 
 
 def build_providers_and_sampling(
-    settings: Settings, env: Mapping[str, str] | None = None, stream=None, shutdown_on_exit: bool = True
-) -> tuple[TracerProvider, MeterProvider, Sampling | None]:
+    settings: Settings,
+    env: Mapping[str, str] | None = None,
+    stream: TextIO | None = None,
+    shutdown_on_exit: bool = True,
+) -> tuple[TracerProvider | OffloadTracerProvider, MeterProvider, Sampling | None]:
     """Tracer and meter providers for this process, configured from ``settings`` and the exporter
     variables of ``env`` (``os.environ``), and the parts of llm-otel's adaptive sampler the tracer
     provider uses (:class:`llm_otel.sampling.Sampling`: root sampler, poller, engine occupancy,
@@ -186,48 +226,59 @@ def build_providers_and_sampling(
     validate_exporter_env(env)
     resource = Resource.create(current_process_identity())  # + OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES
     sampler = _adaptive_sampler(settings, env)
-    sampling = sampler.sampling if sampler is not None else None
+    # the adaptive sampler (llm_otel.sampling.adaptive_sampler's) carries the parts it was built with
+    sampling = cast(_WithSampling, sampler).sampling if sampler is not None else None
     poller = sampling.poller if sampling is not None else None
     span_exporter = span_exporter_from_env(env)
+    # what counts this process's lost spans: the span exporter, or the exporter process's buffer
+    counted: ProcessSpanExporter | OffloadBuffer | None = span_exporter
     offload = span_exporter is not None and settings.export_process
-    tracer_provider = TracerProvider(
+    sdk_tracer_provider = TracerProvider(
         resource=resource,
         id_generator=SystemRandomIdGenerator(),
         sampler=sampler,
         shutdown_on_exit=shutdown_on_exit and not offload,
     )
-    if offload:
+    tracer_provider: TracerProvider | OffloadTracerProvider = sdk_tracer_provider
+    offload_provider: OffloadTracerProvider | None = None
+    if offload and span_exporter is not None:
         # spans leave this process as compact records; the SDK provider above is only the
         # source of its sampler (the env default when None) and id generator
         from llm_otel.export.offload import OffloadTracerProvider
 
         span_exporter.shutdown()  # its twin is built in the exporter process
-        tracer_provider = OffloadTracerProvider(
+        tracer_provider = offload_provider = OffloadTracerProvider(
             resource,
-            tracer_provider.sampler,
-            tracer_provider.id_generator,
+            sdk_tracer_provider.sampler,
+            sdk_tracer_provider.id_generator,
             span_exporter.endpoint,
             settings.export_process_buffer,
             env,
         )
-        span_exporter = tracer_provider.buffer
+        counted = offload_provider.buffer
     if poller is not None:
         # the poller's thread ends with the provider that reads it. A weakref callback, not
         # weakref.finalize: the first finalize() registers weakref's atexit hook, and one registered
         # before multiprocessing's would run after it - multiprocessing would then join vLLM's
         # engine-core process before vLLM's own finalizers shut it down, and the process would hang
-        poller.owner = weakref.ref(tracer_provider, lambda _ref, stop=poller.stop: stop())
+        owned = cast(_OwnedPoller, poller)  # the sampler's default poller (a UtilizationPoller)
+        stop = owned.stop
+
+        def _stop_poller(_ref: weakref.ref[Any]) -> None:
+            stop()
+
+        owned.owner = weakref.ref(tracer_provider, _stop_poller)
     readers: list[MetricReader] = []
     stream = stream or sys.stderr
-    if span_exporter is not None:
-        if not offload:  # (offloaded: the exporter process exports)
-            tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
+    if counted is not None:
+        if span_exporter is not None and not offload:  # (offloaded: the exporter process exports)
+            sdk_tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
     elif exporter_choice(env, "TRACES") == "none":
         pass
     elif settings.console in ("auto", "tree"):
-        tracer_provider.add_span_processor(SimpleSpanProcessor(ConsoleTreeExporter(stream)))
+        sdk_tracer_provider.add_span_processor(SimpleSpanProcessor(ConsoleTreeExporter(stream)))
     elif settings.console == "json":
-        tracer_provider.add_span_processor(SimpleSpanProcessor(JsonLinesExporter(stream)))
+        sdk_tracer_provider.add_span_processor(SimpleSpanProcessor(JsonLinesExporter(stream)))
     metric_exporter = metric_exporter_from_env(env)
     if metric_exporter is not None:
         readers.append(PeriodicExportingMetricReader(metric_exporter))
@@ -238,13 +289,13 @@ def build_providers_and_sampling(
     elif exporter_choice(env, "METRICS") != "none" and settings.console in ("auto", "tree"):
         readers.append(ConsoleMetricsSummary(stream))
     meter_provider = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=shutdown_on_exit)
-    if metric_exporter is not None and getattr(tracer_provider, "buffer", None) is not None:
+    if metric_exporter is not None and offload_provider is not None and offload_provider.buffer is not None:
         # the GenAI request metrics may be recorded by the exporter process too (over OTLP, same
         # resource): whoever builds Telemetry passes llm_otel.export.offload.request_outlets; Prometheus and
         # console metrics are read in this process and stay here; so do all other metrics
-        tracer_provider.metrics_with = meter_provider
-    if span_exporter is not None:
-        span_exporter.bind(meter_provider)  # its lost spans count in llm_otel.spans.dropped
+        cast(_MetricsWith, offload_provider).metrics_with = meter_provider
+    if counted is not None:
+        counted.bind(meter_provider)  # its lost spans count in llm_otel.spans.dropped
     # re-labelled when this process learns its role later (identity.relabel: a LightLLM child) or is
     # forked (its own pid and instance id)
     track(tracer_provider, meter_provider)
@@ -253,7 +304,7 @@ def build_providers_and_sampling(
     return tracer_provider, meter_provider, sampling
 
 
-def _adaptive_sampler(settings: Settings, env: Mapping[str, str]):
+def _adaptive_sampler(settings: Settings, env: Mapping[str, str]) -> Sampler | None:
     """llm-otel's adaptive sampler when configured (``LLM_OTEL_ADAPTIVE_SAMPLING`` ``auto``/``on``,
     and ``OTEL_TRACES_SAMPLER`` unset or ``llm_otel_adaptive``), else None (the SDK's choice). Its
     poller follows NVML GPU utilisation, or engine occupancy where NVML sees no GPU; the trace
@@ -266,13 +317,13 @@ def _adaptive_sampler(settings: Settings, env: Mapping[str, str]):
     return adaptive_sampler(budget=trace_budget(settings.traces_per_s))
 
 
-def register_utilization_gauge(meter_provider, poller) -> None:
+def register_utilization_gauge(meter_provider: MeterProvider, poller: UtilizationReader) -> None:
     """Observable gauge ``hw.gpu.utilization`` (1) reading the poller's smoothed value."""
     from opentelemetry.metrics import Observation
 
     from llm_otel.semconv import metrics as M
 
-    def observe(_options):
+    def observe(_options: CallbackOptions) -> list[Observation]:
         value = poller.utilization
         return [] if value is None else [Observation(value)]
 
@@ -284,7 +335,9 @@ def register_utilization_gauge(meter_provider, poller) -> None:
     )
 
 
-def engine_process_providers(role: str, env: Mapping[str, str] | None = None):
+def engine_process_providers(
+    role: str, env: Mapping[str, str] | None = None
+) -> tuple[TracerProvider, MeterProvider, ProcessLifecycle]:
     """Tracer and meter providers of an engine process that serves no requests of its own (vLLM's
     engine core and workers: they sample as the frontend decided, the SDK's default): from the
     ``OTEL_*`` exporter variables, resource with ``llm.process.role`` = ``role``, batch OTLP span
@@ -302,7 +355,9 @@ def engine_process_providers(role: str, env: Mapping[str, str] | None = None):
     if exporter is not None:
         tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
     metric_exporter = metric_exporter_from_env(env)
-    readers = [PeriodicExportingMetricReader(metric_exporter)] if metric_exporter is not None else []
+    readers: list[MetricReader] = (
+        [PeriodicExportingMetricReader(metric_exporter)] if metric_exporter is not None else []
+    )
     if metric_exporter is None:
         try:
             prometheus = prometheus_reader_from_env(env, role=role)  # engine core: port + 1 + DP rank
