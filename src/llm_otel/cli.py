@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, TextIO, cast
 
 from llm_otel.config.signals import SignalsConfig
 
@@ -208,7 +208,7 @@ def doctor(
     import importlib
     import time
 
-    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
     from opentelemetry.sdk.trace.export import SpanExportResult
 
     from llm_otel.config import ConfigError, Settings, validate_exporter_env
@@ -250,10 +250,14 @@ def doctor(
         provider = TracerProvider()
         span = provider.get_tracer("llm_otel.doctor").start_span("llm_otel.doctor.probe")
         span.end()
-        exporter._timeout = min(getattr(exporter, "_timeout", 5), 5)  # both OTLP exporters keep it here
+        # the probe waits at most 5 s: both OTLP exporters keep their timeout in ``_timeout`` (on the
+        # real exporter inside llm-otel's per-process wrapper, not on the wrapper)
+        otlp = exporter.inner()
+        otlp._timeout = min(getattr(otlp, "_timeout", 5), 5)  # type: ignore[attr-defined]  # private OTLP field
         started = time.monotonic()
+        result: object
         try:
-            result = exporter.export([span])
+            result = exporter.export([cast(ReadableSpan, span)])  # an ended SDK span is a ReadableSpan
         except Exception as exc:  # noqa: BLE001 - silent: the CLI prints the exception as the check's result
             result = exc
         finally:
@@ -289,19 +293,20 @@ def doctor(
             1
         )
         endpoint = getattr(metric_exporter, "endpoint", None) or getattr(metric_exporter, "_endpoint", "?")
+        metric_result: object
         try:
-            result = metric_exporter.export(reader.get_metrics_data(), timeout_millis=5_000)
+            metric_result = metric_exporter.export(reader.get_metrics_data(), timeout_millis=5_000)
         except Exception as exc:  # noqa: BLE001 - silent: the CLI prints the exception as the check's result
-            result = exc
+            metric_result = exc
         finally:
             metric_exporter.shutdown(timeout_millis=1_000)
-        if result is MetricExportResult.SUCCESS:
+        if metric_result is MetricExportResult.SUCCESS:
             say("ok", f"OTLP metric exporter -> {endpoint} accepted a probe metric")
         else:
             ok = False
             say(
                 "FAIL",
-                f"OTLP metric exporter -> {endpoint} did not accept a probe metric ({result}); metrics "
+                f"OTLP metric exporter -> {endpoint} did not accept a probe metric ({metric_result}); metrics "
                 "would be lost (a traces-only backend such as Jaeger needs OTEL_METRICS_EXPORTER=none)",
             )
     if metric_exporter is None:

@@ -432,8 +432,7 @@ def _build_model(out: pathlib.Path) -> None:
     # Keep the caller's global RNG state untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_SEED)
-        # transformers' @wraps(nn.Module.to) types `to` as taking the module again: its stub is wrong
-        model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]
+        model = LlamaForCausalLM(config).to(torch.float32)
     model.eval()
     with _quiet_transformers():
         model.save_pretrained(str(out), safe_serialization=True)

@@ -123,7 +123,7 @@ class _ExemplarIndex:
                     points = index.by_metric.setdefault(sanitize_full_name(metric.name), {})
                     for point in metric.data.data_points:
                         labels = dict(scope)
-                        for key, value in point.attributes.items():
+                        for key, value in (point.attributes or {}).items():
                             labels[sanitize_attribute(key)] = _label_value(value)
                         bounds = list(point.explicit_bounds)
                         by_le = {}
