@@ -8,7 +8,7 @@ import importlib.util
 import logging
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import wrapt
@@ -96,7 +96,7 @@ def apply_hooks(hooks: list[Hook], adapter: Any, engine: str) -> list[AppliedHoo
     raised. A target whose module cannot be imported because a package outside the engine is not
     installed (an optional part of the library) gets one debug line instead."""
     applied: list[AppliedHook] = []
-    missing: list[tuple[Hook, BaseException]] = []
+    missing: list[tuple[Hook, ImportError | AttributeError]] = []
     for hook in hooks:
         try:
             owner, attribute = _resolve(hook)
@@ -114,23 +114,25 @@ def apply_hooks(hooks: list[Hook], adapter: Any, engine: str) -> list[AppliedHoo
             continue
         applied.append(AppliedHook(hook, owner, attribute, original))
     resolved_groups = {a.hook.group for a in applied if a.hook.group}
-    absent: set[str] = set()
-    for hook, exc in missing:
+    absent: set[str | None] = set()
+    for hook, error in missing:
         if hook.group and hook.group in resolved_groups:
             continue  # another layout's target for the same function resolved
-        if _absent_dependency(hook, exc):
-            if exc.name not in absent:  # type: ignore[attr-defined]
-                absent.add(exc.name)  # type: ignore[attr-defined]
+        if _absent_dependency(hook, error):
+            if error.name not in absent:
+                absent.add(error.name)
                 logger.debug(
-                    "llm-otel: %s: %s is not installed; the hooks in modules that need it are skipped", engine, exc.name
-                )  # type: ignore[attr-defined]
+                    "llm-otel: %s: %s is not installed; the hooks in modules that need it are skipped",
+                    engine,
+                    error.name,
+                )
             continue
         logger.warning(
             "llm-otel: %s hook target %s not found (%s: %s); this hook is skipped, the others keep working",
             engine,
             hook.qualname,
-            type(exc).__name__,
-            exc,
+            type(error).__name__,
+            error,
         )
     return applied
 
@@ -228,6 +230,7 @@ class ImportHooked:
     _pending: dict[str, Any] | None = None  # instrument()'s arguments while instrumented
     _hooked: set[str] = set()  # modules hooked in this instrumentation
     _lock: threading.RLock
+    _instrument_engine: Callable[..., None]  # defined by the subclass
 
     def _instrument(self, **kwargs: Any) -> None:
         """``BaseInstrumentor``'s entry: the subclass's ``_instrument_engine(**kwargs)``; an invalid

@@ -38,9 +38,9 @@ import importlib.util
 import logging
 import threading
 from collections.abc import Collection
-from typing import Any
+from typing import Any, cast
 
-from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]  # the module opts out of type checking (a '# type: ignore' header)
 
 from llm_otel.config import Settings
 from llm_otel.instrumentation._hooks import (
@@ -103,8 +103,9 @@ class LightLLMInstrumentor(ImportHooked, BaseInstrumentor):
         """The adapter, on providers that exist from now on (see ``telemetry_on_first_use``): a
         process that never imports LightLLM - a vLLM engine process under ``opentelemetry-instrument``
         - gets none. Providers built here get the labels :mod:`.process` already found."""
-        adapter = LightLLMAdapter(telemetry_on_first_use(self._pending, __name__))
-        if self._pending.get("tracer_provider") is None and self._pending.get("meter_provider") is None:
+        pending = cast(dict[str, Any], self._pending)  # _on_import calls this only while it is set
+        adapter = LightLLMAdapter(telemetry_on_first_use(pending, __name__))
+        if pending.get("tracer_provider") is None and pending.get("meter_provider") is None:
             from llm_otel.instrumentation.lightllm import process
 
             process.relabel_as_found()

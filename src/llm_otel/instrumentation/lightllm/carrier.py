@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, TypeGuard
 
 from opentelemetry.context import Context
 
@@ -71,7 +71,7 @@ class CarrierTable:
 TABLE = CarrierTable()
 
 
-def valid(carrier: Any) -> bool:
+def valid(carrier: Any) -> TypeGuard[dict[str, Any]]:
     return (
         isinstance(carrier, dict)
         and isinstance(carrier.get(GROUP_KEY), int)

@@ -20,9 +20,10 @@ import asyncio
 import contextvars
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from opentelemetry import context as otel_context
+from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
 from llm_otel.errors import guard
@@ -69,7 +70,7 @@ class _HttpRequest:
         "context",
     )
 
-    def __init__(self, arrival_s: float, parent, kind, operation: str, attrs: dict, headers=None) -> None:
+    def __init__(self, arrival_s: float, parent: Context, kind, operation: str, attrs: dict, headers=None) -> None:
         self.arrival_s = arrival_s
         self.parent = parent
         self.kind = kind
@@ -82,7 +83,7 @@ class _HttpRequest:
         self.health = False
         self.aborted = False
         self.done: set[int] = set()
-        self.context = None
+        self.context: Context = otel_context.set_value(_STATE_KEY, self, parent)
 
 
 class HttpAdapter:
@@ -213,7 +214,6 @@ class HttpAdapter:
         if isinstance(n, int) and n > 1:
             attrs[A.GEN_AI_REQUEST_CHOICE_COUNT] = n
         state = _HttpRequest(time.time(), parent, kind, operation, attrs, headers)
-        state.context = otel_context.set_value(_STATE_KEY, state, parent)
         if gid is not None:  # 2024 layout: start now, the carrier must be on the object before it is sent
             choices = n if isinstance(n, int) and n > 0 else 1
             self._start(state, gid, bound.get("multimodal_params"), choices, [])
@@ -244,16 +244,24 @@ class HttpAdapter:
             state.records[i] = rec
         self.live[gid] = state
         first = state.records[0].span
+        if TYPE_CHECKING:  # for the checker only: start_request always starts a span
+            assert first is not None
         state.context = otel_context.set_value(
             _STATE_KEY, state, self.telemetry.request_context(state.records[0], state.parent)
         )
         if multimodal_params is not None:
             carrier = carrier_from_span(first)
             if TRACEPARENT in carrier:
+                choices: list[str] = []
+                for rec in state.records.values():
+                    span = rec.span
+                    if TYPE_CHECKING:  # for the checker only: start_request always starts a span
+                        assert span is not None
+                    choices.append(carrier_from_span(span).get(TRACEPARENT, ""))
                 value = {
                     TRACEPARENT: carrier[TRACEPARENT],
                     C.GROUP_KEY: gid,
-                    C.CHOICES_KEY: [carrier_from_span(r.span).get(TRACEPARENT, "") for r in state.records.values()],
+                    C.CHOICES_KEY: choices,
                 }
                 if carrier.get(TRACESTATE):
                     value[TRACESTATE] = carrier[TRACESTATE]
@@ -304,7 +312,7 @@ class HttpAdapter:
             self._start(state, C.group_of(sub_id), None, 1, [])
         if state.health:
             return
-        index = sub_id - state.group_id
+        index = sub_id - cast(int, state.group_id)  # set by _start
         rec = state.records.get(index)
         if rec is None or index in state.done:
             return

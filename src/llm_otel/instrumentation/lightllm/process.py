@@ -126,7 +126,7 @@ def classify(proc: Any = None, argv: list[str] | None = None) -> tuple[str, dict
     proc = multiprocessing.current_process() if proc is None else proc
     target = getattr(proc, "_target", None)
     if target is not None:
-        key = (getattr(target, "__module__", None), getattr(target, "__name__", None))
+        key: tuple[Any, Any] = (getattr(target, "__module__", None), getattr(target, "__name__", None))
         role = TARGETS.get(key)
         if role is None:
             return None

@@ -10,6 +10,7 @@ import inspect
 import json
 import operator
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from llm_otel.errors import guard
@@ -66,7 +67,7 @@ def finish_info(finish_status: Any) -> tuple[bool, bool, str | None]:
     return finished, aborted, reason if isinstance(reason, str) else None
 
 
-def model_name(env: dict | None = None, args: Any = None) -> str:
+def model_name(env: Mapping[str, str] | None = None, args: Any = None) -> str:
     """Served model name: ``args.model_name`` unless it is LightLLM's default
     (``"default_model_name"``), else the last part of ``args.model_dir``; "unknown" without either.
 

@@ -14,6 +14,9 @@ shm_req, finish_status}``; ``InferenceContext.filter(finished_request_ids)`` and
 from __future__ import annotations
 
 import time
+from typing import cast
+
+from opentelemetry.context import Context
 
 from llm_otel.instrumentation.lightllm import carrier as C
 from llm_otel.instrumentation.lightllm.requests import (
@@ -85,7 +88,7 @@ class WorkerAdapter:
                 self.reqs[rid] = self.telemetry.start_stage(
                     INFER,
                     rid,
-                    parent,
+                    cast(Context, parent),  # sampled: the carrier's traceparent is valid
                     group_id=gid,
                     choice_index=rid - gid,
                     start_ns=now,

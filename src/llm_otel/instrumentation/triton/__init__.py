@@ -39,9 +39,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Collection
-from typing import Any
+from typing import Any, cast
 
-from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]  # the module opts out of type checking (a '# type: ignore' header)
 
 from llm_otel.config import Settings
 from llm_otel.instrumentation._hooks import (
@@ -88,7 +88,8 @@ class TritonClientInstrumentor(ImportHooked, BaseInstrumentor):
         self._wait_for(MODULES, {**kwargs, "settings": kwargs.get("settings") or Settings.from_env()})
 
     def _first_use(self) -> TritonAdapter:
-        return TritonAdapter(telemetry_on_first_use(self._pending, __name__))
+        pending = cast(dict[str, Any], self._pending)  # _on_import calls this only while it is set
+        return TritonAdapter(telemetry_on_first_use(pending, __name__))
 
     def _hook_module(self, module) -> None:
         hooks = [h for h in HOOKS if h.module == module.__name__]

@@ -53,14 +53,16 @@ def error_type(exc: BaseException) -> str:
     if isinstance(exc, asyncio.CancelledError):
         return CANCELLED
     try:
-        code = exc.code() if callable(getattr(exc, "code", None)) else None
+        code_of = getattr(exc, "code", None)
+        code = code_of() if callable(code_of) else None
         if code is not None and isinstance(getattr(code, "name", None), str):
             return code.name
     except Exception:  # noqa: BLE001 - silent: feature probe of the exception's gRPC code
         pass
     status = None
     try:
-        status = exc.status() if callable(getattr(exc, "status", None)) else None
+        status_of = getattr(exc, "status", None)
+        status = status_of() if callable(status_of) else None
     except Exception:  # noqa: BLE001 - silent: feature probe of the exception's status
         status = None
     if isinstance(status, str) and status:

@@ -69,22 +69,22 @@ class Streams:
         state.last_raw = None
         if result is not None:
             response = result.get_response()
-        elif raw is not None and getattr(raw, "error_message", ""):
+        elif raw is not None and getattr(raw, "error_message", None):
             response = raw.infer_response
         else:
             # the stream itself ended with a gRPC status: every request on it ends with it
             if state.cancelling:
-                for call in state.stream.drain():
+                for ended in state.stream.drain():
                     self.finish(
-                        call,
+                        ended,
                         error=Cancelled("stream stopped with cancel_requests=True"),
                         end_reason="cancelled",
                         end_mono=now,
                     )
                 return
             state.error = error
-            for call in state.stream.drain():
-                self.finish(call, error=error, end_mono=now)
+            for ended in state.stream.drain():
+                self.finish(ended, error=error, end_mono=now)
             return
         call = state.stream.lookup(response.id)
         if call is None:

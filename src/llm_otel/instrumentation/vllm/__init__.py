@@ -45,7 +45,7 @@ from typing import Any
 
 import wrapt
 from opentelemetry.instrumentation.dependencies import get_dependency_conflicts
-from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]  # the module opts out of type checking (a '# type: ignore' header)
 
 from llm_otel.config import ConfigError, Settings
 from llm_otel.errors import guard, process_errors

@@ -21,7 +21,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from opentelemetry.trace import SpanKind
 
@@ -47,7 +47,7 @@ from llm_otel.process.ports import serving_started
 from llm_otel.propagation import context_from_carrier, extract_carrier
 from llm_otel.semconv import attributes as A
 from llm_otel.signals import kv_source_for
-from llm_otel.telemetry import Telemetry
+from llm_otel.telemetry import RequestRecord, Telemetry
 from llm_otel.telemetry.logit_capture import logit_top_k
 from llm_otel.telemetry.metrics import BoundedValues
 from llm_otel.telemetry.record import ChoiceGroup
@@ -56,6 +56,7 @@ logger = logging.getLogger("llm_otel")
 
 PROVIDER = "vllm"
 MAX_LIVE_REQUESTS = 1_000_000  # records beyond this are not tracked (one warning)
+_REPORTED = "_llm_otel_reported"  # set on an exception a hook has reported (one span per failure)
 MAX_LORA_NAMES = 32  # distinct LoRA adapter names per process that get their own metric series
 
 
@@ -71,7 +72,7 @@ class VLLMAdapter:
         # called once, when this process starts building an engine client (LLMEngine/AsyncLLM):
         # where requests will arrive, the instrumentor starts the exporter process then, overlapping
         # vLLM's start-up, and not in every Python process that merely has vLLM installed
-        self.before_first_engine: Callable[[], None] | None = None
+        self.before_first_engine: Callable[[], object] | None = None  # its result is not used
         self._lora_names = BoundedValues(MAX_LORA_NAMES, "LoRA adapters")  # metric dimension values
         # n > 1: vLLM's ParentRequest -> the ChoiceGroup its child requests' records share
         self._choice_groups: weakref.WeakKeyDictionary[Any, ChoiceGroup] = weakref.WeakKeyDictionary()
@@ -124,7 +125,7 @@ class VLLMAdapter:
                 return wrapped(*args, **kwargs)
             except Exception as error:
                 engine = getattr(instance, "llm_engine", None)
-                if engine is not None and not getattr(error, "_llm_otel_reported", False):
+                if engine is not None and not getattr(error, _REPORTED, False):
                     # requests already in the engine (it died mid-run: EngineDeadError, ...) end with
                     # the error; with none in flight vLLM refused the call before the engine saw it
                     if not self._fail_in_flight(hook, engine, error):
@@ -145,7 +146,7 @@ class VLLMAdapter:
             ):
                 return False
             try:
-                error._llm_otel_reported = True
+                setattr(error, _REPORTED, True)
             except Exception:  # noqa: BLE001 - silent: exceptions with __slots__
                 pass
             return True
@@ -242,7 +243,7 @@ class VLLMAdapter:
 
     def _rejected(self, hook: str, engine: Any, args, kwargs, arrival: float, error: BaseException) -> None:
         try:
-            error._llm_otel_reported = True  # one span per failure, however many hooks it crosses
+            setattr(error, _REPORTED, True)  # one span per failure, however many hooks it crosses
         except Exception:  # noqa: BLE001 - silent: exceptions with __slots__
             pass
         with guard(hook, self.telemetry.errors):
@@ -460,7 +461,8 @@ class VLLMAdapter:
         """End the records of requests vLLM no longer tracks (after a failure of our own code)."""
         live = output_processor.request_states
         for rid in [rid for rid in state.records if rid not in live]:
-            self.telemetry.finish(state.pop(rid))  # timing may be incomplete; counted as a hook error
+            # tracked: not None; timing may be incomplete; counted as a hook error
+            self.telemetry.finish(cast(RequestRecord, state.pop(rid)))
 
     # --- process lifecycle ------------------------------------------------------------------
     def engine_failed(self, hook: str):
@@ -491,7 +493,7 @@ class VLLMAdapter:
             return 0
         n = 0
         for rid in list(state.records):
-            rec = state.pop(rid)
+            rec = cast(RequestRecord, state.pop(rid))  # tracked: not None
             rec.error_type = error_type
             if message is not None:
                 rec.error_message = message

@@ -22,12 +22,15 @@ and this adapter ends it with the step - whether the worker runs in this process
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llm_otel.instrumentation.vllm.carrier import request_span_context, set_step_ids, step_has_prefill, step_tokens
 from llm_otel.telemetry import Telemetry
 from llm_otel.telemetry.engine_state import EngineStateMetrics, PhaseClock, SchedulerState, engine_state_instruments
 from llm_otel.telemetry.steps import EngineSteps
+
+if TYPE_CHECKING:
+    from llm_otel.gpu.metrics import GpuMetrics
 
 MAX_CACHED_LINKS = 100_000
 
@@ -50,7 +53,7 @@ class EngineCoreAdapter:
         self.step_spans = EngineSteps(telemetry)
         self.phase_clock = PhaseClock()
         self.state_metrics: EngineStateMetrics | None = None
-        self.gpu_metrics = None
+        self.gpu_metrics: GpuMetrics | None = None
         self._model: str | None = None
 
     def engine_metrics(self) -> EngineStateMetrics:
@@ -162,6 +165,8 @@ class EngineCoreAdapter:
             decode_tokens=decode,
             preempted=len(output.preempted_req_ids or ()),
         )
+        if TYPE_CHECKING:  # for the checker only (no check per step): ``linked`` is not empty
+            assert span is not None
         if self._step_start_ns is None:  # schedule() outside a hooked step: nothing would end it
             self.step_spans.finish(span)
             return

@@ -46,9 +46,10 @@ def _vllm_object_on_stack() -> tuple[str, Any, dict] | None:
     ``WorkerWrapperBase.init_worker`` -> ``load_general_plugins``), else None."""
     frame = sys._getframe(1)
     for _ in range(_STACK_DEPTH):
-        frame = frame.f_back
-        if frame is None:
+        back = frame.f_back
+        if back is None:
             return None
+        frame = back
         local = frame.f_locals
         owner = local.get("self")
         if owner is None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llm_otel.instrumentation.vllm.carrier import CARRIER_KEY, CARRIER_STATE_KEY, CARRIER_TOPK_KEY
 from llm_otel.propagation import carrier_from_span
@@ -100,6 +100,8 @@ def engine_params(sp: Any, rec: RequestRecord, worker_top_k: int) -> Any:
     statistics of ``worker_top_k`` > 0 rows). The user's ``RequestState`` keeps the original."""
     ours = copy.copy(sp)
     extra = dict(sp.extra_args or {})
+    if TYPE_CHECKING:  # for the checker only: a recording record has its span
+        assert rec.span is not None
     carrier = carrier_from_span(rec.span)
     extra[CARRIER_KEY] = carrier.get("traceparent", "")
     if carrier.get("tracestate"):

@@ -51,7 +51,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -371,7 +371,7 @@ class WorkerAdapter:
     def _prepare_mrv2(self, sampler: Any, logits: Any, batch: Any):
         """MRv2: the first logit row of each chosen request of ``batch`` (an ``InputBatch``), reduced;
         the plan ends with each reduced request's index in the batch and the number of logit rows."""
-        slots = self._chosen.get(sampler)
+        slots = cast(_Slots, self._chosen.get(sampler))  # the caller found chosen slots for sampler
         req_ids = batch.req_ids
         num_reqs = min(int(batch.num_reqs), len(req_ids))
         idx_mapping = np.asarray(batch.idx_mapping_np[:num_reqs])
