@@ -28,6 +28,7 @@ from opentelemetry.trace import SpanKind
 from llm_otel.errors import guard
 from llm_otel.instrumentation.vllm.engine_core import EngineCoreAdapter
 from llm_otel.instrumentation.vllm.fields import class_fields, kv_spec
+from llm_otel.instrumentation.vllm.in_flight import _REPORTED, InFlight
 from llm_otel.instrumentation.vllm.inbound import ENGINE_CARRIER, INBOUND, OPERATION, Inbound, traced_handler
 from llm_otel.instrumentation.vllm.requests import (
     ERROR_TYPES,
@@ -56,11 +57,10 @@ logger = logging.getLogger("llm_otel")
 
 PROVIDER = "vllm"
 MAX_LIVE_REQUESTS = 1_000_000  # records beyond this are not tracked (one warning)
-_REPORTED = "_llm_otel_reported"  # set on an exception a hook has reported (one span per failure)
 MAX_LORA_NAMES = 32  # distinct LoRA adapter names per process that get their own metric series
 
 
-class VLLMAdapter:
+class VLLMAdapter(InFlight):
     """Wrapper factories for the hooks in :mod:`.hooks` (each takes the hook's qualified name)."""
 
     def __init__(self, telemetry: Telemetry) -> None:
@@ -135,22 +135,6 @@ class VLLMAdapter:
                 OPERATION.reset(token)
 
         return wrapper
-
-    def _fail_in_flight(self, hook: str, engine: Any, error: BaseException) -> bool:
-        """End every request still tracked for ``engine`` with ``error.type`` = the exception's
-        class name; True if there was any. The exception's message is not recorded (it can quote
-        the prompt)."""
-        with guard(hook, self.telemetry.errors):
-            if not self._end_in_flight(
-                self._states.get(getattr(engine, "output_processor", None)), type(error).__name__
-            ):
-                return False
-            try:
-                setattr(error, _REPORTED, True)
-            except Exception:  # noqa: BLE001 - silent: exceptions with __slots__
-                pass
-            return True
-        return False
 
     def engine_core_client(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
@@ -463,43 +447,6 @@ class VLLMAdapter:
         for rid in [rid for rid in state.records if rid not in live]:
             # tracked: not None; timing may be incomplete; counted as a hook error
             self.telemetry.finish(cast(RequestRecord, state.pop(rid)))
-
-    # --- process lifecycle ------------------------------------------------------------------
-    def engine_failed(self, hook: str):
-        """OutputProcessor.propagate_error(e): vLLM hands ``e`` (``EngineDeadError`` when the engine
-        core died) to every waiting request; each request in flight ends with ``error.type`` =
-        the exception's class name, its metrics counted."""
-
-        def wrapper(wrapped, instance, args, kwargs):
-            with guard(hook, self.telemetry.errors):
-                error = kwargs.get("e", args[0] if args else None)
-                if isinstance(error, BaseException):
-                    self._end_in_flight(self._states.get(instance), type(error).__name__)
-            return wrapped(*args, **kwargs)
-
-        return wrapper
-
-    def fail_in_flight_at_exit(self) -> int:
-        """End every request still tracked when this process exits (``error.type=shutdown``):
-        vLLM will never finish them, and their spans and metrics would otherwise be lost."""
-        return sum(
-            self._end_in_flight(state, "shutdown", "the process exited before the request finished")
-            for state in list(self._states.values())
-        )
-
-    def _end_in_flight(self, state: EngineState | None, error_type: str, message: str | None = None) -> int:
-        """End every request ``state`` still tracks with ``error_type``; returns how many."""
-        if state is None:
-            return 0
-        n = 0
-        for rid in list(state.records):
-            rec = cast(RequestRecord, state.pop(rid))  # tracked: not None
-            rec.error_type = error_type
-            if message is not None:
-                rec.error_message = message
-            self.telemetry.finish(rec)
-            n += 1
-        return n
 
     def process_shutdown(self, hook: str):
         """vLLM's process-manager ``shutdown(procs, timeout)``: :func:`.shutdown.flush_before_kill`."""
