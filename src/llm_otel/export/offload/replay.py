@@ -21,6 +21,7 @@ from llm_otel.config import Settings
 from llm_otel.errors import process_errors
 from llm_otel.export.offload.frames import TREE_SETTINGS, metric_points
 from llm_otel.export.offload.recorder import OffloadSpan
+from llm_otel.export.resources import resource_of, set_attributes
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -306,14 +307,9 @@ class ChildMetrics:
         :func:`llm_otel.process.identity.relabel` does in the serving process."""
         self.resource = resource
         if self.provider is not None:
-            current = getattr(getattr(self.provider, "_sdk_config", None), "resource", None)
+            current = resource_of(self.provider)
             if current is not None:
-                from opentelemetry.attributes import BoundedAttributes
-
-                # the SDK's Resource is immutable by API; its attributes live in one
-                # BoundedAttributes that the metric readers read through the provider's Resource
-                # object, so replacing it re-labels what is exported from now on (as relabel does)
-                current._attributes = BoundedAttributes(attributes=dict(resource.attributes), immutable=True)
+                set_attributes(current, resource.attributes)
 
     def record(self, batch) -> None:
         instruments = self.instruments
