@@ -199,6 +199,39 @@ def engine(tiny_model, receiver):
     cap.meter_provider.shutdown()
 
 
+# ngram speculative decoding as the engine tests turn it on: drafts of up to 3 tokens looked up in
+# the request's own tokens (repetitive prompts get drafts proposed, some accepted, some rejected)
+SPEC_CONFIG = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@pytest.fixture(scope="session")
+def spec_engine(engine, tiny_model):
+    """A second offline vLLM engine, with ngram speculative decoding (:data:`SPEC_CONFIG`) and
+    vLLM's own statistics on (``disable_log_stats=False``: ``LLM.get_metrics()`` gives the
+    ``vllm:spec_decode_*`` counters to compare with), started once per session (about 60 s here).
+
+    It shares the session ``engine``'s instrumentor and exporters: the frontend hooks are on
+    vLLM's classes, so they serve any ``LLM`` in this process; its engine-core and worker processes
+    are instrumented by the plugin from the environment set here, like the session engine's."""
+    from vllm import LLM
+
+    with environ(LLM_OTEL_ENABLED="1", OTEL_EXPORTER_OTLP_ENDPOINT=engine.receiver.grpc_endpoint, **ENGINE_PROCESS_ENV):
+        llm = LLM(
+            model=str(tiny_model),
+            dtype="float32",
+            max_model_len=512,
+            seed=0,
+            block_size=32,
+            speculative_config=dict(SPEC_CONFIG),
+            disable_log_stats=False,
+        )
+    yield Engine(llm, engine.captured, engine.instrumentor, engine.receiver, str(tiny_model))
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001
+        pass
+
+
 @pytest.fixture(autouse=True)
 def _no_inherited_configuration_refusal(monkeypatch):
     """A test that makes llm-otel refuse an invalid setting in this process sets
