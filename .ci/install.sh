@@ -35,3 +35,5 @@ if [ ! -x .venv-triton/bin/python ]; then
     "$PYTHON" -m venv .venv-triton
 fi
 .venv-triton/bin/python -m pip install --quiet 'nvidia-pytriton==0.7.0' 'numpy<2'
+# SGLang's real server on CPU for tests/test_sglang_server.py: its own environment (see the script).
+bash tests/support/sglang_env/install.sh
