@@ -185,6 +185,7 @@ ADAPTERS = {
     "vllm": "llm_otel.instrumentation.vllm.adapter:VLLMAdapter",
     "lightllm": "llm_otel.instrumentation.lightllm.adapter:LightLLMAdapter",
     "triton": "llm_otel.instrumentation.triton.adapter:TritonAdapter",
+    "sglang": "llm_otel.instrumentation.sglang.adapter:SGLangAdapter",
 }
 # Hooks that apply_hooks never resolves on the adapter, with what installs them instead.
 NOT_ADAPTER_FACTORIES = {
@@ -195,7 +196,7 @@ NOT_ADAPTER_FACTORIES = {
 _FACTORY_CHECK = r"""
 import importlib, importlib.abc, inspect, json, pkgutil, sys
 
-ENGINES = ("vllm", "tritonclient", "lightllm", "torch")  # none of them may be needed
+ENGINES = ("vllm", "tritonclient", "lightllm", "sglang", "torch")  # none of them may be needed
 
 
 class NoEngine(importlib.abc.MetaPathFinder):
@@ -274,12 +275,13 @@ def test_every_hook_factory_in_every_hook_table_exists_on_its_adapter_without_th
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["problems"] == []
     assert result["engines_imported"] == []
-    assert {"vllm:HOOKS", "lightllm:HOOKS", "triton:HOOKS"} <= set(result["tables"])
+    assert {"vllm:HOOKS", "lightllm:HOOKS", "triton:HOOKS", "sglang:HOOKS"} <= set(result["tables"])
     from llm_otel.instrumentation.lightllm.hooks import HOOKS as LIGHTLLM
+    from llm_otel.instrumentation.sglang.hooks import HOOKS as SGLANG
     from llm_otel.instrumentation.triton.hooks import HOOKS as TRITON
     from llm_otel.instrumentation.vllm.hooks import HOOKS as VLLM
 
-    assert result["checked"] == len(VLLM) + len(LIGHTLLM) + len(TRITON)
+    assert result["checked"] == len(VLLM) + len(LIGHTLLM) + len(TRITON) + len(SGLANG)
 
 
 def _import_hooked(tmp_path, monkeypatch, package: str, first_use):

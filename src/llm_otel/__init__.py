@@ -20,6 +20,7 @@ logger = logging.getLogger("llm_otel")
 _ENGINES = {
     "vllm": ("vllm", "llm_otel.instrumentation.vllm:VLLMInstrumentor"),
     "lightllm": ("lightllm", "llm_otel.instrumentation.lightllm:LightLLMInstrumentor"),
+    "sglang": ("sglang", "llm_otel.instrumentation.sglang:SGLangInstrumentor"),
     "triton": ("tritonclient", "llm_otel.instrumentation.triton:TritonClientInstrumentor"),
 }
 

@@ -1,0 +1,199 @@
+"""SGLang 0.5.23's real server on CPU (tests/support/sglang_server.py) under ``opentelemetry-instrument``:
+every count on llm-otel's spans equals SGLang's own ``meta_info`` / ``usage`` for the same request.
+
+One server per module (about a minute to start), the tiny random Llama, short completions. Verified
+code paths: SGLang's normal scheduler loop (``--disable-overlap-schedule``; the overlap scheduler,
+SGLang's GPU default, is not run on CPU), no CUDA graphs, the torch-native attention backend, one
+tokenizer worker (several tokenizer workers need ``--tokenizer-worker-num`` > 1, which is not run
+here). Skipped outside CI when .venv-sglang is absent; in CI .ci/install.sh makes it.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import secrets
+import time
+
+import pytest
+from support import sglang_server
+from support.otlp_receiver import OTLPReceiver
+
+from llm_otel.demo.tiny_model import ensure_tiny_model
+
+pytestmark = pytest.mark.sglang
+
+_REASON = sglang_server.unavailable_reason()
+if _REASON and not os.environ.get("CI"):
+    pytest.skip(_REASON, allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    assert _REASON is None, _REASON  # in CI the environment must exist
+    rx = OTLPReceiver().start()
+    server = sglang_server.start(
+        str(ensure_tiny_model()), rx.grpc_endpoint, tmp_path_factory.mktemp("sglang") / "server.log"
+    )
+    try:
+        yield server, rx
+    finally:
+        server.stop()
+        rx.stop()
+
+
+def _traceparent() -> tuple[str, str, str]:
+    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
+    return f"00-{trace_id}-{span_id}-01", trace_id, span_id
+
+
+def _request_span(rx, rid: str) -> dict:
+    """The one SERVER span whose llm.request.id is SGLang's ``meta_info["id"]``."""
+    deadline = time.monotonic() + 30
+    while True:
+        spans = [s for s in rx.spans(kind="SPAN_KIND_SERVER") if s["attributes"].get("llm.request.id") == rid]
+        if spans or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert len(spans) == 1, f"request span of {rid}: {len(spans)}"
+    return spans[0]
+
+
+def _children(rx, span: dict) -> dict[str, dict]:
+    rx.wait_for_spans(2, timeout=30, trace_id=span["trace_id"], parent_span_id=span["span_id"])
+    return {s["name"]: s for s in rx.spans(trace_id=span["trace_id"], parent_span_id=span["span_id"])}
+
+
+def test_request_tree_joins_inbound_traceparent_and_counts_equal_meta_info(served):
+    server, rx = served
+    traceparent, trace_id, parent_id = _traceparent()
+    out = server.post(
+        "/generate",
+        {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
+        {"traceparent": traceparent},
+    )
+    meta = out["meta_info"]
+    span = _request_span(rx, meta["id"])
+    assert span["trace_id"] == trace_id and span["parent_span_id"] == parent_id
+    attrs = span["attributes"]
+    assert attrs["gen_ai.usage.input_tokens"] == meta["prompt_tokens"]
+    assert attrs["gen_ai.usage.output_tokens"] == meta["completion_tokens"] == len(out["output_ids"])
+    assert attrs["gen_ai.usage.cache_read.input_tokens"] == meta["cached_tokens"]
+    assert attrs["gen_ai.request.max_tokens"] == 8
+    assert attrs["gen_ai.provider.name"] == "sglang"
+    kids = _children(rx, span)
+    assert {"llm.prompt", "llm.token_stream"} <= set(kids)
+    assert kids["llm.token_stream"]["attributes"]["gen_ai.usage.output_tokens"] == meta["completion_tokens"]
+    assert span["status_code"] != "STATUS_CODE_ERROR"
+    # llm.engine.step in the scheduler process, linked to this request span: the prefill step and
+    # one decode step per further token (SGLang's scheduler runs one batch per token here)
+    steps = [
+        s
+        for s in rx.wait_for_spans(meta["completion_tokens"], timeout=30, name="llm.engine.step")
+        if any(link["span_id"] == span["span_id"] for link in s["links"])
+    ]
+    assert len(steps) == meta["completion_tokens"]
+    prefill = [s for s in steps if "llm.engine.step.prefill_tokens" in s["attributes"]]
+    assert len(prefill) == 1
+    assert prefill[0]["attributes"]["llm.engine.step.prefill_tokens"] == meta["prompt_tokens"] - meta["cached_tokens"]
+    assert {s["resource"]["llm.process.role"] for s in steps} == {"engine_core"}
+    assert span["resource"]["llm.process.role"] != "engine_core"
+
+
+def test_streaming_without_traceparent_random_128_bit_trace_and_token_batches(served):
+    server, rx = served
+    chunks = server.stream(
+        "/generate",
+        {"text": "Once upon a time", "stream": True, "sampling_params": {"max_new_tokens": 6, "temperature": 0}},
+    )
+    meta = chunks[-1]["meta_info"]
+    span = _request_span(rx, meta["id"])
+    assert span["parent_span_id"] == ""
+    assert not span["trace_id"].startswith("0" * 16)  # random 128-bit ids (SGLang's own are 64-bit)
+    assert span["attributes"]["gen_ai.usage.output_tokens"] == meta["completion_tokens"] == 6
+    stream = _children(rx, span)["llm.token_stream"]
+    # one streamed chunk per output batch from SGLang: the first token opens llm.token_stream
+    assert len(chunks) == meta["completion_tokens"]
+    assert stream["start_ns"] < stream["end_ns"]
+
+
+def test_n2_two_choice_spans_and_no_span_for_the_prefix_warm_up(served):
+    server, rx = served
+    traceparent, trace_id, _ = _traceparent()
+    out = server.post(
+        "/v1/completions",
+        {"model": "m", "prompt": "Hello there", "max_tokens": 5, "n": 2, "temperature": 1.0},
+        {"traceparent": traceparent},
+    )
+    rx.wait_for_spans(2, timeout=30, trace_id=trace_id, kind="SPAN_KIND_SERVER")
+    spans = rx.spans(trace_id=trace_id, kind="SPAN_KIND_SERVER")
+    assert sorted(s["attributes"]["llm.request.choice.index"] for s in spans) == [0, 1]
+    assert sum(s["attributes"]["gen_ai.usage.output_tokens"] for s in spans) == out["usage"]["completion_tokens"]
+    assert {s["attributes"]["gen_ai.usage.input_tokens"] for s in spans} == {out["usage"]["prompt_tokens"]}
+    assert all(s["attributes"]["gen_ai.request.choice.count"] == 2 for s in spans)
+
+
+def test_logprobs_request_counts(served):
+    server, rx = served
+    out = server.post(
+        "/generate",
+        {
+            "text": "1 2 3 4",
+            "return_logprob": True,
+            "top_logprobs_num": 3,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        },
+    )
+    meta = out["meta_info"]
+    span = _request_span(rx, meta["id"])
+    assert len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+    assert span["attributes"]["gen_ai.usage.output_tokens"] == meta["completion_tokens"]
+
+
+def test_client_disconnect_ends_the_request_as_aborted(served):
+    server, rx = served
+    traceparent, trace_id, _ = _traceparent()
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    body = {
+        "text": "Tell me a long story",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True},
+    }
+    conn.request(
+        "POST", "/generate", json.dumps(body), {"content-type": "application/json", "traceparent": traceparent}
+    )
+    response = conn.getresponse()
+    first = response.readline()
+    assert first.startswith(b"data:")
+    conn.sock.close()  # the client goes away mid-stream
+    conn.close()
+    (span,) = rx.wait_for_spans(1, timeout=60, trace_id=trace_id, kind="SPAN_KIND_SERVER")
+    assert span["attributes"].get("error.type") == "aborted"
+    assert span["status_code"] == "STATUS_CODE_ERROR"
+    assert 0 < span["attributes"]["gen_ai.usage.output_tokens"] < 400
+
+
+def test_genai_metrics_count_every_request(served):
+    server, rx = served
+
+    def count() -> int:
+        points = rx.metrics("gen_ai.server.request.duration")
+        return sum(p["count"] for p in points)
+
+    rx.wait_for_metric("gen_ai.server.request.duration", timeout=30)
+    before, stable_since = count(), time.monotonic()
+    while time.monotonic() - stable_since < 2.0:  # settle: earlier requests' points still arriving
+        time.sleep(0.25)
+        if count() != before:
+            before, stable_since = count(), time.monotonic()
+    for _ in range(3):
+        server.post("/generate", {"text": "x y", "sampling_params": {"max_new_tokens": 2}})
+    # n=2: two choice spans, one request for the request-level metrics
+    server.post("/v1/completions", {"model": "m", "prompt": "x y", "max_tokens": 2, "n": 2})
+    for _ in range(150):
+        if count() >= before + 4:
+            break
+        time.sleep(0.2)
+    time.sleep(1.0)  # a fifth point would show up within two export intervals
+    assert count() == before + 4
