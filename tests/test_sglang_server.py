@@ -86,13 +86,20 @@ def test_request_tree_joins_inbound_traceparent_and_counts_equal_meta_info(serve
     assert {"llm.prompt", "llm.token_stream"} <= set(kids)
     assert kids["llm.token_stream"]["attributes"]["gen_ai.usage.output_tokens"] == meta["completion_tokens"]
     assert span["status_code"] != "STATUS_CODE_ERROR"
+
     # llm.engine.step in the scheduler process, linked to this request span: the prefill step and
     # one decode step per further token (SGLang's scheduler runs one batch per token here)
-    steps = [
-        s
-        for s in rx.wait_for_spans(meta["completion_tokens"], timeout=30, name="llm.engine.step")
-        if any(link["span_id"] == span["span_id"] for link in s["links"])
-    ]
+    def linked() -> list[dict]:
+        return [
+            s
+            for s in rx.spans(name="llm.engine.step")
+            if any(link["span_id"] == span["span_id"] for link in s["links"])
+        ]
+
+    deadline = time.monotonic() + 30  # the scheduler process exports its step spans on its own
+    while len(linked()) < meta["completion_tokens"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    steps = linked()
     assert len(steps) == meta["completion_tokens"]
     prefill = [s for s in steps if "llm.engine.step.prefill_tokens" in s["attributes"]]
     assert len(prefill) == 1
@@ -134,7 +141,10 @@ def test_n2_two_choice_spans_and_no_span_for_the_prefix_warm_up(served):
     assert all(s["attributes"]["gen_ai.request.choice.count"] == 2 for s in spans)
 
 
-def test_logprobs_request_counts(served):
+def test_logit_dist_from_the_sampler_equals_sglangs_own_logprobs(served):
+    """llm.logit_dist (the scheduler's full-vocabulary logits around SGLang's sampler, row i = request
+    i of the batch) against SGLang's own log-probs of the same greedy request: one step per output
+    token, the sampled token's log-prob and the top-3 log-probs equal SGLang's ``meta_info``."""
     server, rx = served
     out = server.post(
         "/generate",
@@ -147,8 +157,18 @@ def test_logprobs_request_counts(served):
     )
     meta = out["meta_info"]
     span = _request_span(rx, meta["id"])
-    assert len(meta["output_token_logprobs"]) == meta["completion_tokens"]
     assert span["attributes"]["gen_ai.usage.output_tokens"] == meta["completion_tokens"]
+    (dist,) = rx.wait_for_spans(1, timeout=30, trace_id=span["trace_id"], name="llm.logit_dist")
+    assert dist["parent_span_id"] == span["span_id"]
+    assert dist["attributes"]["llm.logit.steps"] == meta["completion_tokens"] == len(meta["output_token_logprobs"])
+    events = [e for e in dist["events"] if e["name"] == "llm.logit.step"]
+    assert len(events) == meta["completion_tokens"]
+    for event, sampled, top in zip(events, meta["output_token_logprobs"], meta["output_top_logprobs"]):
+        assert event["attributes"]["llm.logit.sampled_logprob"] == pytest.approx(sampled[0], abs=1e-3)
+        ours = event["attributes"]["llm.logit.top_logprobs"][:3]
+        assert ours == pytest.approx([t[0] for t in top], abs=1e-3)
+    (infer,) = rx.wait_for_spans(1, timeout=30, trace_id=span["trace_id"], name="llm.infer.request")
+    assert infer["resource"]["llm.process.role"] == "engine_core"
 
 
 def test_client_disconnect_ends_the_request_as_aborted(served):

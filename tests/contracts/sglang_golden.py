@@ -54,7 +54,9 @@ CLASS_FIELDS: dict[tuple[str, str], list[str]] = {
     ("sglang.srt.managers.io_struct", "AbortReq"): ["abort_all"],
     # instrumentation/sglang/scheduler.py
     ("sglang.srt.managers.schedule_batch", "ScheduleBatch"): ["extend_num_tokens", "forward_mode", "reqs"],
-    ("sglang.srt.managers.schedule_batch", "Req"): ["rid"],
+    ("sglang.srt.managers.schedule_batch", "Req"): ["finished_reason", "origin_input_ids", "output_ids", "rid"],
+    # instrumentation/sglang/logits.py
+    ("sglang.srt.layers.logits_processor", "LogitsProcessorOutput"): ["next_token_logits"],
 }
 
 #: the modules whose imports the probe reads: what the CPU server loads through its entry point

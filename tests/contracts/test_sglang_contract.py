@@ -28,7 +28,7 @@ def _version_key(path: str) -> tuple[int, ...]:
 GOLDENS = sorted(glob.glob(os.path.join(HERE, "sglang-*.json")), key=_version_key)
 
 # What each wrapper factory reads from the hooked call, by position after ``self``.
-# Source: instrumentation/sglang/tokenizer.py, scheduler.py, adapter.py.
+# Source: instrumentation/sglang/tokenizer.py, scheduler.py, logits.py, adapter.py.
 READS: dict[str, dict] = {
     "tokenizer.init_req_state": {"at": {0: "obj", 1: "request"}},
     "tokenizer.generate_request": {"at": {0: "obj"}},
@@ -40,6 +40,7 @@ READS: dict[str, dict] = {
     "scheduler.run_batch": {"at": {0: "batch"}},
     "scheduler.batch_result": {"at": {0: "batch"}},
     "scheduler.abort": {"at": {0: "recv_req"}},
+    "scheduler.logits.sampler": {"at": {0: "logits_output"}},
 }
 
 # Packages a release started importing at module level, with what the CPU environment does about

@@ -82,8 +82,16 @@ class SGLangServer:
 
 
 def start(
-    model: str, otlp_endpoint: str, log: pathlib.Path, extra_args: tuple[str, ...] = (), timeout_s: float = 300.0
+    model: str,
+    otlp_endpoint: str,
+    log: pathlib.Path,
+    extra_args: tuple[str, ...] = (),
+    timeout_s: float = 300.0,
+    instrument: bool = True,
+    env_overrides: dict[str, str] | None = None,
 ) -> SGLangServer:
+    """Launch the server (under ``opentelemetry-instrument`` unless ``instrument`` is False) and wait
+    for ``/health``; raises RuntimeError with the log's tail when it does not come up."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
     env.update(
         OTEL_EXPORTER_OTLP_ENDPOINT=otlp_endpoint,
@@ -97,12 +105,15 @@ def start(
         OTEL_SERVICE_NAME="sglang-test",
         LLM_OTEL_ADAPTIVE_SAMPLING="off",
         LLM_OTEL_STEP_SPANS_PER_S="100000",  # every step of a sampled request gets its span
+        LLM_OTEL_LOGIT_DIST_RATIO="1",  # every sampled request gets llm.logit_dist
+        LLM_OTEL_LOGIT_EVENTS="64",
         SGLANG_USE_CPU_ENGINE="1",
         PYTHONPATH=str(ROOT / "src"),
     )
+    env.update(env_overrides or {})
     port = free_port()
     cmd = [
-        str(VENV / "bin" / "opentelemetry-instrument"),
+        *([str(VENV / "bin" / "opentelemetry-instrument")] if instrument else []),
         str(VENV / "bin" / "python"),
         "-m",
         "sglang.launch_server",

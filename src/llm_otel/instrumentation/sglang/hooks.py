@@ -17,6 +17,7 @@ RELEASES = "0.5.22, 0.5.23"
 TOKENIZER = "sglang.srt.managers.tokenizer_manager"
 SCHEDULER = "sglang.srt.managers.scheduler"
 TIME_STATS = "sglang.srt.observability.req_time_stats"
+SAMPLER = "sglang.srt.layers.sampler"
 
 HOOKS: list[Hook] = [
     # --- HTTP process (TokenizerManager): the request spans and the GenAI metrics -----------------
@@ -83,6 +84,14 @@ HOOKS: list[Hook] = [
         "after a step's results: the requests it finished (Req.finished()) leave the table",
     ),
     Hook(SCHEDULER, "Scheduler.abort_request", "scheduler.abort", RELEASES, "aborted requests leave the table"),
+    Hook(
+        SAMPLER,
+        "Sampler.forward",
+        "scheduler.logits.sampler",
+        RELEASES,
+        "llm.logit_dist: LogitsProcessorOutput.next_token_logits rows of the chosen requests (row i = "
+        "request i of the batch run_batch runs) before sampling, the sampled ids after",
+    ),
 ]
 
 MODULES = sorted({h.module for h in HOOKS})

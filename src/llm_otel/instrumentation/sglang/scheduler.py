@@ -23,6 +23,7 @@ import time
 
 from opentelemetry.trace import SpanContext
 
+from llm_otel.instrumentation.sglang.logits import LogitCapture
 from llm_otel.instrumentation.sglang.tokenizer import CARRIER_ATTR, MAX_LIVE
 from llm_otel.propagation import TRACEPARENT, parse_traceparent
 from llm_otel.telemetry import Telemetry
@@ -36,6 +37,7 @@ class SchedulerAdapter:
         self.telemetry = telemetry
         self.table: dict[str, SpanContext] = {}  # rid -> the sampled request span's context
         self.step_spans = EngineSteps(telemetry)  # LLM_OTEL_STEP_SPANS_PER_S budget
+        self.logits = LogitCapture(telemetry)  # llm.logit_dist of the chosen requests
 
     def init(self, hook: str):
         """``Scheduler.__init__(server_args, port_args)`` in the ``sglang::scheduler`` process: this
@@ -69,6 +71,7 @@ class SchedulerAdapter:
                     rid = getattr(recv, "rid", None)
                     if sc is not None and sc.trace_flags.sampled and isinstance(rid, str):
                         self.table[rid] = sc
+                        self.logits.admit(rid, carrier)
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
             return wrapped(*args, **kwargs)
@@ -103,9 +106,12 @@ class SchedulerAdapter:
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
             cpu0 = time.thread_time()
+            if self.logits.chosen:
+                self.logits.batch = reqs  # the sampler's rows, in this order
             try:
                 return wrapped(*args, **kwargs)
             finally:
+                self.logits.batch = []
                 try:
                     if span is not None:
                         self.step_spans.finish(span, cpu_time_s=time.thread_time() - cpu0)
@@ -125,6 +131,8 @@ class SchedulerAdapter:
                         rid = getattr(req, "rid", None)
                         if rid in table and req.finished():
                             del table[rid]
+                            if rid in self.logits.chosen:
+                                self.logits.finish(req)
                 except Exception as exc:  # noqa: BLE001
                     self.telemetry.errors.report(hook, exc)
             return result
@@ -137,11 +145,16 @@ class SchedulerAdapter:
                 recv = args[0] if args else kwargs.get("recv_req")
                 if getattr(recv, "abort_all", False):
                     self.table.clear()
+                    gone = list(self.logits.chosen)
                 else:
                     prefix = getattr(recv, "rid", None)
+                    gone = []
                     if isinstance(prefix, str) and prefix:
                         for rid in [r for r in self.table if r.startswith(prefix)]:
                             del self.table[rid]
+                        gone = [r for r in self.logits.chosen if r.startswith(prefix)]
+                for rid in gone:
+                    self.logits.finish(rid, aborted=True)
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
             return wrapped(*args, **kwargs)

@@ -35,11 +35,14 @@ from llm_otel.listeners import RequestFacts
 from llm_otel.propagation import TRACEPARENT, TRACESTATE, carrier_from_span, context_from_carrier, extract_carrier
 from llm_otel.semconv import attributes as A
 from llm_otel.telemetry import RequestRecord, Telemetry
+from llm_otel.telemetry.logit_capture import logit_top_k
 from llm_otel.telemetry.record import ChoiceGroup
 
 PROVIDER = "sglang"
 MAX_LIVE = 100_000  # per-process cap on tracked requests
 CARRIER_ATTR = "_llm_otel_carrier"  # on APIServerReqTimeStats; pickled by the carrier_getstate hook
+TOPK_KEY = "llm_otel.logit_top_k"  # in the carrier: k of the logit statistics asked for (chosen requests)
+CHOICE_KEY = "llm_otel.choice"  # in the carrier: the request's choice index
 HEALTH_PREFIX = "HEALTH_CHECK"  # sglang/srt/constants.py HEALTH_CHECK_RID_PREFIX
 
 
@@ -137,7 +140,12 @@ class TokenizerAdapter:
                     state = states.get(rid)
                     span = rec.span
                     if state is not None and span is not None and rec.recording:
-                        setattr(state.time_stats, CARRIER_ATTR, carrier_from_span(span))
+                        carrier: dict[str, Any] = dict(carrier_from_span(span))
+                        k = logit_top_k(self.telemetry.settings, span, recording=True)
+                        if k:  # chosen for llm.logit_dist: the scheduler captures its logit rows
+                            carrier[TOPK_KEY] = k
+                            carrier[CHOICE_KEY] = rec.request_attributes.get(A.LLM_REQUEST_CHOICE_INDEX, 0)
+                        setattr(state.time_stats, CARRIER_ATTR, carrier)
             return result
 
         return wrapper
