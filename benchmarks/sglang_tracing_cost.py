@@ -55,7 +55,14 @@ def run(mode: str, model: str, requests: int, tokens: int, log_dir: pathlib.Path
         extra = ("--enable-trace", "--otlp-traces-endpoint", rx.grpc_endpoint.replace("http://", ""))
     instrument = mode in ("llm-otel", "both")
     # llm-otel's defaults for the step-span budget (the tests' server raises it to span every step)
-    env = {"LLM_OTEL_STEP_SPANS_PER_S": step_spans}
+    env = {
+        "LLM_OTEL_STEP_SPANS_PER_S": step_spans,
+        "LLM_OTEL_LOGIT_DIST_RATIO": "0.05",
+        "LLM_OTEL_LOGIT_EVENTS": "8",
+        # the SDK's default export intervals (the test server shortens them to wait less)
+        "OTEL_BSP_SCHEDULE_DELAY": "5000",
+        "OTEL_METRIC_EXPORT_INTERVAL": "60000",
+    }
     server = sglang_server.start(
         model, rx.grpc_endpoint, log_dir / f"{mode}.log", extra, instrument=instrument, env_overrides=env
     )
@@ -70,7 +77,7 @@ def run(mode: str, model: str, requests: int, tokens: int, log_dir: pathlib.Path
         for _ in range(requests):
             out_tokens += server.post("/generate", body)["meta_info"]["completion_tokens"]
         wall, cpu = time.perf_counter() - t0, tree_cpu_s(server.process.pid) - cpu0
-        time.sleep(3)  # the last spans' export
+        time.sleep(7)  # the last spans' export (OTEL_BSP_SCHEDULE_DELAY 5 s)
         spans = len(rx.spans()) - spans0
     finally:
         server.stop()
@@ -91,6 +98,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--modes", default="off,llm-otel,sglang,both")
+    parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--step-spans-per-s", default="10", help="LLM_OTEL_STEP_SPANS_PER_S (llm-otel's default: 10)")
     args = parser.parse_args()
     model = str(ensure_tiny_model())
@@ -106,6 +114,8 @@ def main() -> int:
                 r["server_cpu_s_per_1k_tokens"] - base["server_cpu_s_per_1k_tokens"], 3
             )
     print(json.dumps(results, indent=1))
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 
