@@ -24,7 +24,6 @@ KNOWN_GAPS = {
         "are recorded yet (only llm.logit_dist over the emitted tokens is tested)"
     ),
     "C25": "prefill/decode disaggregation: no span for the KV transfer, no proxy/prefill/decode trace test",
-    "C28": "several front-end workers: no test checks that every request's scheduler and step spans arrive",
 }
 
 
