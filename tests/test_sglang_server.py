@@ -13,6 +13,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import pathlib
 import secrets
 import time
 
@@ -217,3 +218,34 @@ def test_genai_metrics_count_every_request(served):
         time.sleep(0.2)
     time.sleep(1.0)  # a fifth point would show up within two export intervals
     assert count() == before + 4
+
+
+def _session_processes(session: int) -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line) of every process in the server's session (Linux /proc)."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = pathlib.Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            cmd = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if int(stat[3]) == session:
+            out[int(entry)] = (int(stat[1]), cmd)
+    return out
+
+
+def test_only_serving_processes_get_an_exporter_process(served):
+    """The HTTP process and the scheduler each start llm-otel's exporter process; the detokenizer
+    (it imports the TokenizerManager and Scheduler modules, constructs neither, emits nothing) has
+    none: no providers, no exporter process, no hooks there."""
+    server, _ = served
+    server.post("/generate", {"text": "x y", "sampling_params": {"max_new_tokens": 2}})
+    procs = _session_processes(server.process.pid)
+    parents = [procs.get(ppid, (0, "?"))[1] for ppid, cmd in procs.values() if "llm_otel.export.offload" in cmd]
+    detokenizers = [cmd for _, cmd in procs.values() if "sglang::detokenizer" in cmd]
+    assert len(detokenizers) == 1, procs
+    assert not [p for p in parents if "sglang::detokenizer" in p], parents
+    assert len([p for p in parents if "sglang::scheduler" in p]) == 1, parents
+    assert len([p for p in parents if p == procs[server.process.pid][1]]) == 1, parents

@@ -15,8 +15,9 @@ above for step spans)::
     from llm_otel.instrumentation.sglang import SGLangInstrumentor
     SGLangInstrumentor().instrument(tracer_provider=tp, meter_provider=mp)
 
-Nothing of SGLang is imported here: the hooks are post-import hooks (hooks.py), applied in whichever
-process imports the module they target. A target that is missing gets one warning naming it; the
+Nothing of SGLang is imported here: the hooks are post-import hooks (hooks.py), applied in a process
+that imports the module they target once that process constructs a ``TokenizerManager`` or a
+``Scheduler`` (``hooks.SERVING``; the detokenizer, which imports both, stays untouched). A target that is missing gets one warning naming it; the
 rest keeps working. Spans: the request span ``{text_completion|chat} {model}`` (SERVER) with
 ``llm.prompt`` and ``llm.token_stream`` in the HTTP process, ``llm.engine.step`` in the scheduler -
 one trace per request; with ``--enable-trace`` SGLang's own request root and stage spans nest under
@@ -34,18 +35,21 @@ import threading
 from collections.abc import Collection
 from typing import Any, cast
 
+import wrapt
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]  # the module opts out of type checking (a '# type: ignore' header)
 
 from llm_otel.config import Settings
+from llm_otel.errors import process_errors
 from llm_otel.instrumentation._hooks import (
     AppliedHook,
+    Hook,
     ImportHooked,
     apply_hooks,
     remove_hooks,
     telemetry_on_first_use,
 )
 from llm_otel.instrumentation.sglang.adapter import SGLangAdapter
-from llm_otel.instrumentation.sglang.hooks import HOOKS, MODULES
+from llm_otel.instrumentation.sglang.hooks import HOOKS, MODULES, RELEASES, SERVING
 from llm_otel.instrumentation.sglang.package import _instruments
 
 __all__ = ["SGLangInstrumentor", "HOOKS"]
@@ -56,14 +60,16 @@ class SGLangInstrumentor(ImportHooked, BaseInstrumentor):
     """Instruments SGLang. ``instrument(tracer_provider=None, meter_provider=None, settings=None)``.
 
     Without providers it uses the global ones, creating them from the ``OTEL_*`` environment when
-    the process has none - at the first import of an SGLang module it hooks, so a process that never
-    imports SGLang gets no providers from it. ``adapter`` is None until then.
+    the process has none - when the process first constructs a ``TokenizerManager`` or a
+    ``Scheduler`` (``hooks.SERVING``), so a process that only imports SGLang (its detokenizer) gets no
+    providers, exporter process or hooks from it. ``adapter`` is None until then.
     """
 
     ENGINE = "SGLang"
     SITE = "instrumentation.sglang.import_hook"
     adapter: SGLangAdapter | None = None
     _applied: list[AppliedHook] = []
+    _imported: dict[str, Any] = {}  # hooked modules imported before this process served (name -> module)
     _lock = threading.RLock()
 
     def instrumentation_dependencies(self) -> Collection[str]:
@@ -74,8 +80,57 @@ class SGLangInstrumentor(ImportHooked, BaseInstrumentor):
         if importlib.util.find_spec("sglang") is None:
             logger.debug("llm-otel: sglang is not importable here; its hooks wait for an import of it")
         settings = kwargs.get("settings") or Settings.from_env()
-        self._applied = []
+        self._applied, self._imported = [], {}
         self._wait_for(MODULES, {**kwargs, "settings": settings})
+
+    def _on_import(self, module) -> None:
+        """Post-import hook. Until this process serves (:meth:`_serve`), only note the module and, for
+        a module of ``hooks.SERVING``, wrap its class's ``__init__`` with the gate; afterwards, hook
+        it at once (``ImportHooked._on_import``). Never raises."""
+        name = getattr(module, "__name__", str(module))
+        try:
+            with self._lock:
+                if self._pending is None or self.adapter is not None:
+                    super()._on_import(module)
+                    return
+                if name in self._imported:
+                    return
+                self._imported[name] = module
+                if name in SERVING:
+                    gate = Hook(name, f"{SERVING[name]}.__init__", "gate", RELEASES, "this process serves")
+                    owner = getattr(module, SERVING[name])
+                    original = vars(owner)["__init__"]
+                    wrapt.wrap_function_wrapper(owner, "__init__", self._gate(owner))
+                    self._applied.append(AppliedHook(gate, owner, "__init__", original))
+        except Exception as exc:  # noqa: BLE001
+            process_errors().report(self.SITE, exc, f"could not instrument {name}; it runs uninstrumented")
+
+    def _serve(self) -> bool:
+        """This process constructs a ``TokenizerManager`` or ``Scheduler``: build the telemetry and
+        hook every module imported so far. True when the adapter exists."""
+        with self._lock:
+            if self.adapter is None and self._pending is not None:
+                for module in list(self._imported.values()):
+                    super()._on_import(module)  # the first builds the adapter (and providers)
+                self._imported = {}
+            return self.adapter is not None
+
+    def _gate(self, owner: type):
+        """``owner.__init__``'s wrapper: the first construction makes this process serve, then runs
+        through the hooks just applied (they wrap this gate; ``Scheduler.__init__`` has its own)."""
+
+        def gate(wrapped, instance, args, kwargs):
+            serving = False
+            if self.adapter is None and self._pending is not None:
+                try:
+                    serving = self._serve()
+                except Exception as exc:  # noqa: BLE001
+                    process_errors().report(self.SITE, exc, "could not instrument SGLang here")
+            if serving:
+                return owner.__init__(instance, *args, **kwargs)
+            return wrapped(*args, **kwargs)
+
+        return gate
 
     def _first_use(self) -> SGLangAdapter:
         pending = cast(dict[str, Any], self._pending)  # _on_import calls this only while it is set
@@ -88,5 +143,5 @@ class SGLangInstrumentor(ImportHooked, BaseInstrumentor):
     def _uninstrument(self, **kwargs: Any) -> None:
         with self._lock:
             remove_hooks(self._applied)
-            self._applied = []
+            self._applied, self._imported = [], {}
             self._stop()

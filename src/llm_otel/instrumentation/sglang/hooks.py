@@ -95,3 +95,10 @@ HOOKS: list[Hook] = [
 ]
 
 MODULES = sorted({h.module for h in HOOKS})
+
+SERVING: dict[str, str] = {TOKENIZER: "TokenizerManager", SCHEDULER: "Scheduler"}
+"""The classes whose construction makes a process one llm-otel serves (module -> class): the HTTP
+process (and each tokenizer worker) builds a ``TokenizerManager``, each scheduler a ``Scheduler``.
+Every SGLang child process imports all these modules (``spawn`` re-imports ``sglang.launch_server``
+as ``__mp_main__``), so importing them decides nothing: the ``sglang::detokenizer`` imports both and
+constructs neither, and gets no providers, no exporter process and no hooks."""
