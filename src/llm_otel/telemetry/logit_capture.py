@@ -157,7 +157,12 @@ class StagedLogits:
 
     def ready(self) -> bool:
         """True when :meth:`result` will not wait for the device (``event.query()``; never blocks)."""
-        return self.event is None or bool(self.event.query())
+        if self.event is None:
+            return True
+        if not self.event.query():
+            return False
+        self.event = self.device = None  # the copy is done: result() will not wait
+        return True
 
     def result(self) -> tuple[LogitStats, NDArray[Any] | None, NDArray[Any] | None]:
         """``(LogitStats, sampled log-probs (rows,) or None, sampled token ids (rows,) int64 or

@@ -28,15 +28,18 @@ from llm_otel.telemetry.spans import emit_logit_dist_for
 
 MAX_STEPS_PER_REQUEST = 1 << 16
 MAX_PENDING = 32  # staged steps awaiting their device copy; past it the oldest is waited for
+HELD_IDLE_S = 120.0  # a request vLLM still holds is emitted by the idle flush only after this long
 
 
 class Stream:
     """One request's logit statistics so far: ``(step, row)`` pairs into the per-step arrays
     (stacked once, when the span is built). ``pending``: its steps still on their way to host;
     ``n_tokens``: output tokens reported so far; ``done``: its last token was seen (``max_tokens``
-    or a stop token); ``ended``: vLLM no longer holds it; ``mrv2``: made by the MRv2 sampler hooks."""
+    or a stop token); ``ended``: vLLM no longer holds it; ``live``: vLLM's request map at its last
+    step (read by the idle flush); ``mrv2``: made by the MRv2 sampler hooks."""
 
     __slots__ = (
+        "live",
         "parent",
         "k",
         "max_tokens",
@@ -62,6 +65,7 @@ class Stream:
         self.done = False
         self.ended = False
         self.mrv2 = False
+        self.live: Any = None
 
 
 class Plan:
@@ -130,6 +134,7 @@ class Streams:
                 if stream is not None:
                     stream.pending += 1
                     stream.last_mono = now_mono
+                    stream.live = live
                 mine.append(stream)
             self.pending.append(_Pending(now_ns, plan, mine, staged))
             while len(self.pending) > MAX_PENDING:
@@ -157,11 +162,21 @@ class Streams:
 
     def flush(self, idle_s: float) -> int:
         """Emit streams that saw no step for ``idle_s`` seconds once their pending steps are
-        collected (with ``idle_s`` 0: wait for every pending step and emit every stream)."""
+        collected and vLLM no longer holds their request (or it saw no step for
+        :data:`HELD_IDLE_S`: a request that waits between steps - vLLM's first ngram proposal
+        compiles for seconds, a preempted request waits for KV blocks - keeps one span); with
+        ``idle_s`` 0: wait for every pending step and emit every stream."""
         self.poll(wait=idle_s <= 0)
-        cutoff = time.monotonic() - idle_s
+        now = time.monotonic()
+        cutoff, held_cutoff = now - idle_s, now - max(idle_s, HELD_IDLE_S)
         with self._lock:
-            stale = [r for r, s in self.streams.items() if s.last_mono <= cutoff and s.pending == 0]
+            stale = [
+                r
+                for r, s in self.streams.items()
+                if s.pending == 0
+                and s.last_mono <= cutoff
+                and (idle_s <= 0 or s.last_mono <= held_cutoff or s.live is None or r not in s.live)
+            ]
             finished = [(r, self.streams.pop(r)) for r in stale]
             self.gone_mrv2.update(r for r, s in finished if s.mrv2)
         self._emit_all(finished)
