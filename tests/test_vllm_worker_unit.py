@@ -211,3 +211,51 @@ def test_a_speculative_step_past_max_tokens_or_a_stop_token_reports_only_the_tok
     assert [s["llm.logit.sampled_logprob"] for s in logit_steps(spans["1" * 16])] == pytest.approx(
         [float(lp[4, 3]), float(lp[5, 4])]
     )
+
+
+def v1_spec_run(monkeypatch, lag: int):
+    """Three V1 speculative steps of two chosen requests, each step's copy completing ``lag``
+    polls later; a is dropped by vLLM (EOS) after step 2 while its rows may be pending."""
+    from support.deferred_copies import late_copies, step_clock
+
+    late_copies(monkeypatch, lag)
+    clock = step_clock(monkeypatch)
+    cap = make_captured()
+    worker = WorkerAdapter(cap.telemetry)
+    r = runner(
+        {
+            "a": {CARRIER_KEY: f"00-{TID}-{SID}-01", CARRIER_TOPK_KEY: 2},
+            "c": {CARRIER_KEY: f"00-{TID}-{'2' * 16}-01", CARRIER_TOPK_KEY: 2},
+        },
+        max_tokens=50,
+    )
+    gen = torch.Generator().manual_seed(3)
+    wrap = worker.sample("hook")
+    for n, (ids, sampled) in enumerate(
+        [(["a", "c"], [[1, 2, -1], [3, 4, 5]]), (["a", "c"], [[6, -1, -1], [7, 1, -1]]), (["c"], [[2, 2, 2]])], 1
+    ):
+        clock.step = n
+        r.input_batch.req_ids = ids
+        wrap(
+            rejection_fn(torch.tensor(sampled)),
+            r,
+            (torch.randn(3 * len(ids), 8, generator=gen), spec_metadata([[0, 0]] * len(ids))),
+            {},
+        )
+        for rid, row in zip(ids, sampled):
+            r.requests[rid].output_token_ids += [t for t in row if t >= 0]
+        if n == 2:
+            del r.requests["a"]
+    worker.flush(0.0)
+    return {
+        f"{s.parent.span_id:016x}": [(e.timestamp, dict(e.attributes)) for e in s.events if e.name == "llm.logit.step"]
+        for s in cap.finished()
+    }
+
+
+@pytest.mark.case("C24")
+def test_v1_deferred_collection_gives_exactly_the_results_of_collecting_at_once(monkeypatch):
+    pytest.importorskip("vllm")
+    at_once = v1_spec_run(monkeypatch, 0)
+    assert v1_spec_run(monkeypatch, 2) == at_once
+    assert [t for t, _ in at_once[SID]] == [1, 1, 2] and [t for t, _ in at_once["2" * 16]] == [1, 1, 1, 2, 2, 3, 3, 3]
