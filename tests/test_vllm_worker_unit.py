@@ -259,3 +259,21 @@ def test_v1_deferred_collection_gives_exactly_the_results_of_collecting_at_once(
     at_once = v1_spec_run(monkeypatch, 0)
     assert v1_spec_run(monkeypatch, 2) == at_once
     assert [t for t, _ in at_once[SID]] == [1, 1, 2] and [t for t, _ in at_once["2" * 16]] == [1, 1, 1, 2, 2, 3, 3, 3]
+
+
+def test_the_idle_flush_keeps_a_request_vllm_still_holds(monkeypatch):
+    """Review finding (issue 28): vLLM's first ngram proposal compiles for seconds, so the idle
+    flush split a request's llm.logit_dist in two (1 step, then the rest)."""
+    from llm_otel.instrumentation.vllm import logit_rows
+
+    cap = make_captured()
+    worker = WorkerAdapter(cap.telemetry)
+    r = runner({"a": {CARRIER_KEY: f"00-{TID}-{SID}-01", CARRIER_TOPK_KEY: 2}}, max_tokens=100)
+    worker.sample("hook")(sample_fn, r, (torch.randn(1, 8),), {})
+    assert worker.flush(idle_s=1e-9) == 0 and cap.finished() == []  # idle, but vLLM still holds it
+    monkeypatch.setattr(logit_rows, "HELD_IDLE_S", 0.0)
+    assert worker.flush(idle_s=1e-9) == 1  # ... unless it has been held without a step for that long
+    worker.sample("hook")(sample_fn, r, (torch.randn(1, 8),), {})
+    monkeypatch.setattr(logit_rows, "HELD_IDLE_S", 120.0)
+    del r.requests["a"]  # vLLM dropped it (EOS): the idle flush emits it
+    assert worker.flush(idle_s=1e-9) == 1 and len(cap.finished()) == 2
