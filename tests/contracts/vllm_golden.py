@@ -56,7 +56,7 @@ CLASS_FIELDS: dict[tuple[str, str], list[str]] = {
     ("vllm.v1.worker.gpu.states", "RequestState"): ["index_to_req_id", "req_id_to_index"],
     ("vllm.v1.worker.gpu.sample.sampler", "Sampler"): ["req_states"],
     ("vllm.v1.worker.gpu.spec_decode.rejection_sampler", "RejectionSampler"): ["sampler"],
-    ("vllm.v1.worker.gpu.sample.output", "SamplerOutput"): ["sampled_token_ids"],
+    ("vllm.v1.worker.gpu.sample.output", "SamplerOutput"): ["num_sampled", "sampled_token_ids"],
 }
 
 
