@@ -275,6 +275,22 @@ LLM_REQUEST_PRIORITY = 'llm.request.priority'
 LLM_REQUEST_QUEUE_DURATION = 'llm.request.queue.duration'
 """Seconds the request waited in the scheduler's waiting queue (QUEUED to first SCHEDULED event); time spent before it reached the scheduler is in llm.request.frontend.duration. Type: double. Origin: llm-otel."""
 
+LLM_REQUEST_SPEC_DECODE_ACCEPTANCE_RATE = 'llm.request.spec_decode.acceptance_rate'
+"""accepted_tokens / draft_tokens (0 when nothing was drafted). Type: double. Origin: llm-otel."""
+
+LLM_REQUEST_SPEC_DECODE_ACCEPTED_HISTOGRAM = 'llm.request.spec_decode.accepted_histogram'
+"""Verify steps by accepted draft tokens - element j counts the steps that accepted exactly j drafts (length num_speculative_tokens + 1); the step emitted j + 1 tokens. Sums to llm.request.spec_decode.steps.
+ Type: int[]. Origin: llm-otel."""
+
+LLM_REQUEST_SPEC_DECODE_ACCEPTED_TOKENS = 'llm.request.spec_decode.accepted_tokens'
+"""Draft tokens the target model accepted for the request (bonus and recovered tokens are not drafts and not counted). Type: int. Origin: llm-otel."""
+
+LLM_REQUEST_SPEC_DECODE_DRAFT_TOKENS = 'llm.request.spec_decode.draft_tokens'
+"""Draft tokens the proposer offered for the request over all its verify steps (grammar-invalidated drafts excluded, as vLLM counts them). Type: int. Origin: llm-otel."""
+
+LLM_REQUEST_SPEC_DECODE_STEPS = 'llm.request.spec_decode.steps'
+"""Verify steps of the request - steps in which drafts were checked and at least one token was emitted. Type: int. Origin: llm-otel."""
+
 LLM_REQUEST_TENANT = 'llm.request.tenant'
 """Tenant of the request from the configured inbound header (LLM_OTEL_CLASS_HEADERS), sanitised; `other` when over the cardinality bound or invalid. Type: string. Origin: llm-otel."""
 
@@ -589,6 +605,11 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.request.prefill.duration': 'double',
     'llm.request.priority': 'string',
     'llm.request.queue.duration': 'double',
+    'llm.request.spec_decode.acceptance_rate': 'double',
+    'llm.request.spec_decode.accepted_histogram': 'int[]',
+    'llm.request.spec_decode.accepted_tokens': 'int',
+    'llm.request.spec_decode.draft_tokens': 'int',
+    'llm.request.spec_decode.steps': 'int',
     'llm.request.tenant': 'string',
     'llm.request.tier': 'string',
     'llm.request.timing.source': 'string',

@@ -43,6 +43,7 @@ from llm_otel.instrumentation.vllm.requests import (
     sampling_attributes,
 )
 from llm_otel.instrumentation.vllm.shutdown import flush_at_exit, flush_before_kill
+from llm_otel.instrumentation.vllm.spec_decode import SpecDecodeAdapter, engine_spec_config, take_figures
 from llm_otel.listeners import RequestFacts
 from llm_otel.process.ports import serving_started
 from llm_otel.propagation import context_from_carrier, extract_carrier
@@ -77,6 +78,7 @@ class VLLMAdapter(InFlight):
         # n > 1: vLLM's ParentRequest -> the ChoiceGroup its child requests' records share
         self._choice_groups: weakref.WeakKeyDictionary[Any, ChoiceGroup] = weakref.WeakKeyDictionary()
         self.core = EngineCoreAdapter(telemetry)
+        self.spec = SpecDecodeAdapter(telemetry)  # engine core: per-request speculative-decoding counts
         from llm_otel.instrumentation.vllm.worker import WorkerAdapter
 
         self.worker = WorkerAdapter(telemetry)
@@ -103,6 +105,7 @@ class VLLMAdapter(InFlight):
                 self.telemetry.attach_engine_load(occupancy_source(state, capacity))
         # cache_config.num_gpu_blocks is known once the engine core reported its KV pool
         state.kv = kv_spec(getattr(engine, "vllm_config", None))
+        state.spec_tokens, state.spec_public = engine_spec_config(getattr(engine, "vllm_config", None))
         if first and state.kv is not None:
             self.telemetry.attach_kv_source(kv_source_for(state, lambda s: s.kv))
 
@@ -337,6 +340,8 @@ class VLLMAdapter(InFlight):
         rec.engine_clock = state.clock
         rec.choice_group = group
         state.records[rid] = rec
+        if rec.recording and state.spec_tokens:  # its final output brings vLLM's per-request spec-decode counts
+            state.spec_records[rid] = rec
         if rec.logprob_cap:
             state.logprob_records[rid] = rec
         rec.on_handed()  # vLLM sends the request to the engine core right after add_request
@@ -388,6 +393,8 @@ class VLLMAdapter(InFlight):
             ts = time.monotonic()
         else:
             state.clock.observe_output(ts, time.monotonic())
+        if state.spec_records:  # before vLLM copies a final output's spec_decode_metrics into the response
+            take_figures(outputs, state.spec_records, state.spec_public)
         keep = state.logprob_records
         if keep:
             for out in outputs:

@@ -171,6 +171,15 @@ HOOKS: list[Hook] = [
     ),
     Hook(
         "vllm.v1.core.sched.scheduler",
+        "Scheduler.add_request",
+        "spec.scheduler_add_request",
+        V1,
+        "speculative decoding: a sampled request gets vLLM's own per-request counter "
+        "(Request.spec_decode_metrics = RequestSpecDecodeMetrics.new(num_spec_tokens)) when the operator "
+        "left --per-request-spec-decode-metrics off; the frontend reads and removes it (spec_decode.py)",
+    ),
+    Hook(
+        "vllm.v1.core.sched.scheduler",
         "Scheduler.make_stats",
         "core.make_stats",
         V1,
