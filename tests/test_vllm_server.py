@@ -330,3 +330,25 @@ def test_only_the_frontend_runs_an_exporter_process(server):
         except psutil.Error:
             continue
     assert [ppid for _, ppid in found] == [frontend.pid], f"exporter processes (pid, parent): {found}"
+
+
+@pytest.mark.parametrize(
+    "path, body, prefix",
+    [
+        ("/v1/completions", {"prompt": "def main():"}, "cmpl-"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "chatcmpl-"),
+    ],
+    ids=["completion", "chat"],
+)
+def test_request_span_carries_the_response_body_id(rx, server, path, body, prefix):
+    """A support ticket quoting the completion id finds the trace: ``gen_ai.response.id`` is the
+    ``id`` of the response body."""
+    trace_id = f"{int(time.time_ns()):032x}"
+    headers = {"traceparent": f"00-{trace_id}-{TP_PARENT}-01"}
+    payload = {"model": SERVED, "max_tokens": 4, "ignore_eos": True, **body}
+    r = httpx.post(server["base"] + path, json=payload, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    response_id = r.json()["id"]
+    assert response_id.startswith(prefix)
+    (root,) = request_spans(rx, trace_id)
+    assert root["attributes"]["gen_ai.response.id"] == response_id
