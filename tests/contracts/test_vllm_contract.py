@@ -31,6 +31,8 @@ READS: dict[str, dict] = {
     "process_outputs": {"at": {0: "engine_core_outputs", 1: "engine_core_timestamp"}},
     "abort_requests": {},
     "http_handler": {"at": {0: "request", 1: "raw_request"}},
+    "pooling_handler": {"at": {0: "request", 1: "raw_request"}},
+    "pooling_context": {},
     "spec.scheduler_add_request": {"at": {0: "request"}},
     "core.schedule": {},
     "core.make_stats": {},

@@ -93,6 +93,8 @@ class RequestRecord:
         "handed_mono",
         "engine_clock",
         "choice_group",
+        "pooling",
+        "pooled_mono",
     )
 
     def __init__(
@@ -148,6 +150,10 @@ class RequestRecord:
         self.handed_mono: float | None = None
         self.engine_clock: EngineClock | None = None  # telemetry.clock.EngineClock of the engine core serving it
         self.choice_group: ChoiceGroup | None = None  # the request's choices when n > 1
+        # a pooling request (embeddings, classify, score): no output tokens; its one pooled output
+        # came at pooled_mono (engine monotonic s), the end of its prefill
+        self.pooling = False
+        self.pooled_mono: float | None = None
 
     # --- hot path ---------------------------------------------------------------------------
     def on_tokens(self, token_ids: list[int], engine_mono: float) -> int:
@@ -207,6 +213,7 @@ class RequestRecord:
         "error_message",
         "timing_source",
         "handed_s",
+        "pooled_mono",
     )
 
     def span_fields(self, token_ids: bool) -> tuple[Any, ...]:
@@ -230,6 +237,7 @@ class RequestRecord:
             self.error_message,
             self.timing_source,
             self.handed_s,
+            self.pooled_mono,
         )
 
     @classmethod

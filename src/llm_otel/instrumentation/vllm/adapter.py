@@ -30,6 +30,7 @@ from llm_otel.instrumentation.vllm.engine_core import EngineCoreAdapter
 from llm_otel.instrumentation.vllm.fields import class_fields, kv_spec
 from llm_otel.instrumentation.vllm.in_flight import _REPORTED, InFlight
 from llm_otel.instrumentation.vllm.inbound import ENGINE_CARRIER, INBOUND, OPERATION, Inbound, traced_handler
+from llm_otel.instrumentation.vllm.pooling import PoolingRequests, handler_operation
 from llm_otel.instrumentation.vllm.requests import (
     ERROR_TYPES,
     EVENT_KINDS,
@@ -61,7 +62,7 @@ MAX_LIVE_REQUESTS = 1_000_000  # records beyond this are not tracked (one warnin
 MAX_LORA_NAMES = 32  # distinct LoRA adapter names per process that get their own metric series
 
 
-class VLLMAdapter(InFlight):
+class VLLMAdapter(InFlight, PoolingRequests):
     """Wrapper factories for the hooks in :mod:`.hooks` (each takes the hook's qualified name)."""
 
     def __init__(self, telemetry: Telemetry) -> None:
@@ -117,7 +118,7 @@ class VLLMAdapter(InFlight):
     def traced_operation(self, hook: str):
         """LLM.generate / LLM.chat: the operation name for the requests they add, and requests
         vLLM rejects while rendering them (before the engine sees them: prompt too long, ...)."""
-        operation = "chat" if hook.endswith(".chat") else "text_completion"
+        operation = "chat" if hook.endswith(".chat") else "score" if hook.endswith(".score") else "text_completion"
 
         def wrapper(wrapped, instance, args, kwargs):
             if OPERATION.get() is not None:  # LLM.chat calling generate keeps "chat"
@@ -168,6 +169,11 @@ class VLLMAdapter(InFlight):
     def http_handler(self, hook: str):
         """OpenAI completions/chat handlers (:func:`.inbound.traced_handler`)."""
         return traced_handler(self.telemetry.errors, hook, self._rejected_http)
+
+    def pooling_handler(self, hook: str):
+        """OpenAI pooling handlers (``PoolingBaseServing.__call__``): :func:`.inbound.traced_handler`
+        with the handler's operation (:func:`.pooling.handler_operation`)."""
+        return traced_handler(self.telemetry.errors, hook, self._rejected_http, handler_operation)
 
     def _rejected_http(
         self, hook: str, args, kwargs, inbound: Inbound, arrival: float, error_type: str, message: str
@@ -263,7 +269,11 @@ class VLLMAdapter(InFlight):
         state = self._state_for(output_processor)
         rid = request.request_id
         sp = request.sampling_params
-        if sp is None or rid in state.records:  # pooling request, or a streaming-input update
+        if rid in state.records:  # a streaming-input update
+            return
+        if sp is None:  # a pooling request (PoolingParams)
+            if getattr(request, "pooling_params", None) is not None and len(state.records) < MAX_LIVE_REQUESTS:
+                self._start_pooling(state, request, prompt)
             return
         if len(state.records) >= MAX_LIVE_REQUESTS:
             if not self._warned_capacity:
@@ -288,6 +298,12 @@ class VLLMAdapter(InFlight):
             attrs[A.LLM_LORA_BASE_MODEL] = state.model
         inbound = INBOUND.get()
         carrier = ENGINE_CARRIER.get() or (inbound.carrier if inbound is not None else None)
+        # the id the client got back: the OpenAI response body's, or the offline RequestOutput.request_id
+        # (EngineCoreRequest.external_req_id; the parent's for the choices of n > 1)
+        response_id = inbound.response_id() if inbound is not None else None
+        attrs[A.GEN_AI_RESPONSE_ID] = response_id or str(
+            getattr(parent_req, "external_req_id", None) or getattr(request, "external_req_id", None) or rid
+        )
         if inbound is not None:
             inbound.started += 1
         rec = self.telemetry.start_request(
@@ -431,6 +447,8 @@ class VLLMAdapter(InFlight):
             ids = out.new_token_ids
             if ids:
                 produced += rec.on_tokens(ids, ts)  # after vLLM trimmed tokens past a stop string
+            elif rec.pooling and out.pooling_output is not None:
+                rec.pooled_mono = ts  # the pooled result: the prefill's end
             if rid in live:
                 continue
             reason = out.finish_reason

@@ -31,6 +31,13 @@ HOOKS: list[Hook] = [
         "operation chat; prompts vLLM rejects while rendering them",
     ),
     Hook(
+        "vllm.entrypoints.pooling.offline",
+        "PoolingOfflineMixin.score",
+        "traced_operation",
+        V1,
+        "LLM.score: operation score for the pooling requests it adds (vllm/entrypoints/pooling/offline.py)",
+    ),
+    Hook(
         "vllm.v1.engine.core_client",
         "EngineCoreClient.make_client",
         "engine_core_client",
@@ -105,6 +112,21 @@ HOOKS: list[Hook] = [
         SERVE_032,
         "the same for chat completions",
         group="openai.chat",
+    ),
+    Hook(
+        "vllm.entrypoints.pooling.base.serving",
+        "PoolingBaseServing.__call__",
+        "pooling_handler",
+        SERVE_032,
+        "OpenAI pooling endpoints (/v1/embeddings, /classify, /score, /pooling): inbound trace headers, "
+        "kind SERVER, operation from the handler's request_id_prefix, rejected requests",
+    ),
+    Hook(
+        "vllm.entrypoints.pooling.base.serving",
+        "PoolingBaseServing._init_ctx",
+        "pooling_context",
+        SERVE_032,
+        "the pooling response's id (PoolingServeContext.request_id, embd-...) for gen_ai.response.id",
     ),
     Hook(
         "vllm.entrypoints.openai.serving_completion",
