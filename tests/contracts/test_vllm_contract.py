@@ -32,6 +32,8 @@ READS: dict[str, dict] = {
     "abort_requests": {},
     "http_handler": {"at": {0: "request", 1: "raw_request"}},
     "pooling_handler": {"at": {0: "request", 1: "raw_request"}},
+    "beam_search": {"at": {1: "params"}},
+    "beam_step": {"at": {0: "instances_batch"}},
     "pooling_context": {},
     "spec.scheduler_add_request": {"at": {0: "request"}},
     "core.schedule": {},

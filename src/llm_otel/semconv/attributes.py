@@ -215,6 +215,9 @@ LLM_PROCESS_ROLE = 'llm.process.role'
 LLM_PROCESS_TENSOR_PARALLEL_RANK = 'llm.process.tensor_parallel.rank'
 """Tensor-parallel rank of a model worker (vLLM worker rank modulo `tensor_parallel_size`; LightLLM model-infer rank within its data-parallel group, `rank % (tp // dp)`, v1.0.0 its `tp_rank`). Type: int. Origin: llm-otel."""
 
+LLM_REQUEST_BEAM_WIDTH = 'llm.request.beam_width'
+"""Beams kept per step (vLLM BeamSearchParams.beam_width); set only on beam-search requests. Type: int. Origin: llm-otel."""
+
 LLM_REQUEST_CHOICE_INDEX = 'llm.request.choice.index'
 """Index of this choice among the `n` parallel samples of one request (0 when n=1). With n > 1 each choice has its own request span (its gen_ai.usage.input_tokens is the shared prompt's, its output tokens its own); request-level metrics count the request once (llm.server.token.usage, llm.server.requests, gen_ai.server.request.duration). Type: int. Origin: llm-otel."""
 
@@ -585,6 +588,7 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.process.ray': 'boolean',
     'llm.process.role': 'string',
     'llm.process.tensor_parallel.rank': 'int',
+    'llm.request.beam_width': 'int',
     'llm.request.choice.index': 'int',
     'llm.request.class.key': 'string',
     'llm.request.class.reason': 'string',

@@ -26,6 +26,7 @@ from typing import Any, cast
 from opentelemetry.trace import SpanKind
 
 from llm_otel.errors import guard
+from llm_otel.instrumentation.vllm.beam_search import BEAM, BeamSearch
 from llm_otel.instrumentation.vllm.engine_core import EngineCoreAdapter
 from llm_otel.instrumentation.vllm.fields import class_fields, kv_spec
 from llm_otel.instrumentation.vllm.in_flight import _REPORTED, InFlight
@@ -43,7 +44,7 @@ from llm_otel.instrumentation.vllm.requests import (
     occupancy_source,
     sampling_attributes,
 )
-from llm_otel.instrumentation.vllm.shutdown import flush_at_exit, flush_before_kill
+from llm_otel.instrumentation.vllm.shutdown import ProcessHooks
 from llm_otel.instrumentation.vllm.spec_decode import SpecDecodeAdapter, engine_spec_config, take_figures
 from llm_otel.listeners import RequestFacts
 from llm_otel.process.ports import serving_started
@@ -62,7 +63,7 @@ MAX_LIVE_REQUESTS = 1_000_000  # records beyond this are not tracked (one warnin
 MAX_LORA_NAMES = 32  # distinct LoRA adapter names per process that get their own metric series
 
 
-class VLLMAdapter(InFlight, PoolingRequests):
+class VLLMAdapter(InFlight, PoolingRequests, BeamSearch, ProcessHooks):
     """Wrapper factories for the hooks in :mod:`.hooks` (each takes the hook's qualified name)."""
 
     def __init__(self, telemetry: Telemetry) -> None:
@@ -266,6 +267,9 @@ class VLLMAdapter(InFlight, PoolingRequests):
     def _start(
         self, output_processor: Any, request: Any, prompt: str | None, parent_req: Any, request_index: int
     ) -> None:
+        beam = BEAM.get()
+        if beam is not None:  # an internal one-token request of LLM.beam_search: no request of its own
+            return self._beam_internal(beam, request)
         state = self._state_for(output_processor)
         rid = request.request_id
         sp = request.sampling_params
@@ -472,14 +476,6 @@ class VLLMAdapter(InFlight, PoolingRequests):
         for rid in [rid for rid in state.records if rid not in live]:
             # tracked: not None; timing may be incomplete; counted as a hook error
             self.telemetry.finish(cast(RequestRecord, state.pop(rid)))
-
-    def process_shutdown(self, hook: str):
-        """vLLM's process-manager ``shutdown(procs, timeout)``: :func:`.shutdown.flush_before_kill`."""
-        return flush_before_kill(self.telemetry, hook)
-
-    def process_exiting(self, hook: str):
-        """EngineCore.shutdown / WorkerProc.shutdown: :func:`.shutdown.flush_at_exit`."""
-        return flush_at_exit(hook)
 
     def abort_requests(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):

@@ -31,6 +31,22 @@ HOOKS: list[Hook] = [
         "operation chat; prompts vLLM rejects while rendering them",
     ),
     Hook(
+        "vllm.entrypoints.generate.beam_search.offline",
+        "BeamSearchOfflineMixin.beam_search",
+        "beam_search",
+        V1,
+        "LLM.beam_search: one request span per prompt, counted once; its internal one-token requests "
+        "are not requests of their own (beam_search.py)",
+    ),
+    Hook(
+        "vllm.entrypoints.generate.beam_search.offline",
+        "BeamSearchOfflineMixin._beam_search_step",
+        "beam_step",
+        V1,
+        "one beam step: instances_batch (BeamSearchInstance.beams, BeamSearchSequence.tokens/orig_prompt), "
+        "whose internal requests it adds in beam order",
+    ),
+    Hook(
         "vllm.entrypoints.pooling.offline",
         "PoolingOfflineMixin.score",
         "traced_operation",
