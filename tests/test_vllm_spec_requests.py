@@ -84,21 +84,63 @@ def test_request_spec_figures_sum_to_vllm_counters_and_leave_the_response_alone(
     assert not _state(spec).spec_records  # nothing kept once the requests finished
 
 
+@pytest.fixture(scope="module")
+def operator_spec_engine(spec_engine, tiny_model):
+    """The spec engine's configuration with vLLM's per-request figures turned on by the operator
+    (``per_request_spec_decode_metrics="summary"``: every response carries them). A second ngram
+    engine because that is an engine-core setting: it is the only way to get vLLM's own
+    per-request figures without llm-otel's engine-core hook, and to see that llm-otel then reads
+    them and leaves them in the response. Shares the session engine's instrumentor."""
+    from conftest import ENGINE_PROCESS_ENV, SPEC_CONFIG, Engine, environ
+    from vllm import LLM
+
+    with environ(
+        LLM_OTEL_ENABLED="1", OTEL_EXPORTER_OTLP_ENDPOINT=spec_engine.receiver.grpc_endpoint, **ENGINE_PROCESS_ENV
+    ):
+        llm = LLM(
+            model=str(tiny_model),
+            dtype="float32",
+            max_model_len=512,
+            seed=0,
+            block_size=32,
+            speculative_config=dict(SPEC_CONFIG),
+            per_request_spec_decode_metrics="summary",
+        )
+    yield Engine(llm, spec_engine.captured, spec_engine.instrumentor, spec_engine.receiver, spec_engine.model)
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def figures_of(span) -> dict:
+    a = span.attributes
+    return {
+        "num_draft_tokens": a[SPEC + "draft_tokens"],
+        "num_accepted_draft_tokens": a[SPEC + "accepted_tokens"],
+        "num_spec_steps": a[SPEC + "steps"],
+        "acceptance_histogram": list(a[SPEC + "accepted_histogram"]),
+        "draft_acceptance_rate": a[SPEC + "acceptance_rate"],
+    }
+
+
 @pytest.mark.case("C24")
-def test_request_spec_figures_equal_vllms_own_per_request_figures(spec, monkeypatch):
-    """With vLLM's per-request metrics in the response (what ``--per-request-spec-decode-metrics
-    summary`` gives), the span's figures are the response's ``metrics.speculative_decoding``."""
-    monkeypatch.setattr(_state(spec), "spec_public", True)
-    outputs = generate(spec)
-    for out, span in zip(outputs, request_spans(spec, outputs), strict=True):
-        own = out.outputs[0].spec_decode_metrics.to_dict()  # vLLM's figures, from its scheduler
-        a = span.attributes
+def test_request_spec_figures_equal_vllms_own_per_request_figures(spec, operator_spec_engine):
+    """Where the operator turned vLLM's per-request figures on, the span has the response's
+    ``metrics.speculative_decoding`` figures and the response keeps them; the same prompts on the
+    engine where only llm-otel counts them (greedy: the same drafts) give the same figures."""
+    operator_spec_engine.clear()
+    outputs = generate(operator_spec_engine)
+    theirs = []
+    for out, span in zip(outputs, request_spans(operator_spec_engine, outputs), strict=True):
+        own = out.outputs[0].spec_decode_metrics.to_dict()  # vLLM's figures, in the response
         assert own["num_draft_tokens"] > 0
-        assert a[SPEC + "draft_tokens"] == own["num_draft_tokens"]
-        assert a[SPEC + "accepted_tokens"] == own["num_accepted_draft_tokens"]
-        assert a[SPEC + "steps"] == own["num_spec_steps"]
-        assert list(a[SPEC + "accepted_histogram"]) == own["acceptance_histogram"]
-        assert a[SPEC + "acceptance_rate"] == pytest.approx(own["draft_acceptance_rate"], rel=1e-12)
+        assert figures_of(span) == {k: own[k] for k in figures_of(span)}
+        theirs.append(figures_of(span))
+    spec.clear()
+    ours = generate(spec)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in outputs]
+    assert [figures_of(s) for s in request_spans(spec, ours)] == theirs
 
 
 @pytest.mark.case("C24")
