@@ -352,3 +352,42 @@ def test_request_span_carries_the_response_body_id(rx, server, path, body, prefi
     assert response_id.startswith(prefix)
     (root,) = request_spans(rx, trace_id)
     assert root["attributes"]["gen_ai.response.id"] == response_id
+
+
+def test_beam_search_completion_is_one_request_span_with_its_usage(rx, server):
+    """``use_beam_search``: one SERVER request span under the caller's trace (not one per beam and
+    step), with the response's id and usage; the engine steps of its beams link to it."""
+    trace_id = f"{int(time.time_ns()) + 1:032x}"
+    body = {
+        "model": SERVED,
+        "prompt": "def main():",
+        "max_tokens": 5,
+        "use_beam_search": True,
+        "n": 2,
+        "ignore_eos": True,
+    }
+    r = httpx.post(
+        server["base"] + "/v1/completions",
+        json=body,
+        headers={"traceparent": f"00-{trace_id}-{TP_PARENT}-01"},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    response = r.json()
+    (root,) = request_spans(rx, trace_id)
+    a = root["attributes"]
+    assert root["name"] == f"text_completion {SERVED}"
+    assert a["gen_ai.response.id"] == response["id"]
+    assert a["llm.request.beam_width"] == 2
+    assert a["gen_ai.usage.input_tokens"] == response["usage"]["prompt_tokens"]
+    assert a["gen_ai.usage.output_tokens"] == 5  # the best beam's tokens
+    deadline = time.time() + 20
+    while True:
+        steps = [
+            s for s in rx.spans(name="llm.engine.step") if any(ln["span_id"] == root["span_id"] for ln in s["links"])
+        ]
+        if steps or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert steps, "no llm.engine.step linked to the beam search's span"
+    assert len(rx.spans(trace_id=trace_id, kind="SPAN_KIND_SERVER")) == 1

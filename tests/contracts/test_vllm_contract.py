@@ -34,6 +34,7 @@ READS: dict[str, dict] = {
     "pooling_handler": {"at": {0: "request", 1: "raw_request"}},
     "beam_search": {"at": {1: "params"}},
     "beam_step": {"at": {0: "instances_batch"}},
+    "online_beam_search": {"at": {0: "prompt", 1: "request_id", 2: "params"}},
     "pooling_context": {},
     "spec.scheduler_add_request": {"at": {0: "request"}},
     "core.schedule": {},

@@ -43,13 +43,14 @@ class BeamCall:
     """One ``beam_search`` call: its prompts' records (by ``BeamSearchInstance``), and the records
     the internal requests of the running step belong to, in the order vLLM adds them."""
 
-    __slots__ = ("arrival_s", "params", "records", "pending")
+    __slots__ = ("arrival_s", "params", "records", "pending", "single")
 
     def __init__(self, arrival_s: float, params: Any) -> None:
         self.arrival_s = arrival_s
         self.params = params
         self.records: dict[int, tuple[Any, RequestRecord]] = {}  # id(instance) -> (instance, record)
         self.pending: list[RequestRecord] = []  # the running step's internal requests' records, reversed
+        self.single: RequestRecord | None = None  # the OpenAI server's beam search: one prompt per call
 
 
 # The beam_search call running on this thread (its internal requests are not requests of their own).
@@ -173,7 +174,7 @@ class BeamSearch:
         """An internal request of the running step (``OutputProcessor.add_request``): no record;
         when its prompt's record is sampled, its engine-bound ``SamplingParams`` carry that
         request span's trace context (step spans link to it)."""
-        rec: RequestRecord | None = None
+        rec: RequestRecord | None = call.single
         if call.pending:
             rec = call.pending.pop()
             ids = request.prompt_token_ids
@@ -182,6 +183,90 @@ class BeamSearch:
                 rec = _match(call, ids)
         if rec is not None and rec.recording and request.sampling_params is not None:
             request.sampling_params = engine_params(request.sampling_params, rec, 0)
+
+    def online_beam_search(self, hook: str):
+        """OpenAI server: ``BeamSearchOnlineMixin.beam_search(prompt, request_id, params, ...)``, an
+        async generator per prompt whose one ``RequestOutput`` (``request_id``, ``outputs``) comes
+        at the end: one request record for the call (SERVER kind under the HTTP request's trace,
+        ``gen_ai.response.id`` from the handler), ended with that output - the client gets every
+        token then, so its first token time is the end. ``prompt["prompt_token_ids"]`` are the input
+        tokens; the best sequence's ``token_ids`` the output tokens."""
+
+        def wrapper(wrapped, instance, args, kwargs):
+            stream = wrapped(*args, **kwargs)
+            call = None
+            with guard(hook, self.telemetry.errors):
+                call = self._online_call(instance, args, kwargs)
+            if call is None:
+                return stream
+            return self._online_stream(hook, stream, call)
+
+        return wrapper
+
+    def _online_call(self, serving: Any, args: tuple, kwargs: dict) -> BeamCall:
+        from llm_otel.instrumentation.vllm.inbound import INBOUND
+        from llm_otel.propagation import context_from_carrier
+
+        prompt = args[0] if args else kwargs["prompt"]
+        params = args[2] if len(args) > 2 else kwargs.get("params")
+        decoder = prompt if prompt.get("type") != "enc_dec" else prompt["decoder_prompt"]
+        engine = serving.engine_client
+        if engine.output_processor not in self._states:
+            self._register_engine(engine)
+        state = self._state_for(engine.output_processor)
+        inbound = INBOUND.get()
+        call = BeamCall(time.time(), params)
+        attrs: dict[str, Any] = {A.LLM_REQUEST_BEAM_WIDTH: int(getattr(params, "beam_width", 0) or 0)}
+        max_tokens = getattr(params, "max_tokens", None)
+        if max_tokens is not None:
+            attrs[A.GEN_AI_REQUEST_MAX_TOKENS] = int(max_tokens)
+        if inbound is not None:
+            inbound.started += 1
+            attrs[A.GEN_AI_RESPONSE_ID] = inbound.response_id() or str(args[1] if len(args) > 1 else "")
+        rec = self.telemetry.start_request(
+            str(args[1] if len(args) > 1 else kwargs.get("request_id", "beam")),
+            operation=inbound.operation if inbound is not None else "text_completion",
+            provider="vllm",
+            model=state.model,
+            kind=SpanKind.SERVER if inbound is not None else SpanKind.INTERNAL,
+            parent=context_from_carrier(inbound.carrier) if inbound is not None and inbound.carrier else None,
+            arrival_s=call.arrival_s,
+            input_tokens=len(decoder.get("prompt_token_ids") or ()),
+            engine_version=self.version,
+            request_attributes=attrs,
+            facts=RequestFacts(inbound.headers if inbound is not None else None, {}, state.kv),
+        )
+        rec.logprob_cap = 0
+        rec.on_handed()
+        call.single = rec
+        return call
+
+    async def _online_stream(self, hook: str, stream: Any, call: BeamCall):
+        token = BEAM.set(call)  # the tasks it creates for its internal requests copy this context
+        rec = call.single
+        error: BaseException | None = None
+        try:
+            async for out in stream:
+                with guard(hook, self.telemetry.errors):
+                    if rec is not None and out.outputs:
+                        best = out.outputs[0]
+                        rec.on_tokens(list(best.token_ids) or [], time.monotonic())
+                        rec.finish_reason = str(best.finish_reason or "length")
+                yield out
+        except BaseException as exc:  # GeneratorExit (client gone) and errors end the record too
+            error = exc
+            raise
+        finally:
+            try:
+                BEAM.reset(token)
+            except ValueError:  # closed from another task's context: ours is gone with it
+                pass
+            if rec is not None:
+                with guard(hook, self.telemetry.errors):
+                    if error is not None and not rec.finish_reason:
+                        rec.finish_reason = "abort" if isinstance(error, GeneratorExit) else "error"
+                        rec.error_type = "aborted" if isinstance(error, GeneratorExit) else type(error).__qualname__
+                    self.telemetry.finish(rec)
 
     def _end_beams(self, hook: str, call: BeamCall, result: Any, error: BaseException | None) -> None:
         with guard(hook, self.telemetry.errors):

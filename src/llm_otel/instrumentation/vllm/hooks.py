@@ -47,6 +47,14 @@ HOOKS: list[Hook] = [
         "whose internal requests it adds in beam order",
     ),
     Hook(
+        "vllm.entrypoints.generate.beam_search.online",
+        "BeamSearchOnlineMixin.beam_search",
+        "online_beam_search",
+        SERVE_032,
+        "OpenAI server use_beam_search: one request span per prompt, counted once; internal requests as "
+        "offline (beam_search.py)",
+    ),
+    Hook(
         "vllm.entrypoints.pooling.offline",
         "PoolingOfflineMixin.score",
         "traced_operation",
