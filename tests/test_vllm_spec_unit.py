@@ -23,6 +23,9 @@ class _Rec:
     def __init__(self) -> None:
         self.span = _Span()
 
+    def annotate(self, attributes: dict) -> None:  # RequestRecord.annotate of a recording request
+        self.span.set_attributes(attributes)
+
 
 def _metrics(steps: list[tuple[int, int]]):
     m = vllm_stats.RequestSpecDecodeMetrics.new(3)

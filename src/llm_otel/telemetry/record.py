@@ -188,6 +188,13 @@ class RequestRecord:
         if len(self.logprob_rows) < self.logprob_cap:
             self.logprob_rows.append((token_ids, logprobs))
 
+    def annotate(self, attributes: dict[str, Any]) -> None:
+        """Set ``attributes`` on the live request span, for a recording request only: facts the
+        engine reports while the request runs (vLLM's per-request speculative-decoding figures).
+        Once per request, not per step."""
+        if self.recording and self.span is not None:
+            self.span.set_attributes(attributes)
+
     def on_handed(self) -> None:
         """The frontend hands the request to the engine core now (stamps both of its clocks)."""
         self.handed_s = time.time()

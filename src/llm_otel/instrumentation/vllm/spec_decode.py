@@ -87,8 +87,8 @@ def take_figures(outputs: list, live: dict, keep_in_response: bool) -> None:
         rec = live.pop(out.request_id, None)
         if not keep_in_response:
             out.spec_decode_metrics = None
-        if rec is not None and rec.span is not None:
-            rec.span.set_attributes(figures(metrics))
+        if rec is not None:
+            rec.annotate(figures(metrics))
 
 
 class SpecDecodeAdapter:
