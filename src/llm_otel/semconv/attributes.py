@@ -215,6 +215,9 @@ LLM_PROCESS_ROLE = 'llm.process.role'
 LLM_PROCESS_TENSOR_PARALLEL_RANK = 'llm.process.tensor_parallel.rank'
 """Tensor-parallel rank of a model worker (vLLM worker rank modulo `tensor_parallel_size`; LightLLM model-infer rank within its data-parallel group, `rank % (tp // dp)`, v1.0.0 its `tp_rank`). Type: int. Origin: llm-otel."""
 
+LLM_REQUEST_BEAM_WIDTH = 'llm.request.beam_width'
+"""Beams kept per step (vLLM BeamSearchParams.beam_width); set only on beam-search requests. Type: int. Origin: llm-otel."""
+
 LLM_REQUEST_CHOICE_INDEX = 'llm.request.choice.index'
 """Index of this choice among the `n` parallel samples of one request (0 when n=1). With n > 1 each choice has its own request span (its gen_ai.usage.input_tokens is the shared prompt's, its output tokens its own); request-level metrics count the request once (llm.server.token.usage, llm.server.requests, gen_ai.server.request.duration). Type: int. Origin: llm-otel."""
 
@@ -274,6 +277,22 @@ LLM_REQUEST_PRIORITY = 'llm.request.priority'
 
 LLM_REQUEST_QUEUE_DURATION = 'llm.request.queue.duration'
 """Seconds the request waited in the scheduler's waiting queue (QUEUED to first SCHEDULED event); time spent before it reached the scheduler is in llm.request.frontend.duration. Type: double. Origin: llm-otel."""
+
+LLM_REQUEST_SPEC_DECODE_ACCEPTANCE_RATE = 'llm.request.spec_decode.acceptance_rate'
+"""accepted_tokens / draft_tokens (0 when nothing was drafted). Type: double. Origin: llm-otel."""
+
+LLM_REQUEST_SPEC_DECODE_ACCEPTED_HISTOGRAM = 'llm.request.spec_decode.accepted_histogram'
+"""Verify steps by accepted draft tokens - element j counts the steps that accepted exactly j drafts (length num_speculative_tokens + 1); the step emitted j + 1 tokens. Sums to llm.request.spec_decode.steps.
+ Type: int[]. Origin: llm-otel."""
+
+LLM_REQUEST_SPEC_DECODE_ACCEPTED_TOKENS = 'llm.request.spec_decode.accepted_tokens'
+"""Draft tokens the target model accepted for the request (bonus and recovered tokens are not drafts and not counted). Type: int. Origin: llm-otel."""
+
+LLM_REQUEST_SPEC_DECODE_DRAFT_TOKENS = 'llm.request.spec_decode.draft_tokens'
+"""Draft tokens the proposer offered for the request over all its verify steps (grammar-invalidated drafts excluded, as vLLM counts them). Type: int. Origin: llm-otel."""
+
+LLM_REQUEST_SPEC_DECODE_STEPS = 'llm.request.spec_decode.steps'
+"""Verify steps of the request - steps in which drafts were checked and at least one token was emitted. Type: int. Origin: llm-otel."""
 
 LLM_REQUEST_TENANT = 'llm.request.tenant'
 """Tenant of the request from the configured inbound header (LLM_OTEL_CLASS_HEADERS), sanitised; `other` when over the cardinality bound or invalid. Type: string. Origin: llm-otel."""
@@ -569,6 +588,7 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.process.ray': 'boolean',
     'llm.process.role': 'string',
     'llm.process.tensor_parallel.rank': 'int',
+    'llm.request.beam_width': 'int',
     'llm.request.choice.index': 'int',
     'llm.request.class.key': 'string',
     'llm.request.class.reason': 'string',
@@ -589,6 +609,11 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.request.prefill.duration': 'double',
     'llm.request.priority': 'string',
     'llm.request.queue.duration': 'double',
+    'llm.request.spec_decode.acceptance_rate': 'double',
+    'llm.request.spec_decode.accepted_histogram': 'int[]',
+    'llm.request.spec_decode.accepted_tokens': 'int',
+    'llm.request.spec_decode.draft_tokens': 'int',
+    'llm.request.spec_decode.steps': 'int',
     'llm.request.tenant': 'string',
     'llm.request.tier': 'string',
     'llm.request.timing.source': 'string',

@@ -103,8 +103,12 @@ class SpanBuilder:
         last_ns = clamp(rec.epoch_ns(rec.step_times[-1])) if rec.step_times else None
         error = rec.error_type
 
-        # llm.prompt: arrival -> first token (or -> end when no token came)
-        prompt_end = first_ns if first_ns is not None else end_ns
+        # llm.prompt: arrival -> first token (a pooling request: its pooled output; else -> end)
+        if first_ns is None and rec.pooled_mono is not None:
+            first_out_ns: int | None = clamp(rec.epoch_ns(rec.pooled_mono))
+        else:
+            first_out_ns = first_ns
+        prompt_end = first_out_ns if first_out_ns is not None else end_ns
         attrs: dict[str, AttributeValue] = {
             A.GEN_AI_USAGE_INPUT_TOKENS: rec.input_tokens,
             A.LLM_REQUEST_TIMING_SOURCE: rec.timing_source,
@@ -124,8 +128,8 @@ class SpanBuilder:
         queue = rec.queue_time_s()
         if queue is not None:
             attrs[A.LLM_REQUEST_QUEUE_DURATION] = queue
-        if rec.scheduled_mono is not None and first_ns is not None:
-            attrs[A.LLM_REQUEST_PREFILL_DURATION] = max(0.0, (first_ns - rec.epoch_ns(rec.scheduled_mono)) / 1e9)
+        if rec.scheduled_mono is not None and first_out_ns is not None:
+            attrs[A.LLM_REQUEST_PREFILL_DURATION] = max(0.0, (first_out_ns - rec.epoch_ns(rec.scheduled_mono)) / 1e9)
         if error is not None and first_ns is None:
             attrs[A.ERROR_TYPE] = error
         prompt = self.tracer.start_span(
@@ -262,10 +266,11 @@ class SpanBuilder:
         span = cast(Span, rec.span)  # emit() runs for a recording request's span only
         attrs: dict[str, AttributeValue] = {
             A.GEN_AI_USAGE_INPUT_TOKENS: rec.input_tokens,
-            A.GEN_AI_USAGE_OUTPUT_TOKENS: rec.num_output_tokens,
             A.GEN_AI_RESPONSE_MODEL: rec.response_model,
             A.LLM_REQUEST_TIMING_SOURCE: rec.timing_source,
         }
+        if not rec.pooling:  # a pooling request has no output tokens
+            attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] = rec.num_output_tokens
         if rec.finish_reason:
             attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] = [rec.finish_reason]
         if rec.cached_tokens is not None:

@@ -1,5 +1,8 @@
 # mirrors vllm/v1/core/sched/scheduler.py
 class Scheduler:
+    def add_request(self, request):
+        return None
+
     def schedule(self, throttle_prefills=False):
         return None
 

