@@ -32,6 +32,7 @@ READS: dict[str, dict] = {
     "abort_requests": {},
     "http_handler": {"at": {0: "request", 1: "raw_request"}},
     "core.schedule": {},
+    "core.update_from_output": {"at": {0: "scheduler_output", 1: "model_runner_output"}},
     "core.make_stats": {},
     "core.step": {},
     "worker.execute_model": {"at": {0: "scheduler_output"}},
