@@ -90,7 +90,7 @@ LLM_ENGINE_STEP_CPU_TIME = 'llm.engine.step.cpu_time'
 """CPU seconds the engine-core thread spent in the step (schedule, launch or wait for the model, update). Type: double. Origin: llm-otel."""
 
 LLM_ENGINE_STEP_DECODE_TOKENS = 'llm.engine.step.decode_tokens'
-"""Decode tokens of the step - each running request's last token, plus the draft tokens the step accepted under speculative decoding (emitted tokens; rejected drafts are spec_decode.rejected_tokens). Type: int. Origin: llm-otel."""
+"""Decode tokens of the step - each running request's last token; under speculative decoding the tokens the step emitted (accepted drafts and the bonus or recovered token, not rejected drafts - spec_decode.rejected_tokens - nor tokens the engine dropped past a stop). Type: int. Origin: llm-otel."""
 
 LLM_ENGINE_STEP_DEVICE_CLOCK = 'llm.engine.step.device.clock'
 """Which clock stamped the step's device records. Type: enum (string). Origin: llm-otel."""

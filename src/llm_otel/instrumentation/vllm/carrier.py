@@ -64,11 +64,14 @@ class StepTokens(NamedTuple):
         recompute: the part of ``prefill`` that requests resumed after a preemption compute again
             (prompt and earlier output tokens of a request that already produced output: vLLM
             dropped their KV cache).
+        first: requests whose prompt prefill completes in the step (each emits its first token,
+            which belongs to the prefill).
     """
 
     prefill: int
     decode: int
     recompute: int
+    first: int = 0
 
 
 def request_step_tokens(computed: int, scheduled: int, prompt: int | None, outputs: int, drafts: int) -> StepTokens:
@@ -76,10 +79,10 @@ def request_step_tokens(computed: int, scheduled: int, prompt: int | None, outpu
     of its ``prompt + outputs`` tokens (then ``drafts`` draft tokens). Positions before the last
     known token are prefill, the rest decode; a request with outputs prefills only because a
     preemption dropped its KV cache, so all its prefill is recompute. ``outputs`` 0: all prefill
-    (a prompt, possibly in chunks). ``prompt`` None (unknown): the request's last ``1 + drafts``
-    scheduled tokens are decode, the rest recompute."""
+    (a prompt, possibly in chunks; ``first`` 1 when it reaches ``prompt``). ``prompt`` None
+    (unknown): the request's last ``1 + drafts`` scheduled tokens are decode, the rest recompute."""
     if outputs <= 0:
-        return StepTokens(scheduled, 0, 0)
+        return StepTokens(scheduled, 0, 0, int(prompt is not None and computed + scheduled >= prompt))
     if prompt is None:
         decode = min(scheduled, 1 + drafts)
     else:
@@ -94,34 +97,32 @@ def step_tokens(scheduler_output: Any, requests: Mapping[str, Any] | None = None
     cached ones (``scheduled_cached_reqs``: a chunked prefill continuing, a running request
     decoding, a resumed request recomputing). ``requests``: the scheduler's ``{req_id: Request}``
     (``num_prompt_tokens``) - without it (the worker), a cached request with outputs is decode
-    for its last ``1 + drafts`` tokens. O(batch): for steps that get a span."""
+    for its last ``1 + drafts`` tokens and ``first`` counts new requests only. O(batch): for
+    steps that get a span."""
     scheduled = scheduler_output.num_scheduled_tokens
     spec = scheduler_output.scheduled_spec_decode_tokens or {}
-    prefill = recompute = 0
+    prefill = recompute = first = 0
     for r in scheduler_output.scheduled_new_reqs:
-        n = scheduled.get(r.req_id, 0)
         tokens = getattr(r, "prefill_token_ids", None)
         prompt = len(r.prompt_token_ids) if r.prompt_token_ids is not None else None
-        if tokens is None or prompt is None or len(tokens) <= prompt:  # a new request: its prompt
-            prefill += n
-            continue
-        t = request_step_tokens(r.num_computed_tokens, n, prompt, len(tokens) - prompt, len(spec.get(r.req_id, ())))
+        outputs = len(tokens) - prompt if tokens is not None and prompt is not None else 0
+        t = request_step_tokens(
+            r.num_computed_tokens, scheduled.get(r.req_id, 0), prompt, outputs, len(spec.get(r.req_id, ()))
+        )
         prefill += t.prefill
         recompute += t.recompute
+        first += t.first
     cached = scheduler_output.scheduled_cached_reqs
     for req_id, computed, n_out in zip(
         cached.req_ids, cached.num_computed_tokens, cached.num_output_tokens, strict=False
     ):
-        n = scheduled.get(req_id, 0)
-        if n_out == 0:  # chunked prefill continuing
-            prefill += n
-            continue
         req = requests.get(req_id) if requests is not None else None
         prompt = getattr(req, "num_prompt_tokens", None)
-        t = request_step_tokens(computed, n, prompt, n_out, len(spec.get(req_id, ())))
+        t = request_step_tokens(computed, scheduled.get(req_id, 0), prompt, n_out, len(spec.get(req_id, ())))
         prefill += t.prefill
         recompute += t.recompute
-    return StepTokens(prefill, int(scheduler_output.total_num_scheduled_tokens) - prefill, recompute)
+        first += t.first
+    return StepTokens(prefill, int(scheduler_output.total_num_scheduled_tokens) - prefill, recompute, first)
 
 
 def step_phase(prefill_tokens: int, decode_tokens: int) -> str:

@@ -61,7 +61,7 @@ class _OpenStep(NamedTuple):
     output: Any  # the SchedulerOutput (kept so its id() cannot be reused while the span is open)
     span: Any
     cpu0_ns: int  # engine-loop thread CPU time when its engine step started
-    decode: int  # decode tokens scheduled (drafts included)
+    first: int  # requests whose prompt prefill completes in the step (first tokens: prefill)
 
 
 class EngineCoreAdapter:
@@ -150,7 +150,7 @@ class EngineCoreAdapter:
                 try:
                     step = self._open.pop(id(so), None)
                     if step is not None and step.output is so:
-                        self._finish(step, spec)
+                        self._finish(step, spec, result)
                 except Exception as exc:  # noqa: BLE001
                     self.telemetry.errors.report(hook, exc)
             return result
@@ -193,13 +193,19 @@ class EngineCoreAdapter:
 
         return wrapper
 
-    def _finish(self, step: _OpenStep, spec: SpecCounts | None) -> None:
+    def _finish(self, step: _OpenStep, spec: SpecCounts | None, outputs: Any = None) -> None:
         """End an open step span now, with what the batch's output told (``spec``: None when
-        the step had no drafts or its output was not processed)."""
+        the step had no drafts or its output was not processed): with drafts, the decode tokens
+        become the tokens the step emitted (``EngineCoreOutputs.outputs[].new_token_ids`` of
+        ``update_from_output``'s result, less the prompts' first tokens) - accepted drafts and
+        each request's bonus or recovered token, not rejected drafts nor tokens vLLM dropped
+        past a stop (``max_tokens``)."""
         span = step.span
         kwargs: dict[str, Any] = {}
         if spec is not None and spec.draft:
-            kwargs["decode_tokens"] = step.decode - spec.unemitted
+            if isinstance(outputs, dict):
+                emitted = sum(len(o.new_token_ids) for eco in outputs.values() for o in eco.outputs)
+                kwargs["decode_tokens"] = max(0, emitted - step.first)
             kwargs["draft_tokens"] = spec.draft
             kwargs["accepted_tokens"] = spec.accepted
         self.step_spans.finish(
@@ -252,7 +258,7 @@ class EngineCoreAdapter:
             return
         if len(self._open) >= MAX_OPEN_STEPS:  # outputs that never came back: end the oldest
             self._finish(self._open.pop(next(iter(self._open))), None)
-        self._open[id(output)] = _OpenStep(output, span, self._cpu0_ns, tokens.decode)
+        self._open[id(output)] = _OpenStep(output, span, self._cpu0_ns, tokens.first)
         set_step_ids(output, self.step_spans.ids(span))
 
 
@@ -262,12 +268,10 @@ class SpecCounts(NamedTuple):
     Attributes:
         draft: drafts verified (scheduled drafts minus ``num_invalid_spec_tokens``).
         accepted: drafts accepted (``len(sampled_token_ids[i]) - num_sampled_tokens_per_step``).
-        unemitted: scheduled drafts not emitted (rejected, grammar-invalidated included).
     """
 
     draft: int
     accepted: int
-    unemitted: int
 
 
 def spec_decode_counts(scheduler: Any, scheduler_output: Any, model_runner_output: Any) -> SpecCounts:
@@ -282,7 +286,7 @@ def spec_decode_counts(scheduler: Any, scheduler_output: Any, model_runner_outpu
     sampled = getattr(model_runner_output, "sampled_token_ids", None)
     index = getattr(model_runner_output, "req_id_to_index", None) or {}
     invalid = scheduler_output.num_invalid_spec_tokens or {}
-    draft = accepted = unemitted = 0
+    draft = accepted = 0
     for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
         if not drafts:
             continue
@@ -295,11 +299,9 @@ def spec_decode_counts(scheduler: Any, scheduler_output: Any, model_runner_outpu
         generated = sampled[i] if sampled and i is not None else []
         if not generated and per_step != 0:
             continue
-        n_accepted = max(len(generated) - per_step, 0)
         draft += len(drafts) - invalid.get(req_id, 0)
-        accepted += n_accepted
-        unemitted += len(drafts) - n_accepted
-    return SpecCounts(draft, accepted, unemitted)
+        accepted += max(len(generated) - per_step, 0)
+    return SpecCounts(draft, accepted)
 
 
 def scheduler_state(stats: Any) -> SchedulerState | None:
