@@ -249,12 +249,19 @@ def test_with_async_scheduling_each_step_span_contains_its_device_work_and_count
             break
         time.sleep(0.3)
     assert len(devices) == len(steps)
-    # vLLM pipelined the steps: a batch was scheduled while the previous one ran
+    outside = [
+        d
+        for d in devices
+        if not steps[d["parent_span_id"]]["start_ns"]
+        <= d["start_ns"]
+        <= d["end_ns"]
+        <= steps[d["parent_span_id"]]["end_ns"]
+    ]
+    assert outside == []
+    # vLLM pipelined the steps: a batch was scheduled (its span started) before the previous
+    # batch's output was processed (that span ended)
     ordered = sorted(steps.values(), key=lambda s: s["start_ns"])
     assert any(b["start_ns"] < a["end_ns"] for a, b in zip(ordered, ordered[1:], strict=False))
-    for d in devices:
-        parent = steps[d["parent_span_id"]]
-        assert parent["start_ns"] <= d["start_ns"] and d["end_ns"] <= parent["end_ns"]
     # counts stay exact: decode = tokens after each first token; prefill = prompts + recompute
     assert decode == want_decode
     prefill = sum(s["attributes"]["llm.engine.step.prefill_tokens"] for s in steps.values())
