@@ -267,3 +267,48 @@ def test_with_async_scheduling_each_step_span_contains_its_device_work_and_count
     prefill = sum(s["attributes"]["llm.engine.step.prefill_tokens"] for s in steps.values())
     recompute = sum(s["attributes"].get("llm.engine.step.recompute_tokens", 0) for s in steps.values())
     assert prefill - recompute == sum(len(o.prompt_token_ids) for o in outputs)
+
+
+# --- speculative decoding in vLLM's multiprocess engine (the session spec_engine) -----------------
+def vllm_counters(llm) -> dict[str, float]:
+    return {
+        m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value")
+    }
+
+
+@pytest.mark.case("C24")
+def test_in_the_engine_core_process_step_spans_sum_to_vllms_spec_decode_counters(spec_engine):
+    from support.vllm_engine_features import SPEC_PROMPTS
+    from vllm import SamplingParams
+
+    spec_engine.clear()
+    before = vllm_counters(spec_engine.llm)
+    outputs = spec_engine.llm.generate(SPEC_PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    after = vllm_counters(spec_engine.llm)
+    drafted = after["vllm:spec_decode_num_draft_tokens"] - before.get("vllm:spec_decode_num_draft_tokens", 0)
+    accepted = after["vllm:spec_decode_num_accepted_tokens"] - before.get("vllm:spec_decode_num_accepted_tokens", 0)
+    assert 0 < accepted < drafted
+    ids = {o.request_id for o in outputs}
+    roots = {
+        f"{s.context.span_id:016x}"
+        for s in spec_engine.captured.finished()
+        if s.name.startswith("text_completion") and s.attributes["llm.request.id"].split("-")[0] in ids
+    }
+    assert len(roots) == len(SPEC_PROMPTS)
+    want_decode = sum(len(o.outputs[0].token_ids) - 1 for o in outputs)
+    deadline = time.time() + 30
+    while True:
+        steps = [
+            s["attributes"]
+            for s in spec_engine.receiver.spans(name="llm.engine.step")
+            if any(link["span_id"] in roots for link in s["links"])
+        ]
+        got = sum(a.get(STEP + "spec_decode.draft_tokens", 0) for a in steps)
+        decode = sum(a[STEP + "decode_tokens"] for a in steps)
+        if (got >= drafted and decode >= want_decode) or time.time() > deadline:
+            break
+        time.sleep(0.3)
+    assert got == drafted
+    assert sum(a.get(STEP + "spec_decode.accepted_tokens", 0) for a in steps) == accepted
+    assert sum(a.get(STEP + "spec_decode.rejected_tokens", 0) for a in steps) == drafted - accepted
+    assert decode == want_decode  # emitted tokens only
