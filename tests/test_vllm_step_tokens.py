@@ -199,3 +199,53 @@ def test_a_pipelined_step_span_ends_when_its_own_batch_output_is_processed(captu
     assert span2.attributes["llm.engine.step.decode_tokens"] == 1
     assert span1.start_time <= span2.start_time <= span1.end_time <= span2.end_time  # overlapping batches
     assert core._open == {}
+
+
+def spec_step(log_stats: bool):
+    """A step with ngram drafts: ``a`` drafted 3 and had 2 accepted, ``b`` drafted 2, none accepted."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    so = output({"a": 4, "b": 3}, cached=[("a", 50, 5), ("b", 50, 5)], spec={"a": [1, 2, 3], "b": [1, 2]})
+    scheduler = types.SimpleNamespace(
+        requests={"a": FakeRequest(), "b": FakeRequest()},
+        num_sampled_tokens_per_step=1,
+        log_stats=log_stats,
+        vllm_config=None,
+    )
+    mro = ModelRunnerOutput(req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1}, sampled_token_ids=[[5, 6, 7], [5]])
+    return so, scheduler, mro
+
+
+def counters(cap):
+    return {
+        name: sum(p.value for p in cap.metric_points(name))
+        for name in ("llm.server.spec_decode.draft_tokens", "llm.server.spec_decode.accepted_tokens")
+    }
+
+
+def test_spec_decode_counters_take_vllms_own_per_step_count_when_it_keeps_statistics(captured):
+    from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+    from llm_otel.instrumentation.vllm.engine_core import EngineCoreAdapter
+
+    core = EngineCoreAdapter(captured.telemetry)
+    so, scheduler, mro = spec_step(log_stats=True)
+    # unsampled step (no span open): nothing counted per request here ...
+    core.update_from_output("Scheduler.update_from_output")(lambda so, mro: {}, scheduler, (so, mro), {})
+    assert counters(captured) == {"llm.server.spec_decode.draft_tokens": 0, "llm.server.spec_decode.accepted_tokens": 0}
+    # ... vLLM hands its own count to make_stats
+    stats = SpecDecodingStats.new(3)
+    stats.observe_draft(num_draft_tokens=3, num_accepted_tokens=2)
+    stats.observe_draft(num_draft_tokens=2, num_accepted_tokens=0)
+    core.make_stats("Scheduler.make_stats")(lambda spec: object(), scheduler, (stats,), {})
+    assert counters(captured) == {"llm.server.spec_decode.draft_tokens": 5, "llm.server.spec_decode.accepted_tokens": 2}
+
+
+def test_spec_decode_counters_count_by_vllms_rule_when_it_keeps_no_statistics(captured):
+    from llm_otel.instrumentation.vllm.engine_core import EngineCoreAdapter
+
+    core = EngineCoreAdapter(captured.telemetry)
+    so, scheduler, mro = spec_step(log_stats=False)
+    core.update_from_output("Scheduler.update_from_output")(lambda so, mro: {}, scheduler, (so, mro), {})
+    core.make_stats("Scheduler.make_stats")(lambda spec: None, scheduler, (None,), {})  # log_stats off: None
+    assert counters(captured) == {"llm.server.spec_decode.draft_tokens": 5, "llm.server.spec_decode.accepted_tokens": 2}

@@ -33,7 +33,7 @@ READS: dict[str, dict] = {
     "http_handler": {"at": {0: "request", 1: "raw_request"}},
     "core.schedule": {},
     "core.update_from_output": {"at": {0: "scheduler_output", 1: "model_runner_output"}},
-    "core.make_stats": {},
+    "core.make_stats": {"at": {0: "spec_decoding_stats"}},
     "core.step": {},
     "worker.execute_model": {"at": {0: "scheduler_output"}},
     "worker.sample_tokens": {},
