@@ -77,6 +77,7 @@ def run_layout(layout: str, tmp_path) -> dict:
                 "vllm.v1.core.sched.scheduler:Scheduler.add_request",
                 "vllm.v1.core.sched.scheduler:Scheduler.schedule",
                 "vllm.v1.core.sched.scheduler:Scheduler.make_stats",
+                "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
                 "vllm.v1.engine.core:EngineCore.step_with_batch_queue",
                 "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
                 "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens",
@@ -89,7 +90,7 @@ def run_layout(layout: str, tmp_path) -> dict:
                 "vllm.v1.engine.core:EngineCore.shutdown",
                 "vllm.v1.executor.multiproc_executor:WorkerProc.shutdown",
             },
-            24,
+            25,
         ),
         # 0.33 has every target (tests/contracts/vllm-0.33.0.json); only the old OpenAI handler
         # modules of the <= 0.11 layout do not resolve, and their 0.33 alternatives do: no warning

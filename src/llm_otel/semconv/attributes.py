@@ -90,7 +90,7 @@ LLM_ENGINE_STEP_CPU_TIME = 'llm.engine.step.cpu_time'
 """CPU seconds the engine-core thread spent in the step (schedule, launch or wait for the model, update). Type: double. Origin: llm-otel."""
 
 LLM_ENGINE_STEP_DECODE_TOKENS = 'llm.engine.step.decode_tokens'
-"""Decode tokens scheduled in the step. Type: int. Origin: llm-otel."""
+"""Decode tokens of the step - each running request's last token; under speculative decoding the tokens the step emitted (accepted drafts and the bonus or recovered token, not rejected drafts - spec_decode.rejected_tokens - nor tokens the engine dropped past a stop). Type: int. Origin: llm-otel."""
 
 LLM_ENGINE_STEP_DEVICE_CLOCK = 'llm.engine.step.device.clock'
 """Which clock stamped the step's device records. Type: enum (string). Origin: llm-otel."""
@@ -114,7 +114,19 @@ LLM_ENGINE_STEP_PREEMPTED = 'llm.engine.step.preempted'
 """Requests preempted in the step. Type: int. Origin: llm-otel."""
 
 LLM_ENGINE_STEP_PREFILL_TOKENS = 'llm.engine.step.prefill_tokens'
-"""Prompt tokens scheduled in the step. Type: int. Origin: llm-otel."""
+"""Prefill tokens scheduled in the step - prompt tokens, and the prompt and output tokens requests resumed after a preemption compute again (recompute_tokens). Type: int. Origin: llm-otel."""
+
+LLM_ENGINE_STEP_RECOMPUTE_TOKENS = 'llm.engine.step.recompute_tokens'
+"""Part of prefill_tokens that requests resumed after a preemption compute again (their prompt and earlier output tokens, whose KV cache the engine dropped). Type: int. Origin: llm-otel."""
+
+LLM_ENGINE_STEP_SPEC_DECODE_ACCEPTED_TOKENS = 'llm.engine.step.spec_decode.accepted_tokens'
+"""Draft tokens the step accepted (as in `vllm:spec_decode_num_accepted_tokens`). Type: int. Origin: llm-otel."""
+
+LLM_ENGINE_STEP_SPEC_DECODE_DRAFT_TOKENS = 'llm.engine.step.spec_decode.draft_tokens'
+"""Draft tokens the step verified under speculative decoding (vLLM's count - grammar-invalidated drafts excluded - as in `vllm:spec_decode_num_draft_tokens`). Type: int. Origin: llm-otel."""
+
+LLM_ENGINE_STEP_SPEC_DECODE_REJECTED_TOKENS = 'llm.engine.step.spec_decode.rejected_tokens'
+"""Draft tokens the step rejected (draft_tokens - accepted_tokens); scheduled, computed, not emitted. Type: int. Origin: llm-otel."""
 
 LLM_ENGINE_VERSION = 'llm.engine.version'
 """Version of the serving engine distribution. Type: string. Origin: llm-otel."""
@@ -267,7 +279,7 @@ LLM_REQUEST_OPERATION = 'llm.request.operation'
 """Caller's business operation or route label from the configured inbound header (not gen_ai.operation.name), sanitised and bounded. Type: string. Origin: llm-otel."""
 
 LLM_REQUEST_PREEMPTIONS = 'llm.request.preemptions'
-"""Number of times the scheduler preempted the request (its KV cache was freed and recomputed). Type: int. Origin: llm-otel."""
+"""Number of times the scheduler preempted the request (its KV cache was freed and recomputed); on `llm.prompt` the preemptions before the first token, on `llm.token_stream` those after it. Type: int. Origin: llm-otel."""
 
 LLM_REQUEST_PREFILL_DURATION = 'llm.request.prefill.duration'
 """Seconds from first scheduling to the first output token (prefill, including chunks and recompute). Type: double. Origin: llm-otel."""
@@ -555,6 +567,10 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.engine.step.device.start_ns': 'int',
     'llm.engine.step.preempted': 'int',
     'llm.engine.step.prefill_tokens': 'int',
+    'llm.engine.step.recompute_tokens': 'int',
+    'llm.engine.step.spec_decode.accepted_tokens': 'int',
+    'llm.engine.step.spec_decode.draft_tokens': 'int',
+    'llm.engine.step.spec_decode.rejected_tokens': 'int',
     'llm.engine.version': 'string',
     'llm.gpu.ring.backend': 'string',
     'llm.health.factor': 'string',

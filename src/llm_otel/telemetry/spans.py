@@ -115,8 +115,15 @@ class SpanBuilder:
         }
         if rec.cached_tokens is not None:
             attrs[A.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = rec.cached_tokens
-        if rec.preempted_mono:
-            attrs[A.LLM_REQUEST_PREEMPTIONS] = len(rec.preempted_mono)
+        # each preemption goes on the span of the phase it happened in: before the first token on
+        # llm.prompt, after it on llm.token_stream (each span counts only its own)
+        preempt_in_prompt: list[int] = []
+        preempt_in_decode: list[int] = []
+        for t in rec.preempted_mono:
+            ts = clamp(rec.epoch_ns(t))
+            (preempt_in_prompt if first_ns is None or ts <= first_ns else preempt_in_decode).append(ts)
+        if preempt_in_prompt:
+            attrs[A.LLM_REQUEST_PREEMPTIONS] = len(preempt_in_prompt)
         if rec.handed_s is not None:  # frontend processing on the frontend's clock; then the engine's input wait
             attrs[A.LLM_REQUEST_FRONTEND_DURATION] = max(0.0, rec.handed_s - rec.arrival_s)
             if rec.queued_mono is not None:
@@ -139,13 +146,8 @@ class SpanBuilder:
             prompt.add_event(S.EVENT_LLM_REQUEST_QUEUED, timestamp=clamp(rec.epoch_ns(rec.queued_mono)))
         if rec.scheduled_mono is not None:
             prompt.add_event(S.EVENT_LLM_REQUEST_SCHEDULED, timestamp=clamp(rec.epoch_ns(rec.scheduled_mono)))
-        preempt_in_decode: list[int] = []
-        for t in rec.preempted_mono:
-            ts = clamp(rec.epoch_ns(t))
-            if first_ns is None or ts <= first_ns:
-                prompt.add_event(S.EVENT_LLM_REQUEST_PREEMPTED, timestamp=ts)
-            else:
-                preempt_in_decode.append(ts)
+        for ts in preempt_in_prompt:
+            prompt.add_event(S.EVENT_LLM_REQUEST_PREEMPTED, timestamp=ts)
         if error is not None and first_ns is None:
             prompt.set_status(Status(StatusCode.ERROR, rec.error_message or error))
         prompt.end(end_time=prompt_end)
@@ -186,7 +188,7 @@ class SpanBuilder:
                 threshold = st.stall_factor * p50
                 attrs[A.LLM_TOKEN_STALL_THRESHOLD] = threshold
         if preempts:
-            attrs[A.LLM_REQUEST_PREEMPTIONS] = len(rec.preempted_mono)
+            attrs[A.LLM_REQUEST_PREEMPTIONS] = len(preempts)
         if rec.error_type is not None:
             attrs[A.ERROR_TYPE] = rec.error_type
         span = self.tracer.start_span(

@@ -226,6 +226,15 @@ HOOKS: list[Hook] = [
     ),
     Hook(
         "vllm.v1.core.sched.scheduler",
+        "Scheduler.update_from_output",
+        "core.update_from_output",
+        V1,
+        "a batch's output processed: its step span ends (async scheduling: in a later engine step); "
+        "speculative decoding from SchedulerOutput.scheduled_spec_decode_tokens, num_invalid_spec_tokens "
+        "and ModelRunnerOutput.sampled_token_ids, req_id_to_index",
+    ),
+    Hook(
+        "vllm.v1.core.sched.scheduler",
         "Scheduler.make_stats",
         "core.make_stats",
         V1,
@@ -237,7 +246,7 @@ HOOKS: list[Hook] = [
         "EngineCore.step",
         "core.step",
         V1,
-        "step timing (wall, CPU) around schedule + execute + update",
+        "step start (wall, CPU clocks) and engine phase around schedule + execute + update",
     ),
     Hook(
         "vllm.v1.engine.core",

@@ -223,7 +223,7 @@ class WorkerAdapter:
         return steps.begin(
             list(so.num_scheduled_tokens),
             parent=step_parent(trace_id, span_id, sampled),
-            phase=step_phase(*step_tokens(so)),
+            phase=step_phase(*step_tokens(so)[:2]),
             stream=stream,
             request_spans=request_spans,
         )
