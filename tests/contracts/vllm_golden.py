@@ -34,6 +34,7 @@ CLASS_FIELDS: dict[tuple[str, str], list[str]] = {
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"): ["discard_request_mask", "input_batch", "requests"],
     ("vllm.v1.worker.gpu_input_batch", "InputBatch"): ["req_ids"],
     ("vllm.v1.worker.gpu_input_batch", "CachedRequestState"): ["output_token_ids", "sampling_params"],
+    ("vllm.v1.spec_decode.metadata", "SpecDecodeMetadata"): ["num_draft_tokens"],  # _prepare under spec decoding
     ("vllm.v1.core.sched.output", "SchedulerOutput"): [
         "finished_req_ids",
         "num_invalid_spec_tokens",
