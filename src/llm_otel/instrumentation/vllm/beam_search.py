@@ -30,20 +30,23 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from opentelemetry.trace import SpanKind
 
+from llm_otel.config import Settings
 from llm_otel.errors import guard
 from llm_otel.instrumentation.vllm.requests import EngineState, engine_params
 from llm_otel.listeners import RequestFacts
 from llm_otel.semconv import attributes as A
 from llm_otel.telemetry import RequestRecord, Telemetry
+from llm_otel.telemetry.logit_capture import logit_top_k
 
 
 class BeamCall:
     """One ``beam_search`` call: its prompts' records (by ``BeamSearchInstance``), and the records
     the internal requests of the running step belong to, in the order vLLM adds them."""
 
-    __slots__ = ("arrival_s", "params", "records", "pending", "single")
+    __slots__ = ("arrival_s", "params", "records", "pending", "single", "top_k", "prompts")
 
     def __init__(self, arrival_s: float, params: Any) -> None:
         self.arrival_s = arrival_s
@@ -51,6 +54,8 @@ class BeamCall:
         self.records: dict[int, tuple[Any, RequestRecord]] = {}  # id(instance) -> (instance, record)
         self.pending: list[RequestRecord] = []  # the running step's internal requests' records, reversed
         self.single: RequestRecord | None = None  # the OpenAI server's beam search: one prompt per call
+        self.top_k: dict[int, int] = {}  # id(record) -> k of a prompt chosen for logit statistics
+        self.prompts: dict[int, int] = {}  # id(instance) -> id of its prompt (its beams' orig_prompt)
 
 
 # The beam_search call running on this thread (its internal requests are not requests of their own).
@@ -69,6 +74,7 @@ class BeamSearch:
     requests (:meth:`_beam_internal`, called by ``OutputProcessor.add_request``'s wrapper)."""
 
     telemetry: Telemetry
+    settings: Settings  # VLLMAdapter's
     version: str
 
     _states: Any  # VLLMAdapter's: output processor -> EngineState
@@ -128,6 +134,7 @@ class BeamSearch:
                         entry = call.records.get(id(inst))
                         if entry is None:
                             entry = call.records[id(inst)] = (inst, self._beam_record(instance, call, inst))
+                            call.prompts[id(inst)] = id(inst.beams[0].orig_prompt)
                         live.append(entry)
                         order.extend([entry[1]] * len(inst.beams))
                     order.reverse()
@@ -166,6 +173,13 @@ class BeamSearch:
             request_attributes=attrs,
             facts=RequestFacts(None, {}, state.kv),
         )
+        rec.vocab_size = state.vocab_size
+        # logit statistics chosen like any other request's (LLM_OTEL_LOGIT_DIST_RATIO by trace id),
+        # built at the end from the best sequence's log-probs (the 2 * beam_width top log-probs per
+        # step vLLM computed for its own search): nothing more is asked of the engine
+        k = logit_top_k(self.settings, rec.span, recording=rec.recording, limit=2 * int(params.beam_width or 1))
+        if k:
+            call.top_k[id(rec)] = k
         rec.logprob_cap = 0
         rec.on_handed()
         return rec
@@ -270,21 +284,57 @@ class BeamSearch:
 
     def _end_beams(self, hook: str, call: BeamCall, result: Any, error: BaseException | None) -> None:
         with guard(hook, self.telemetry.errors):
-            outputs = list(result) if result is not None else []
-            for i, (_inst, rec) in enumerate(call.records.values()):
+            # an output belongs to the prompt whose beams share its sequences' orig_prompt object
+            # (vLLM copies BeamSearchInstance's prompt into every beam it derives)
+            best_of: dict[int, Any] = {}
+            for out in list(result) if result is not None else []:
+                seqs = getattr(out, "sequences", None)
+                if seqs:
+                    best_of[id(seqs[0].orig_prompt)] = seqs[0]
+            for inst, rec in call.records.values():
                 if error is not None:
                     rec.finish_reason = "error"
                     rec.error_type = type(error).__qualname__
                     rec.error_message = str(error)
                 else:
-                    seqs = getattr(outputs[i], "sequences", None) if i < len(outputs) else None
-                    if seqs:
-                        best = seqs[0]
+                    best = best_of.get(call.prompts.get(id(inst), -1))
+                    if best is not None:
+                        k = call.top_k.get(id(rec))
+                        if k:
+                            rows = beam_logprob_rows(best, k)
+                            if rows is not None:
+                                rec.logprob_cap = 1
+                                rec.on_logprobs(*rows)
                         generated = max(0, len(best.tokens) - len(_prompt_ids(best)))
                         rec.finish_reason = best.finish_reason or (
                             "length" if generated >= (getattr(call.params, "max_tokens", 0) or 0) else "stop"
                         )
                 self.telemetry.finish(rec)
+
+
+def beam_logprob_rows(seq: Any, k: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """One ``(steps, k + 1)`` pair of token-id and log-prob arrays (vLLM ``LogprobsLists`` layout:
+    column 0 the token the sequence took, columns 1.. its step's top-k by log-prob, nats) from a
+    ``BeamSearchSequence``: ``.logprobs[j]`` is the ``{token id: Logprob}`` dict of generated token
+    j (the internal request's ``2 * beam_width`` top log-probs plus the token taken), ``.tokens``
+    its prompt + generated ids. Steps with fewer than k entries are padded (id -1, log-prob -inf).
+    None when the sequence has no log-probs or they do not line up with its generated tokens."""
+    steps = list(getattr(seq, "logprobs", None) or ())
+    generated = list(seq.tokens)[len(_prompt_ids(seq)) :]
+    if not steps or len(steps) > len(generated):
+        return None
+    ids = np.full((len(steps), k + 1), -1, dtype=np.int64)
+    lps = np.full((len(steps), k + 1), -np.inf, dtype=np.float64)
+    for j, step in enumerate(steps):
+        token = generated[j]
+        taken = step.get(token)
+        ids[j, 0] = token
+        lps[j, 0] = float(taken.logprob) if taken is not None else np.nan
+        top = sorted(step.items(), key=lambda item: item[1].logprob, reverse=True)[:k]
+        for c, (tid, lp) in enumerate(top, start=1):
+            ids[j, c] = int(tid)
+            lps[j, c] = float(lp.logprob)
+    return ids, lps
 
 
 def _prompt_ids_of(call: BeamCall, rec: RequestRecord) -> list[int] | None:
