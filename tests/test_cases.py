@@ -19,10 +19,6 @@ CASE_ID = re.compile(r"C\d\d")
 
 # Cases no test shows yet, each with what is missing.
 KNOWN_GAPS = {
-    "C24": (
-        "speculative decoding: no per-request drafted/accepted or per-step drafted/accepted/rejected counts "
-        "are recorded yet (only llm.logit_dist over the emitted tokens is tested)"
-    ),
     "C25": "prefill/decode disaggregation: no span for the KV transfer, no proxy/prefill/decode trace test",
 }
 

@@ -130,6 +130,8 @@ _VLLM_ALLOWED = {
     ("vllm/__init__.py", "get_tracer_provider()"): 2,
     # the request span's kind (SERVER or INTERNAL), a value passed to Telemetry.start_request
     ("vllm/adapter.py", "from opentelemetry.trace import SpanKind"): 1,
+    ("vllm/pooling.py", "from opentelemetry.trace import SpanKind"): 1,  # pooling requests' spans
+    ("vllm/beam_search.py", "from opentelemetry.trace import SpanKind"): 1,  # a beam search's request span
     # (the providers of vLLM's engine-core and worker processes are built by the process runtime's
     # one recipe, llm_otel.process.providers.engine_process_providers: plugin.py builds none)
     # StepTracker.end(ctx): the core's step API, not Span.end

@@ -42,6 +42,8 @@ def test_the_device_check_dry_run_passes_and_prints_one_table(tmp_path):
     for label in (
         "steps complete (begin+end records)",
         "MRv2 sampler hook: spans / chosen, step us bare / hooked",
+        "MRv2 spec decode: spans / chosen, wrong step counts, sampled log-prob err",
+        "overlap: sampler call host us behind 2 ms of device work, none / one chosen",
         "NVTX",
         "NVML",
         "graph capture while drain polls (gate)",
@@ -50,6 +52,9 @@ def test_the_device_check_dry_run_passes_and_prints_one_table(tmp_path):
     results = json.loads((tmp_path / "device_check.json").read_text())
     assert results["failures"] == []
     assert results["mrv2_hook"]["spans"] == results["mrv2_hook"]["chosen"] == 32
+    spec = results["spec_decode_overlap"]
+    assert spec["spans"] == spec["chosen"] == 8 and spec["wrong_step_counts"] == []
+    assert spec["sampled_logprob_max_abs_err"] < 1e-5 and set(spec["overlap"]) == {"none", "one"}
     assert results["logit_reduction"]["top1_matches"] and results["logit_reduction"]["nonfinite_row_flagged"]
     assert sorted(results["logit_reduction"]["rows"]) == ["256", "64", "8"]
 

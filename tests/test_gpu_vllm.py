@@ -31,12 +31,15 @@ TID = "4bf92f3577b34da6a3ce929d0e0e4736"
 class NewRequestData:
     req_id: str
     sampling_params: object
+    prompt_token_ids: list = dataclasses.field(default_factory=lambda: [0, 1, 2, 3])
+    num_computed_tokens: int = 0
 
 
 @dataclasses.dataclass
 class CachedRequestData:
     req_ids: list
     num_output_tokens: list
+    num_computed_tokens: list
 
 
 @dataclasses.dataclass
@@ -47,6 +50,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set
     preempted_req_ids: set | None = None
+    scheduled_spec_decode_tokens: dict = dataclasses.field(default_factory=dict)
 
 
 def params(span_hex: str | None):
@@ -64,9 +68,10 @@ class Scheduler:
         ids = list(self.requests)
         if self.step == 1:  # prefill of every request
             new = [NewRequestData(r, self.requests[r].sampling_params) for r in ids]
-            return SchedulerOutput(new, CachedRequestData([], []), {r: 4 for r in ids}, 4 * len(ids), set())
+            return SchedulerOutput(new, CachedRequestData([], [], []), {r: 4 for r in ids}, 4 * len(ids), set())
+        n = len(ids)  # 4 prompt tokens, step - 1 outputs: the last one is decoded
         return SchedulerOutput(
-            [], CachedRequestData(ids, [self.step - 1] * len(ids)), {r: 1 for r in ids}, len(ids), set()
+            [], CachedRequestData(ids, [self.step - 1] * n, [self.step + 2] * n), {r: 1 for r in ids}, n, set()
         )
 
 
@@ -190,7 +195,7 @@ def test_a_failing_model_still_ends_the_step_and_the_error_reaches_the_engine():
     worker = WorkerAdapter(cap.telemetry)
     step = cap.telemetry.tracer.start_span("llm.engine.step")
     sc = step.get_span_context()
-    so = SchedulerOutput([], CachedRequestData(["a"], [3]), {"a": 1}, 1, set())
+    so = SchedulerOutput([], CachedRequestData(["a"], [3], [6]), {"a": 1}, 1, set())
     setattr(so, STEP_CARRIER_ATTR, (sc.trace_id, sc.span_id, True))
 
     def boom(scheduler_output, intermediate_tensors=None):
@@ -234,7 +239,7 @@ def test_a_step_whose_sample_tokens_never_came_is_ended_by_the_next_execute_mode
     cap = make_captured()
     worker, runner = WorkerAdapter(cap.telemetry), Runner()
     for span_id in (2, 3):
-        so = SchedulerOutput([], CachedRequestData(["a"], [3]), {"a": 1}, 1, set())
+        so = SchedulerOutput([], CachedRequestData(["a"], [3], [6]), {"a": 1}, 1, set())
         setattr(so, STEP_CARRIER_ATTR, (1, span_id, True))
         worker.execute_model("worker.execute_model")(runner.execute_model, runner, (so,), {})
     assert len(worker._open_steps) == 1  # only the second one is open

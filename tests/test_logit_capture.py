@@ -132,3 +132,26 @@ def test_a_stage_row_without_sampled_tokens_has_no_sampled_log_prob():
 
     row = stage_row(logit_stats(np.zeros((1, 4)), k=1), None, 0, 1, 5)
     assert row[0] == 5 and math.isnan(row[6]) and row[5] is False
+
+
+def test_staged_rows_read_each_rows_own_position_of_the_sampled_tokens_and_mark_positions_without_one():
+    """Speculative decoding: reduced row r reads sampled[sample_rows[r], pos[r]] of the
+    (num_reqs, drafts + 1) output; -1 (V1's placeholder for a rejected draft), an id outside the
+    vocabulary, or a position at or past ``num_valid`` (MRv2's num_sampled) is no token."""
+    torch = pytest.importorskip("torch")
+    logits = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
+    captured = capture_rows(logits, [0, 1, 2, 3, 4], 2)
+    sampled = torch.tensor([[4, -1, 2], [5, 9, 1]])
+    staged = captured.stage(sampled, [0, 0, 0, 1, 1], [0, 1, 2, 0, 1])
+    assert staged.ready()  # on CPU the data is on host at once
+    stats, lp, tokens = staged.result()
+    assert tokens.tolist() == [4, -1, 2, 5, -1]  # 9 is past the 6-token vocabulary
+    want = torch.log_softmax(logits, dim=1)
+    assert lp[[0, 2, 3]] == pytest.approx([float(want[0, 4]), float(want[2, 2]), float(want[3, 5])], abs=1e-6)
+    assert np.isnan(lp[[1, 4]]).all()
+    _, lp2, tokens2 = captured.stage(sampled, [0, 0, 0, 1, 1], [0, 1, 2, 0, 1], torch.tensor([3, 1])).result()
+    assert tokens2.tolist() == [4, -1, 2, 5, -1] and np.isnan(lp2[4])
+    # the synchronous path of every engine gives the same statistics
+    sync, sync_lp = captured.to_host(sampled[:, :1].repeat(3, 1)[:5], [0, 1, 2, 3, 4])
+    np.testing.assert_array_equal(sync.top_ids, stats.top_ids)
+    np.testing.assert_array_equal(sync.entropy, stats.entropy)

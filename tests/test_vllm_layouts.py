@@ -68,8 +68,16 @@ def run_layout(layout: str, tmp_path) -> dict:
             "0.7.3",
             {
                 "vllm.v1.engine.core_client:EngineCoreClient.make_async_mp_client",
+                "vllm.entrypoints.generate.beam_search.offline:BeamSearchOfflineMixin.beam_search",
+                "vllm.entrypoints.generate.beam_search.online:BeamSearchOnlineMixin.beam_search",
+                "vllm.entrypoints.generate.beam_search.offline:BeamSearchOfflineMixin._beam_search_step",
+                "vllm.entrypoints.pooling.offline:PoolingOfflineMixin.score",
+                "vllm.entrypoints.pooling.base.serving:PoolingBaseServing.__call__",
+                "vllm.entrypoints.pooling.base.serving:PoolingBaseServing._init_ctx",
+                "vllm.v1.core.sched.scheduler:Scheduler.add_request",
                 "vllm.v1.core.sched.scheduler:Scheduler.schedule",
                 "vllm.v1.core.sched.scheduler:Scheduler.make_stats",
+                "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
                 "vllm.v1.engine.core:EngineCore.step_with_batch_queue",
                 "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
                 "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens",
@@ -82,7 +90,7 @@ def run_layout(layout: str, tmp_path) -> dict:
                 "vllm.v1.engine.core:EngineCore.shutdown",
                 "vllm.v1.executor.multiproc_executor:WorkerProc.shutdown",
             },
-            17,
+            25,
         ),
         # 0.33 has every target (tests/contracts/vllm-0.33.0.json); only the old OpenAI handler
         # modules of the <= 0.11 layout do not resolve, and their 0.33 alternatives do: no warning

@@ -167,34 +167,42 @@ def test_a_slot_taken_over_without_add_request_is_not_attributed_to_its_old_requ
     assert "y" not in worker._streams and "a" not in worker._streams
 
 
-def test_rejection_sampler_reports_each_requests_first_row_and_first_token():
+@pytest.mark.case("C24")
+def test_rejection_sampler_reports_every_emitted_tokens_target_row_and_no_rejected_draft():
     cap = make_captured(Settings(capture_content=True))
     worker = WorkerAdapter(cap.telemetry)
     sampler = make_sampler()
     rejection = RejectionSampler.__new__(RejectionSampler)
     rejection.sampler = sampler  # RejectionSampler(sampler, spec_config, device)
-    add(worker, sampler, "a", 0, chosen_params("a", max_tokens=1))
+    add(worker, sampler, "a", 0, chosen_params("a", max_tokens=3))
     add(worker, sampler, "c", 1, chosen_params("c", max_tokens=1))
     # two requests with two draft tokens each: logit rows 0-2 belong to a, 3-5 to c
     logits = torch.full((6, 5), -5.0)
-    logits[0, 4], logits[3, 1] = 4.0, 4.0
-    logits[1, 0] = logits[2, 0] = logits[4, 2] = logits[5, 2] = 9.0  # draft rows: not reported
-    sampled = torch.tensor([[4, 0, 0], [2, -1, -1]])  # (num_reqs, drafts + 1); c rejected its first draft
+    logits[0, 4], logits[1, 0], logits[2, 3], logits[3, 1] = 4.0, 4.0, 4.0, 4.0
+    logits[4, 2] = logits[5, 2] = 9.0  # c's rows after its rejected first draft: not reported
+    # (num_reqs, drafts + 1): a accepted both drafts (+ bonus 3); c rejected its first (recovered 2)
+    sampled = torch.tensor([[4, 0, 3], [2, 7, 7]])  # MRv2 leaves positions past num_sampled as they were
 
     def verify(logits, input_batch, draft_logits=None, invalid_drafts=None):
         """Stands in for RejectionSampler.__call__ (vllm/v1/worker/gpu/spec_decode/rejection_sampler.py)."""
-        return sampler_output(sampled)
+        out = sampler_output(sampled)
+        return dataclasses.replace(out, num_sampled=torch.tensor([3, 1], dtype=torch.int32))
 
     step = batch(["a", "c"], [0, 1], cu=[0, 3, 6], scheduled=[3, 3])
     out = worker.sampler_call("call")(verify, rejection, (logits, step, None, None), {})
     assert out.sampled_token_ids is sampled
     spans = spans_by_parent(cap)
-    ea = [e for e in spans[SIDS["a"]].events if e.name == "llm.logit.step"][0].attributes
-    ec = [e for e in spans[SIDS["c"]].events if e.name == "llm.logit.step"][0].attributes
-    assert ea["llm.logit.top_token_ids"][0] == 4 and ec["llm.logit.top_token_ids"][0] == 1
-    lp_c = torch.log_softmax(logits[3], 0)
+    ea = [e.attributes for e in spans[SIDS["a"]].events if e.name == "llm.logit.step"]
+    ec = [e.attributes for e in spans[SIDS["c"]].events if e.name == "llm.logit.step"]
+    assert [e["llm.logit.top_token_ids"][0] for e in ea] == [4, 0, 3] and len(ec) == 1
+    lp = torch.log_softmax(logits, dim=1)
+    assert [e["llm.logit.sampled_logprob"] for e in ea] == pytest.approx(
+        [float(lp[r, t]) for r, t in ((0, 4), (1, 0), (2, 3))]
+    )
     # c's first output token is the recovered token 2, not its distribution's top token
-    assert spans[SIDS["c"]].attributes["llm.logit.perplexity"] == pytest.approx(math.exp(-float(lp_c[2])), rel=1e-5)
+    assert ec[0]["llm.logit.top_token_ids"][0] == 1 and ec[0]["llm.logit.sampled_logprob"] == pytest.approx(
+        float(lp[3, 2])
+    )
 
 
 def test_a_request_vllm_dropped_is_emitted_at_the_next_step():
@@ -308,3 +316,87 @@ def test_the_hook_table_wraps_the_real_mrv2_classes_and_restores_them():
     finally:
         remove_hooks(applied)
     assert vars(Sampler)["__call__"] is originals["vllm.v1.worker.gpu.sample.sampler:Sampler.__call__"]
+
+
+# --- deferred collection (no device sync): the same results as collecting at once ---------------
+def spec_output(sampled: list[list[int]], num_sampled: list[int]) -> SamplerOutput:
+    return dataclasses.replace(
+        sampler_output(torch.tensor(sampled)), num_sampled=torch.tensor(num_sampled, dtype=torch.int32)
+    )
+
+
+def run_steps(monkeypatch, lag: int):
+    """Four MRv2 steps under speculative decoding (one draft per request), each step's copy
+    completing ``lag`` polls later: a finishes at max_tokens while its rows are pending, its slot
+    is reused by x, c is aborted (dropped by vLLM) while pending, then the final flush. Returns the
+    spans by parent, what was emitted after each step, and the copy events."""
+    from support.deferred_copies import late_copies, step_clock
+
+    events = late_copies(monkeypatch, lag)
+    clock = step_clock(monkeypatch)
+    cap = make_captured()
+    worker = WorkerAdapter(cap.telemetry)
+    sampler = make_sampler()
+    rejection = RejectionSampler.__new__(RejectionSampler)
+    rejection.sampler = sampler
+    wrap = worker.sampler_call("call")
+    add(worker, sampler, "a", 0, chosen_params("a", max_tokens=4))
+    add(worker, sampler, "c", 1, chosen_params("c", max_tokens=50))
+    gen = torch.Generator().manual_seed(7)
+    seen = []
+
+    def step(n, req_ids, slots, out):
+        clock.step = n
+        cu = list(range(0, 2 * len(req_ids) + 1, 2))
+        logits = torch.randn(2 * len(req_ids), 16, generator=gen)
+        wrap(lambda *a: out, rejection, (logits, batch(req_ids, slots, cu=cu, scheduled=[2] * len(req_ids))), {})
+        seen.append(sorted(spans_by_parent(cap)))
+
+    step(1, ["a", "c"], [0, 1], spec_output([[3, 5], [2, 9]], [2, 1]))
+    step(2, ["a", "c"], [0, 1], spec_output([[1, 1], [4, 4]], [2, 2]))  # a: tokens 3 and 4 of 4
+    del sampler.req_states.req_id_to_index["a"]  # finished: vLLM frees slot 0 ...
+    SIDS["x"] = "00f067aa0ba902d7"
+    add(worker, sampler, "x", 0, chosen_params("x", max_tokens=1))  # ... and reuses it
+    step(3, ["x", "c"], [0, 1], spec_output([[6, 0], [8, 0]], [1, 1]))
+    del sampler.req_states.req_id_to_index["c"]  # aborted
+    step(4, ["x"], [0], spec_output([[0, 0]], [0]))  # x is done: its slot is forgotten, nothing reduced
+    waited = [e.synchronized for e in events]  # on the step path
+    worker.flush(0.0)
+    spans = spans_by_parent(cap)
+    by_parent = {
+        p: [(e.timestamp, dict(e.attributes)) for e in s.events if e.name == "llm.logit.step"] for p, s in spans.items()
+    }
+    return by_parent, seen, waited, worker
+
+
+@pytest.mark.case("C24")
+@pytest.mark.parametrize("lag", [1, 3])
+def test_deferred_collection_gives_exactly_the_results_of_collecting_at_once(monkeypatch, lag):
+    at_once, seen_at_once, _, _ = run_steps(monkeypatch, 0)
+    deferred, seen, waited, worker = run_steps(monkeypatch, lag)
+    assert deferred == at_once  # same rows, values and steps per request
+    a, c, x = (at_once[SIDS[r]] for r in ("a", "c", "x"))
+    assert [t for t, _ in a] == [1, 1, 2, 2] and [t for t, _ in c] == [1, 2, 2, 3] and [t for t, _ in x] == [3]
+    # collected at once, a is emitted at step 2; deferred, only once its last rows are collected
+    assert SIDS["a"] in seen_at_once[1] and SIDS["a"] not in seen[1]
+    assert worker._streams == {} and not worker._logits.pending
+    assert waited and not any(waited)  # no copy waited for on the step path
+
+
+def test_pending_steps_beyond_the_bound_wait_for_the_oldest_copy_not_grow(monkeypatch):
+    from support.deferred_copies import late_copies
+
+    from llm_otel.instrumentation.vllm import logit_rows
+
+    events = late_copies(monkeypatch, 10**9)  # copies that never complete by themselves
+    monkeypatch.setattr(logit_rows, "MAX_PENDING", 3)
+    cap = make_captured()
+    worker = WorkerAdapter(cap.telemetry)
+    sampler = make_sampler()
+    add(worker, sampler, "a", 0, chosen_params("a", max_tokens=50))
+    for _ in range(6):
+        worker.sampler_call("call")(greedy, sampler, (torch.randn(1, 8), batch(["a"], [0])), {})
+    assert len(worker._logits.pending) == 3
+    assert [e.synchronized for e in events] == [True, True, True, False, False, False]
+    worker.flush(0.0)
+    assert spans_by_parent(cap)[SIDS["a"]].attributes["llm.logit.steps"] == 6

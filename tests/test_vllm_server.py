@@ -330,3 +330,64 @@ def test_only_the_frontend_runs_an_exporter_process(server):
         except psutil.Error:
             continue
     assert [ppid for _, ppid in found] == [frontend.pid], f"exporter processes (pid, parent): {found}"
+
+
+@pytest.mark.parametrize(
+    "path, body, prefix",
+    [
+        ("/v1/completions", {"prompt": "def main():"}, "cmpl-"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "chatcmpl-"),
+    ],
+    ids=["completion", "chat"],
+)
+def test_request_span_carries_the_response_body_id(rx, server, path, body, prefix):
+    """A support ticket quoting the completion id finds the trace: ``gen_ai.response.id`` is the
+    ``id`` of the response body."""
+    trace_id = f"{int(time.time_ns()):032x}"
+    headers = {"traceparent": f"00-{trace_id}-{TP_PARENT}-01"}
+    payload = {"model": SERVED, "max_tokens": 4, "ignore_eos": True, **body}
+    r = httpx.post(server["base"] + path, json=payload, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    response_id = r.json()["id"]
+    assert response_id.startswith(prefix)
+    (root,) = request_spans(rx, trace_id)
+    assert root["attributes"]["gen_ai.response.id"] == response_id
+
+
+def test_beam_search_completion_is_one_request_span_with_its_usage(rx, server):
+    """``use_beam_search``: one SERVER request span under the caller's trace (not one per beam and
+    step), with the response's id and usage; the engine steps of its beams link to it."""
+    trace_id = f"{int(time.time_ns()) + 1:032x}"
+    body = {
+        "model": SERVED,
+        "prompt": "def main():",
+        "max_tokens": 5,
+        "use_beam_search": True,
+        "n": 2,
+        "ignore_eos": True,
+    }
+    r = httpx.post(
+        server["base"] + "/v1/completions",
+        json=body,
+        headers={"traceparent": f"00-{trace_id}-{TP_PARENT}-01"},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    response = r.json()
+    (root,) = request_spans(rx, trace_id)
+    a = root["attributes"]
+    assert root["name"] == f"text_completion {SERVED}"
+    assert a["gen_ai.response.id"] == response["id"]
+    assert a["llm.request.beam_width"] == 2
+    assert a["gen_ai.usage.input_tokens"] == response["usage"]["prompt_tokens"]
+    assert a["gen_ai.usage.output_tokens"] == 5  # the best beam's tokens
+    deadline = time.time() + 20
+    while True:
+        steps = [
+            s for s in rx.spans(name="llm.engine.step") if any(ln["span_id"] == root["span_id"] for ln in s["links"])
+        ]
+        if steps or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert steps, "no llm.engine.step linked to the beam search's span"
+    assert len(rx.spans(trace_id=trace_id, kind="SPAN_KIND_SERVER")) == 1

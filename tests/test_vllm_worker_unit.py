@@ -138,3 +138,142 @@ def test_engine_dying_mid_generate_ends_every_request_in_flight_with_the_error()
         assert "secret" not in (span.status.description or "")
     counts = {p.attributes.get("error.type"): p.value for p in cap.metric_points("llm.server.requests")}
     assert counts == {"EngineDeadError": 2}
+
+
+# --- speculative decoding (V1 rejection sampler layout) ------------------------------------------
+def spec_metadata(drafts: list[list[int]]):
+    """vLLM's own SpecDecodeMetadata (vllm/v1/spec_decode/metadata.py) for these draft tokens."""
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    return SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu"))
+
+
+def rejection_fn(sampled):
+    """Stands in for the V1 RejectionSampler's output: (num_reqs, max_spec_len + 1), -1 rejected."""
+
+    def sample(logits, spec_decode_metadata=None):
+        return types.SimpleNamespace(sampled_token_ids=sampled)
+
+    return sample
+
+
+def logit_steps(span):
+    return [e.attributes for e in span.events if e.name == "llm.logit.step"]
+
+
+@pytest.mark.case("C24")
+def test_speculative_steps_report_each_emitted_tokens_target_row_and_never_a_rejected_draft():
+    pytest.importorskip("vllm")
+    cap = make_captured(Settings(capture_content=True))
+    worker = WorkerAdapter(cap.telemetry)
+    chosen = {CARRIER_KEY: f"00-{TID}-{SID}-01", CARRIER_TOPK_KEY: 2}
+    r = runner({"b": None, "a": chosen}, max_tokens=10)
+    # b: 1 draft (rows 0-1); a: 3 drafts (rows 2-4) + bonus (row 5); each row's top token is its index
+    logits = torch.full((6, 8), -2.0)
+    for row in range(6):
+        logits[row, row] = 3.0 + row / 10
+    # a accepted its first draft (token 2 at row 2), rejected the second: the recovered token 5 is
+    # sampled from row 3; rows 4 and 5 are not output tokens
+    sampled = torch.tensor([[1, 7, -1, -1], [2, 5, -1, -1]])
+    out = worker.sample("hook")(rejection_fn(sampled), r, (logits, spec_metadata([[7], [2, 9, 4]])), {})
+    assert out.sampled_token_ids is sampled
+    r.requests["a"].output_token_ids += [2, 5]
+    del r.requests["a"]  # vLLM dropped it: the span comes at the next step with a chosen request
+    worker.flush(0.0)
+    (span,) = cap.finished()
+    steps = logit_steps(span)
+    assert span.attributes["llm.logit.steps"] == 2
+    assert [list(s["llm.logit.top_token_ids"])[0] for s in steps] == [2, 3]
+    lp = torch.log_softmax(logits, dim=1)
+    assert [s["llm.logit.sampled_logprob"] for s in steps] == pytest.approx([float(lp[2, 2]), float(lp[3, 5])])
+
+
+def test_a_speculative_step_past_max_tokens_or_a_stop_token_reports_only_the_tokens_vllm_keeps():
+    pytest.importorskip("vllm")
+    cap = make_captured()
+    worker = WorkerAdapter(cap.telemetry)
+    r = runner(
+        {
+            "a": {CARRIER_KEY: f"00-{TID}-{SID}-01", CARRIER_TOPK_KEY: 2},
+            "c": {CARRIER_KEY: f"00-{TID}-{'1' * 16}-01", CARRIER_TOPK_KEY: 2},
+        },
+        max_tokens=3,
+    )
+    r.requests["a"].output_token_ids += [6]  # a has 1 of its 3 tokens: 2 more are kept
+    r.requests["c"].sampling_params.eos_token_id = 4  # c stops at its second token (eos 4)
+    r.requests["c"].sampling_params.stop_token_ids = []
+    logits = torch.randn(8, 8)
+    sampled = torch.tensor([[1, 2, 3, 5], [3, 4, 6, 7]])  # all drafts accepted, bonus included
+    worker.sample("hook")(rejection_fn(sampled), r, (logits, spec_metadata([[1, 2, 3], [3, 4, 6]])), {})
+    spans = {f"{s.parent.span_id:016x}": s for s in cap.finished()}  # both done: emitted at once
+    assert spans[SID].attributes["llm.logit.steps"] == 2 and spans["1" * 16].attributes["llm.logit.steps"] == 2
+    lp = torch.log_softmax(logits, dim=1)
+    assert [s["llm.logit.sampled_logprob"] for s in logit_steps(spans["1" * 16])] == pytest.approx(
+        [float(lp[4, 3]), float(lp[5, 4])]
+    )
+
+
+def v1_spec_run(monkeypatch, lag: int):
+    """Three V1 speculative steps of two chosen requests, each step's copy completing ``lag``
+    polls later; a is dropped by vLLM (EOS) after step 2 while its rows may be pending."""
+    from support.deferred_copies import late_copies, step_clock
+
+    late_copies(monkeypatch, lag)
+    clock = step_clock(monkeypatch)
+    cap = make_captured()
+    worker = WorkerAdapter(cap.telemetry)
+    r = runner(
+        {
+            "a": {CARRIER_KEY: f"00-{TID}-{SID}-01", CARRIER_TOPK_KEY: 2},
+            "c": {CARRIER_KEY: f"00-{TID}-{'2' * 16}-01", CARRIER_TOPK_KEY: 2},
+        },
+        max_tokens=50,
+    )
+    gen = torch.Generator().manual_seed(3)
+    wrap = worker.sample("hook")
+    for n, (ids, sampled) in enumerate(
+        [(["a", "c"], [[1, 2, -1], [3, 4, 5]]), (["a", "c"], [[6, -1, -1], [7, 1, -1]]), (["c"], [[2, 2, 2]])], 1
+    ):
+        clock.step = n
+        r.input_batch.req_ids = ids
+        wrap(
+            rejection_fn(torch.tensor(sampled)),
+            r,
+            (torch.randn(3 * len(ids), 8, generator=gen), spec_metadata([[0, 0]] * len(ids))),
+            {},
+        )
+        for rid, row in zip(ids, sampled):
+            r.requests[rid].output_token_ids += [t for t in row if t >= 0]
+        if n == 2:
+            del r.requests["a"]
+    worker.flush(0.0)
+    return {
+        f"{s.parent.span_id:016x}": [(e.timestamp, dict(e.attributes)) for e in s.events if e.name == "llm.logit.step"]
+        for s in cap.finished()
+    }
+
+
+@pytest.mark.case("C24")
+def test_v1_deferred_collection_gives_exactly_the_results_of_collecting_at_once(monkeypatch):
+    pytest.importorskip("vllm")
+    at_once = v1_spec_run(monkeypatch, 0)
+    assert v1_spec_run(monkeypatch, 2) == at_once
+    assert [t for t, _ in at_once[SID]] == [1, 1, 2] and [t for t, _ in at_once["2" * 16]] == [1, 1, 1, 2, 2, 3, 3, 3]
+
+
+def test_the_idle_flush_keeps_a_request_vllm_still_holds(monkeypatch):
+    """Review finding (issue 28): vLLM's first ngram proposal compiles for seconds, so the idle
+    flush split a request's llm.logit_dist in two (1 step, then the rest)."""
+    from llm_otel.instrumentation.vllm import logit_rows
+
+    cap = make_captured()
+    worker = WorkerAdapter(cap.telemetry)
+    r = runner({"a": {CARRIER_KEY: f"00-{TID}-{SID}-01", CARRIER_TOPK_KEY: 2}}, max_tokens=100)
+    worker.sample("hook")(sample_fn, r, (torch.randn(1, 8),), {})
+    assert worker.flush(idle_s=1e-9) == 0 and cap.finished() == []  # idle, but vLLM still holds it
+    monkeypatch.setattr(logit_rows, "HELD_IDLE_S", 0.0)
+    assert worker.flush(idle_s=1e-9) == 1  # ... unless it has been held without a step for that long
+    worker.sample("hook")(sample_fn, r, (torch.randn(1, 8),), {})
+    monkeypatch.setattr(logit_rows, "HELD_IDLE_S", 120.0)
+    del r.requests["a"]  # vLLM dropped it (EOS): the idle flush emits it
+    assert worker.flush(idle_s=1e-9) == 1 and len(cap.finished()) == 2

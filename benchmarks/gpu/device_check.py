@@ -21,6 +21,11 @@ What it does, on torch's current CUDA stream (the stream vLLM's model runs on):
    tensors through stand-ins of MRv2's ``Sampler`` / ``InputBatch`` (the fields the contract test
    holds to vLLM 0.32/0.33: req_ids, idx_mapping_np, cu_num_logits_np, ...): 256 requests, 32
    chosen, spans emitted at max_tokens, hook cost per step beside the bare sampler.
+8b. **MRv2 speculative decoding and overlap** (issue 28): ``RejectionSampler.__call__`` driven the
+   same way with 3 drafts per request: every emitted row reported (``num_sampled``), sampled
+   log-probs against a reference; and the overlap figure - host time of a hooked sampler call
+   queued behind ~2 ms of device work, no chosen row vs one (the statistics are copied to pinned
+   memory with a non-blocking copy and an event, so both must stay far below 2 ms).
 9. **NVTX**: step ranges recorded by tests/nvtx_tool/recorder.c as an NVTX injection tool (what
    Nsight attaches), when a C compiler and NVTX headers are present (or a prebuilt tool is given).
 10. **NVML**: ``NvmlSource`` reads utilisation and memory of the visible GPUs.
@@ -434,6 +439,7 @@ def check_mrv2_hook(env: Env, results: dict, failures: list):
         t0 = time.perf_counter_ns()
         call(sampler.__call__, sampler, (logits, batch), {}).sampled_token_ids.cpu()
         hooked.append((time.perf_counter_ns() - t0) / 1e3)
+    worker._logits.poll(wait=True)  # the last steps' statistics may still be on their way to host
     spans = [s for s in exporter.get_finished_spans() if s.name == "llm.logit_dist"]
     results["mrv2_hook"] = {"requests": n, "chosen": n // chosen_every, "steps": steps, "spans": len(spans),
                             "bare_sampler_us_p50": percentile(bare, 50), "hooked_us_p50": percentile(hooked, 50),
@@ -442,6 +448,127 @@ def check_mrv2_hook(env: Env, results: dict, failures: list):
         failures.append(f"MRv2 hook: {len(spans)} llm.logit_dist spans, expected {n // chosen_every} of {steps} steps")
     if telemetry.errors.counts:
         failures.append(f"MRv2 hook reported errors: {dict(telemetry.errors.counts)}")
+
+
+class StandInRejectionSampler:
+    """MRv2 ``vllm.v1.worker.gpu.spec_decode.rejection_sampler.RejectionSampler``: ``sampler``
+    (the Sampler holding the chosen slots), ``__call__(logits, input_batch, draft_logits=None,
+    invalid_drafts=None) -> SamplerOutput(sampled_token_ids (num_reqs, drafts + 1), num_sampled
+    (num_reqs,))``; its outputs are given (vLLM's Triton kernels are not on this machine)."""
+
+    def __init__(self, sampler, sampled, num_sampled):
+        self.sampler = sampler
+        self.sampled = sampled
+        self.num_sampled = num_sampled
+
+    def __call__(self, logits, input_batch, draft_logits=None, invalid_drafts=None):
+        import types
+
+        return types.SimpleNamespace(sampled_token_ids=self.sampled, num_sampled=self.num_sampled)
+
+
+def _mrv2_worker(n: int, slots_chosen, max_tokens: int, drafts: int):
+    """A WorkerAdapter with ``n`` requests added to a stand-in Sampler (chosen: ``slots_chosen``),
+    an in-memory exporter and an MRv2 InputBatch stand-in of ``drafts + 1`` logit rows per request."""
+    import types
+
+    import numpy as np
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from llm_otel.config import Settings
+    from llm_otel.instrumentation.vllm.carrier import CARRIER_KEY, CARRIER_TOPK_KEY
+    from llm_otel.instrumentation.vllm.worker import WorkerAdapter
+    from llm_otel.telemetry import Telemetry
+
+    exporter = InMemorySpanExporter()
+    tp = TracerProvider()
+    tp.add_span_processor(SimpleSpanProcessor(exporter))
+    telemetry = Telemetry(tp, MeterProvider(), Settings.from_env({}))
+    worker = WorkerAdapter(telemetry)
+    sampler = StandInSampler()
+    add = worker.sampler_add_request("bench")
+    for i in range(n):
+        rid = f"req-{i}"
+        sampler.req_states.req_id_to_index[rid] = i
+        sampler.req_states.index_to_req_id[i] = rid
+        extra = {CARRIER_KEY: f"00-{i + 1:032x}-{i + 1:016x}-01", CARRIER_TOPK_KEY: 5} if i in slots_chosen else None
+        add(sampler.add_request, sampler, (i, types.SimpleNamespace(extra_args=extra, max_tokens=max_tokens)), {})
+    w = drafts + 1
+    batch = types.SimpleNamespace(
+        req_ids=[f"req-{i}" for i in range(n)], num_reqs=n, idx_mapping_np=np.arange(n),
+        cu_num_logits_np=np.arange(0, w * n + 1, w), num_computed_tokens_np=np.full(n, 100),
+        num_scheduled_tokens=np.full(n, w, dtype=np.int64), prefill_len_np=np.full(n, 50))
+    return worker, sampler, batch, exporter, telemetry
+
+
+def check_spec_decode_and_overlap(env: Env, results: dict, failures: list):
+    """MRv2 RejectionSampler hook on CUDA tensors (issue 28): every emitted token's target row is
+    reported (``num_sampled`` per request), never a rejected draft, with log-probs equal to a
+    reference; and the overlap figure: host time of a hooked sampler call queued behind ~2 ms of
+    device work, with no chosen row vs one chosen row (a device sync on the step path would make
+    the second ~2 ms), plus the wall time per pipelined step of each."""
+    torch = env.torch
+    n, drafts, steps = 64, 3, 10
+    vocab = 131072 if not env.dry else 4096
+    dtype = torch.bfloat16 if not env.dry else torch.float32
+    chosen = set(range(0, n, 8))
+    worker, sampler, batch, exporter, telemetry = _mrv2_worker(n, chosen, 10_000, drafts)
+    gen = torch.Generator(device=env.device).manual_seed(5)
+    logits = (torch.randn(n * (drafts + 1), vocab, device=env.device, generator=gen) * 3).to(dtype)
+    sampled = torch.randint(0, vocab, (n, drafts + 1), device=env.device, generator=gen)
+    num_sampled = torch.randint(1, drafts + 2, (n,), device=env.device, generator=gen).to(torch.int32)
+    rejection = StandInRejectionSampler(sampler, sampled, num_sampled)
+    call = worker.sampler_call("bench")
+    for _ in range(steps):
+        call(rejection.__call__, rejection, (logits, batch, None, None), {})
+    worker.flush(0.0)
+    spans = {s.parent.span_id - 1: s for s in exporter.get_finished_spans() if s.name == "llm.logit_dist"}
+    ns = num_sampled.cpu().tolist()
+    tokens = sampled.cpu()
+    ref = torch.log_softmax(logits.float(), dim=1).cpu()
+    wrong_counts = [i for i in chosen if i not in spans or spans[i].attributes["llm.logit.steps"] != steps * ns[i]]
+    lp_err = 0.0
+    for i in chosen:
+        if i not in spans:
+            continue
+        events = [e for e in spans[i].events if e.name == "llm.logit.step"]
+        for p, e in enumerate(events[: ns[i]]):
+            want = float(ref[i * (drafts + 1) + p, int(tokens[i, p])])
+            lp_err = max(lp_err, abs(e.attributes["llm.logit.sampled_logprob"] - want))
+    # the overlap figure
+    figures = {}
+    for label, which in (("none", set()), ("one", {0})):
+        w2, s2, b2, _, _ = _mrv2_worker(n, which, 10_000, drafts)
+        rej2 = StandInRejectionSampler(s2, sampled, num_sampled)
+        call2 = w2.sampler_call("bench")
+        host_us = []
+        env.sync()
+        t0 = time.perf_counter_ns()
+        for _ in range(30):
+            env.busy(2.0)  # the step's forward pass, still running when the sampler is called
+            t1 = time.perf_counter_ns()
+            call2(rej2.__call__, rej2, (logits, b2, None, None), {})
+            host_us.append((time.perf_counter_ns() - t1) / 1e3)
+        env.sync()
+        figures[label] = {"call_host_us_p50": percentile(host_us, 50),
+                          "step_wall_us": (time.perf_counter_ns() - t0) / 1e3 / 30}
+        w2.flush(0.0)
+    results["spec_decode_overlap"] = {
+        "requests": n, "drafts": drafts, "chosen": len(chosen), "steps": steps, "spans": len(spans),
+        "wrong_step_counts": wrong_counts, "sampled_logprob_max_abs_err": lp_err, "overlap": figures,
+        "errors": dict(telemetry.errors.counts)}
+    if wrong_counts or len(spans) != len(chosen):
+        failures.append(f"MRv2 spec decode: step counts wrong for requests {wrong_counts} ({len(spans)} spans)")
+    if lp_err > 1e-3:
+        failures.append(f"MRv2 spec decode: sampled log-prob error {lp_err:.2e}")
+    if telemetry.errors.counts:
+        failures.append(f"MRv2 spec decode hook reported errors: {dict(telemetry.errors.counts)}")
+    if not env.dry and figures["one"]["call_host_us_p50"] > 1000:
+        failures.append(f"a chosen row waits for the device: sampler call {figures['one']['call_host_us_p50']:.0f} us "
+                        f"behind 2 ms of device work (none chosen: {figures['none']['call_host_us_p50']:.0f} us)")
 
 
 NVTX_SCRIPT = r"""
@@ -614,6 +741,7 @@ def main(argv=None) -> int:
                      ("overflow", lambda: check_overflow(env, results, failures)),
                      ("logit reduction", lambda: check_logit_reduction(env, results, failures)),
                      ("MRv2 sampler hook", lambda: check_mrv2_hook(env, results, failures)),
+                     ("MRv2 spec decode + overlap", lambda: check_spec_decode_and_overlap(env, results, failures)),
                      ("NVTX", lambda: check_nvtx(results, failures, args.nvtx_tool)),
                      ("NVML", lambda: (check_nvml(results, failures) if not args.cpu_dry_run
                                        else results.__setitem__("nvml", "n/a (CPU dry run)"))),
@@ -679,6 +807,17 @@ def report(r: dict) -> str:
     if m:
         lines.append(f"| MRv2 sampler hook: spans / chosen, step us bare / hooked | {m.get('spans')}/{m.get('chosen')}, "
                      f"{fmt(m.get('bare_sampler_us_p50'))} / {fmt(m.get('hooked_us_p50'))} |")
+    sd = r.get("spec_decode_overlap") or {}
+    if sd:
+        ov = sd.get("overlap") or {}
+        lines.append(f"| MRv2 spec decode: spans / chosen, wrong step counts, sampled log-prob err | "
+                     f"{sd.get('spans')}/{sd.get('chosen')}, {len(sd.get('wrong_step_counts') or [])}, "
+                     f"{sd.get('sampled_logprob_max_abs_err', 0):.1e} |")
+        lines.append(f"| overlap: sampler call host us behind 2 ms of device work, none / one chosen | "
+                     f"{fmt((ov.get('none') or {}).get('call_host_us_p50'))} / "
+                     f"{fmt((ov.get('one') or {}).get('call_host_us_p50'))} |")
+        lines.append(f"| overlap: pipelined step wall us, none / one chosen | "
+                     f"{fmt((ov.get('none') or {}).get('step_wall_us'))} / {fmt((ov.get('one') or {}).get('step_wall_us'))} |")
     lines.append(f"| NVTX | {r.get('nvtx', 'n/a')} |")
     lines.append(f"| NVML | {r.get('nvml', 'n/a')} |")
     for key, label in (("graph_capture", "graph capture while drain polls (gate)"),

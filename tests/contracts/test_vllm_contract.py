@@ -20,7 +20,7 @@ GOLDENS = sorted(glob.glob(os.path.join(HERE, "vllm-*.json")))
 
 # What each wrapper factory reads from the hooked call, by position after ``self`` (name at that
 # position) - the wrappers take ``args[i]`` or ``kwargs[name]`` - plus names it needs anywhere.
-# Source: instrumentation/vllm/adapter.py, engine_core.py, worker.py.
+# Source: instrumentation/vllm/adapter.py, engine_core.py, spec_decode.py, worker.py.
 READS: dict[str, dict] = {
     "traced_operation": {},
     "engine_core_client": {"anywhere": ["log_stats"]},
@@ -31,8 +31,15 @@ READS: dict[str, dict] = {
     "process_outputs": {"at": {0: "engine_core_outputs", 1: "engine_core_timestamp"}},
     "abort_requests": {},
     "http_handler": {"at": {0: "request", 1: "raw_request"}},
+    "pooling_handler": {"at": {0: "request", 1: "raw_request"}},
+    "beam_search": {"at": {1: "params"}},
+    "beam_step": {"at": {0: "instances_batch"}},
+    "online_beam_search": {"at": {0: "prompt", 1: "request_id", 2: "params"}},
+    "pooling_context": {},
+    "spec.scheduler_add_request": {"at": {0: "request"}},
     "core.schedule": {},
-    "core.make_stats": {},
+    "core.update_from_output": {"at": {0: "scheduler_output", 1: "model_runner_output"}},
+    "core.make_stats": {"at": {0: "spec_decoding_stats"}},
     "core.step": {},
     "worker.execute_model": {"at": {0: "scheduler_output"}},
     "worker.sample_tokens": {},

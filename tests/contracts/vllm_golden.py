@@ -34,15 +34,30 @@ CLASS_FIELDS: dict[tuple[str, str], list[str]] = {
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"): ["discard_request_mask", "input_batch", "requests"],
     ("vllm.v1.worker.gpu_input_batch", "InputBatch"): ["req_ids"],
     ("vllm.v1.worker.gpu_input_batch", "CachedRequestState"): ["output_token_ids", "sampling_params"],
+    ("vllm.v1.spec_decode.metadata", "SpecDecodeMetadata"): ["num_draft_tokens"],  # _prepare under spec decoding
     ("vllm.v1.core.sched.output", "SchedulerOutput"): [
         "finished_req_ids",
+        "num_invalid_spec_tokens",
         "num_scheduled_tokens",
+        "preempted_req_ids",
         "scheduled_cached_reqs",
         "scheduled_new_reqs",
+        "scheduled_spec_decode_tokens",
         "total_num_scheduled_tokens",
     ],
-    ("vllm.v1.core.sched.output", "NewRequestData"): ["req_id", "sampling_params"],
-    ("vllm.v1.core.sched.output", "CachedRequestData"): ["num_output_tokens", "req_ids"],
+    ("vllm.v1.core.sched.output", "NewRequestData"): [
+        "num_computed_tokens",
+        "prefill_token_ids",
+        "prompt_token_ids",
+        "req_id",
+        "sampling_params",
+    ],
+    ("vllm.v1.core.sched.output", "CachedRequestData"): ["num_computed_tokens", "num_output_tokens", "req_ids"],
+    # engine core (instrumentation/vllm/engine_core.py: step_tokens' prompt lengths, spec_decode_counts)
+    ("vllm.v1.outputs", "ModelRunnerOutput"): ["req_id_to_index", "sampled_token_ids"],
+    ("vllm.v1.spec_decode.metrics", "SpecDecodingStats"): ["num_accepted_tokens", "num_draft_tokens"],
+    ("vllm.v1.engine", "EngineCoreOutputs"): ["outputs"],
+    ("vllm.v1.engine", "EngineCoreOutput"): ["new_token_ids"],
     # Model Runner V2 (worker.py: sampler_add_request, sampler_call, _prepare_mrv2)
     ("vllm.v1.worker.gpu.input_batch", "InputBatch"): [
         "cu_num_logits_np",
@@ -56,7 +71,7 @@ CLASS_FIELDS: dict[tuple[str, str], list[str]] = {
     ("vllm.v1.worker.gpu.states", "RequestState"): ["index_to_req_id", "req_id_to_index"],
     ("vllm.v1.worker.gpu.sample.sampler", "Sampler"): ["req_states"],
     ("vllm.v1.worker.gpu.spec_decode.rejection_sampler", "RejectionSampler"): ["sampler"],
-    ("vllm.v1.worker.gpu.sample.output", "SamplerOutput"): ["sampled_token_ids"],
+    ("vllm.v1.worker.gpu.sample.output", "SamplerOutput"): ["num_sampled", "sampled_token_ids"],
 }
 
 

@@ -32,7 +32,9 @@ _KEY_ATTRS = [
     (A.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS, "cached", None, ""),
     (A.GEN_AI_RESPONSE_FINISH_REASONS, "finish", None, ""),
     (A.LLM_TIME_TO_FIRST_TOKEN, "ttft", 1e3, "ms"),
+    # the phases of llm.prompt, in order: they add up to the request's TTFT
     (A.LLM_REQUEST_FRONTEND_DURATION, "frontend", 1e3, "ms"),
+    (A.LLM_REQUEST_ENGINE_INPUT_WAIT_DURATION, "input_wait", 1e3, "ms"),
     (A.LLM_REQUEST_QUEUE_DURATION, "queue", 1e3, "ms"),
     (A.LLM_REQUEST_PREFILL_DURATION, "prefill", 1e3, "ms"),
     (A.LLM_TIME_PER_OUTPUT_TOKEN, "tpot", 1e3, "ms"),

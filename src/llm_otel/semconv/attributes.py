@@ -90,7 +90,7 @@ LLM_ENGINE_STEP_CPU_TIME = 'llm.engine.step.cpu_time'
 """CPU seconds the engine-core thread spent in the step (schedule, launch or wait for the model, update). Type: double. Origin: llm-otel."""
 
 LLM_ENGINE_STEP_DECODE_TOKENS = 'llm.engine.step.decode_tokens'
-"""Decode tokens scheduled in the step. Type: int. Origin: llm-otel."""
+"""Decode tokens of the step - each running request's last token; under speculative decoding the tokens the step emitted (accepted drafts and the bonus or recovered token, not rejected drafts - spec_decode.rejected_tokens - nor tokens the engine dropped past a stop). Type: int. Origin: llm-otel."""
 
 LLM_ENGINE_STEP_DEVICE_CLOCK = 'llm.engine.step.device.clock'
 """Which clock stamped the step's device records. Type: enum (string). Origin: llm-otel."""
@@ -114,7 +114,19 @@ LLM_ENGINE_STEP_PREEMPTED = 'llm.engine.step.preempted'
 """Requests preempted in the step. Type: int. Origin: llm-otel."""
 
 LLM_ENGINE_STEP_PREFILL_TOKENS = 'llm.engine.step.prefill_tokens'
-"""Prompt tokens scheduled in the step. Type: int. Origin: llm-otel."""
+"""Prefill tokens scheduled in the step - prompt tokens, and the prompt and output tokens requests resumed after a preemption compute again (recompute_tokens). Type: int. Origin: llm-otel."""
+
+LLM_ENGINE_STEP_RECOMPUTE_TOKENS = 'llm.engine.step.recompute_tokens'
+"""Part of prefill_tokens that requests resumed after a preemption compute again (their prompt and earlier output tokens, whose KV cache the engine dropped). Type: int. Origin: llm-otel."""
+
+LLM_ENGINE_STEP_SPEC_DECODE_ACCEPTED_TOKENS = 'llm.engine.step.spec_decode.accepted_tokens'
+"""Draft tokens the step accepted (as in `vllm:spec_decode_num_accepted_tokens`). Type: int. Origin: llm-otel."""
+
+LLM_ENGINE_STEP_SPEC_DECODE_DRAFT_TOKENS = 'llm.engine.step.spec_decode.draft_tokens'
+"""Draft tokens the step verified under speculative decoding (vLLM's count - grammar-invalidated drafts excluded - as in `vllm:spec_decode_num_draft_tokens`). Type: int. Origin: llm-otel."""
+
+LLM_ENGINE_STEP_SPEC_DECODE_REJECTED_TOKENS = 'llm.engine.step.spec_decode.rejected_tokens'
+"""Draft tokens the step rejected (draft_tokens - accepted_tokens); scheduled, computed, not emitted. Type: int. Origin: llm-otel."""
 
 LLM_ENGINE_VERSION = 'llm.engine.version'
 """Version of the serving engine distribution. Type: string. Origin: llm-otel."""
@@ -215,6 +227,9 @@ LLM_PROCESS_ROLE = 'llm.process.role'
 LLM_PROCESS_TENSOR_PARALLEL_RANK = 'llm.process.tensor_parallel.rank'
 """Tensor-parallel rank of a model worker (vLLM worker rank modulo `tensor_parallel_size`; LightLLM model-infer rank within its data-parallel group, `rank % (tp // dp)`, v1.0.0 its `tp_rank`). Type: int. Origin: llm-otel."""
 
+LLM_REQUEST_BEAM_WIDTH = 'llm.request.beam_width'
+"""Beams kept per step (vLLM BeamSearchParams.beam_width); set only on beam-search requests. Type: int. Origin: llm-otel."""
+
 LLM_REQUEST_CHOICE_INDEX = 'llm.request.choice.index'
 """Index of this choice among the `n` parallel samples of one request (0 when n=1). With n > 1 each choice has its own request span (its gen_ai.usage.input_tokens is the shared prompt's, its output tokens its own); request-level metrics count the request once (llm.server.token.usage, llm.server.requests, gen_ai.server.request.duration). Type: int. Origin: llm-otel."""
 
@@ -264,7 +279,7 @@ LLM_REQUEST_OPERATION = 'llm.request.operation'
 """Caller's business operation or route label from the configured inbound header (not gen_ai.operation.name), sanitised and bounded. Type: string. Origin: llm-otel."""
 
 LLM_REQUEST_PREEMPTIONS = 'llm.request.preemptions'
-"""Number of times the scheduler preempted the request (its KV cache was freed and recomputed). Type: int. Origin: llm-otel."""
+"""Number of times the scheduler preempted the request (its KV cache was freed and recomputed); on `llm.prompt` the preemptions before the first token, on `llm.token_stream` those after it. Type: int. Origin: llm-otel."""
 
 LLM_REQUEST_PREFILL_DURATION = 'llm.request.prefill.duration'
 """Seconds from first scheduling to the first output token (prefill, including chunks and recompute). Type: double. Origin: llm-otel."""
@@ -274,6 +289,22 @@ LLM_REQUEST_PRIORITY = 'llm.request.priority'
 
 LLM_REQUEST_QUEUE_DURATION = 'llm.request.queue.duration'
 """Seconds the request waited in the scheduler's waiting queue (QUEUED to first SCHEDULED event); time spent before it reached the scheduler is in llm.request.frontend.duration. Type: double. Origin: llm-otel."""
+
+LLM_REQUEST_SPEC_DECODE_ACCEPTANCE_RATE = 'llm.request.spec_decode.acceptance_rate'
+"""accepted_tokens / draft_tokens (0 when nothing was drafted). Type: double. Origin: llm-otel."""
+
+LLM_REQUEST_SPEC_DECODE_ACCEPTED_HISTOGRAM = 'llm.request.spec_decode.accepted_histogram'
+"""Verify steps by accepted draft tokens - element j counts the steps that accepted exactly j drafts (length num_speculative_tokens + 1); the step emitted j + 1 tokens. Sums to llm.request.spec_decode.steps.
+ Type: int[]. Origin: llm-otel."""
+
+LLM_REQUEST_SPEC_DECODE_ACCEPTED_TOKENS = 'llm.request.spec_decode.accepted_tokens'
+"""Draft tokens the target model accepted for the request (bonus and recovered tokens are not drafts and not counted). Type: int. Origin: llm-otel."""
+
+LLM_REQUEST_SPEC_DECODE_DRAFT_TOKENS = 'llm.request.spec_decode.draft_tokens'
+"""Draft tokens the proposer offered for the request over all its verify steps (grammar-invalidated drafts excluded, as vLLM counts them). Type: int. Origin: llm-otel."""
+
+LLM_REQUEST_SPEC_DECODE_STEPS = 'llm.request.spec_decode.steps'
+"""Verify steps of the request - steps in which drafts were checked and at least one token was emitted. Type: int. Origin: llm-otel."""
 
 LLM_REQUEST_TENANT = 'llm.request.tenant'
 """Tenant of the request from the configured inbound header (LLM_OTEL_CLASS_HEADERS), sanitised; `other` when over the cardinality bound or invalid. Type: string. Origin: llm-otel."""
@@ -536,6 +567,10 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.engine.step.device.start_ns': 'int',
     'llm.engine.step.preempted': 'int',
     'llm.engine.step.prefill_tokens': 'int',
+    'llm.engine.step.recompute_tokens': 'int',
+    'llm.engine.step.spec_decode.accepted_tokens': 'int',
+    'llm.engine.step.spec_decode.draft_tokens': 'int',
+    'llm.engine.step.spec_decode.rejected_tokens': 'int',
     'llm.engine.version': 'string',
     'llm.gpu.ring.backend': 'string',
     'llm.health.factor': 'string',
@@ -569,6 +604,7 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.process.ray': 'boolean',
     'llm.process.role': 'string',
     'llm.process.tensor_parallel.rank': 'int',
+    'llm.request.beam_width': 'int',
     'llm.request.choice.index': 'int',
     'llm.request.class.key': 'string',
     'llm.request.class.reason': 'string',
@@ -589,6 +625,11 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.request.prefill.duration': 'double',
     'llm.request.priority': 'string',
     'llm.request.queue.duration': 'double',
+    'llm.request.spec_decode.acceptance_rate': 'double',
+    'llm.request.spec_decode.accepted_histogram': 'int[]',
+    'llm.request.spec_decode.accepted_tokens': 'int',
+    'llm.request.spec_decode.draft_tokens': 'int',
+    'llm.request.spec_decode.steps': 'int',
     'llm.request.tenant': 'string',
     'llm.request.tier': 'string',
     'llm.request.timing.source': 'string',

@@ -100,6 +100,14 @@ LLM_SERVER_SLO_CHECKS = 'llm.server.slo.checks'
 """Finished requests checked against their tier's targets, one per objective the tier defines. Instrument: counter, unit: {check}."""
 LLM_SERVER_SLO_CHECKS_UNIT = '{check}'
 
+LLM_SERVER_SPEC_DECODE_ACCEPTED_TOKENS = 'llm.server.spec_decode.accepted_tokens'
+"""Draft tokens the engine accepted (equal to `vllm:spec_decode_num_accepted_tokens`); acceptance rate = accepted / draft. Instrument: counter, unit: {token}."""
+LLM_SERVER_SPEC_DECODE_ACCEPTED_TOKENS_UNIT = '{token}'
+
+LLM_SERVER_SPEC_DECODE_DRAFT_TOKENS = 'llm.server.spec_decode.draft_tokens'
+"""Draft tokens the engine verified under speculative decoding, every step (vLLM `Scheduler.update_from_output`'s count, equal to `vllm:spec_decode_num_draft_tokens`; engine-core process). Instrument: counter, unit: {token}."""
+LLM_SERVER_SPEC_DECODE_DRAFT_TOKENS_UNIT = '{token}'
+
 LLM_SERVER_TOKEN_USAGE = 'llm.server.token.usage'
 """Input and output tokens per request served by the engine (the GenAI spec defines token usage only for clients). With n > 1 the prompt is one prompt - input tokens are observed once per request - and output tokens once per choice, so the sums equal the engine's usage (prompt_tokens, completion_tokens). Instrument: histogram, unit: {token}."""
 LLM_SERVER_TOKEN_USAGE_UNIT = '{token}'

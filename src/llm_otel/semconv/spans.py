@@ -3,7 +3,7 @@
 # fmt: off
 
 LLM_ENGINE_STEP = 'llm.engine.step'
-"""One engine scheduler step / model execution; links to the request spans it served. Kind: internal."""
+"""One engine scheduler step / model execution, from the step's start until the engine has processed its batch's output (with pipelined steps - async scheduling, a batch queue - that is in a later engine step); links to the request spans it served. Kind: internal."""
 
 LLM_ENGINE_STEP_DEVICE = 'llm.engine.step.device'
 """The model execution of one engine step on the device, emitted by the process that ran the model as a child of the llm.engine.step span (in the same process or another); the step span itself never carries device times. Kind: internal."""

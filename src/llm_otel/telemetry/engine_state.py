@@ -8,7 +8,10 @@ values the engine adapter reads off the engine's own statistics (:class:`Schedul
 * ``llm.server.kv_cache.usage`` (1): KV-cache blocks in use, last step's value;
 * ``llm.server.prefix_cache.queries`` / ``.hits`` ({token}): per-step deltas of prompt tokens
   looked up / found in the prefix cache (hit ratio = rate(hits) / rate(queries));
-* ``llm.server.requests.running`` / ``.waiting`` ({request}).
+* ``llm.server.requests.running`` / ``.waiting`` ({request});
+* ``llm.server.spec_decode.draft_tokens`` / ``.accepted_tokens`` ({token}): draft tokens verified
+  / accepted under speculative decoding, every step (vLLM: counted from the step's
+  ``SchedulerOutput`` and ``ModelRunnerOutput`` as ``Scheduler.update_from_output`` counts them).
 
 A value the installed engine does not report leaves its metric absent (never zero), logged once.
 :class:`PhaseClock` tells which phase (prefill / decode / idle) the engine spent most of the
@@ -114,6 +117,16 @@ class EngineStateMetrics:
             unit=M.LLM_SERVER_PREFIX_CACHE_QUERIES_UNIT,
             description="Prompt tokens looked up in the engine's prefix cache.",
         )
+        self.draft_tokens = meter.create_counter(
+            M.LLM_SERVER_SPEC_DECODE_DRAFT_TOKENS,
+            unit=M.LLM_SERVER_SPEC_DECODE_DRAFT_TOKENS_UNIT,
+            description="Draft tokens the engine verified under speculative decoding.",
+        )
+        self.accepted_tokens = meter.create_counter(
+            M.LLM_SERVER_SPEC_DECODE_ACCEPTED_TOKENS,
+            unit=M.LLM_SERVER_SPEC_DECODE_ACCEPTED_TOKENS_UNIT,
+            description="Draft tokens the engine accepted under speculative decoding.",
+        )
 
         def gauge(name: str, unit: str, field: str, description: str) -> None:
             def observe(_options: CallbackOptions) -> list[Observation]:
@@ -146,6 +159,20 @@ class EngineStateMetrics:
             self._warned.add(what)
             logger.info("llm-otel: %s; the metrics from it are absent", why)
 
+    def _attrs_for(self, model: str) -> dict[str, str | int]:
+        if self.attrs is None or self.attrs[A.GEN_AI_REQUEST_MODEL] != model:
+            self.attrs = {A.GEN_AI_PROVIDER_NAME: self.provider, A.GEN_AI_REQUEST_MODEL: model}
+            if self.dp_rank is not None:
+                self.attrs[A.LLM_PROCESS_DATA_PARALLEL_RANK] = self.dp_rank
+        return self.attrs
+
+    def on_spec_decode(self, draft_tokens: int, accepted_tokens: int, model: str) -> None:
+        """One step's speculative-decoding counts (tokens): drafts verified, drafts accepted.
+        O(1); called only for steps that verified drafts."""
+        attrs = self._attrs_for(model)
+        self.draft_tokens.add(draft_tokens, attrs)
+        self.accepted_tokens.add(accepted_tokens, attrs)
+
     def on_step_state(self, state: SchedulerState | None, model: str) -> None:
         if state is None:
             self._missing(
@@ -154,10 +181,7 @@ class EngineStateMetrics:
                 "e.g. LLM_OTEL_VLLM_ENGINE_EVENTS=false)",
             )
             return
-        if self.attrs is None or self.attrs[A.GEN_AI_REQUEST_MODEL] != model:
-            self.attrs = {A.GEN_AI_PROVIDER_NAME: self.provider, A.GEN_AI_REQUEST_MODEL: model}
-            if self.dp_rank is not None:
-                self.attrs[A.LLM_PROCESS_DATA_PARALLEL_RANK] = self.dp_rank
+        attrs = self._attrs_for(model)
         if state.kv_cache_usage is None:
             self._missing("kv", "the engine's scheduler statistics carry no kv_cache_usage")
         else:
@@ -176,5 +200,5 @@ class EngineStateMetrics:
         if queries or not self._seen_prefix:
             # the counters exist (at 0) as soon as the engine reports prefix-cache statistics at all
             self._seen_prefix = True
-            self.queries.add(queries, self.attrs)
-            self.hits.add(int(state.prefix_hits or 0), self.attrs)
+            self.queries.add(queries, attrs)
+            self.hits.add(int(state.prefix_hits or 0), attrs)

@@ -8,9 +8,12 @@ engine (and every choice of a request) makes the same choice without telling the
 
 Capture (:func:`capture_rows`, :class:`StepLogits`, :func:`wrap_sampler`): the chosen rows of the
 step's ``(rows, vocab)`` logits are gathered and reduced on their device *before* the sampler runs
-(samplers modify logits in place); after it one ``(rows, 2k+3)`` transfer brings top-k, entropy,
-non-finite flags and the sampled tokens' log-probs to host. Nothing is allocated or launched while
-a CUDA graph is being captured (:data:`llm_otel.gpu.capture.capture_gate`).
+(samplers modify logits in place); after it the statistics, the sampled tokens and their log-probs
+are packed into one ``(rows, 2k+4)`` tensor and brought to host: synchronously by
+:meth:`StepLogits.to_host`, or without waiting for the device by :meth:`StepLogits.stage` - a
+non-blocking copy into pinned host memory and a CUDA event, collected at a later step when the
+event has completed (:class:`StagedLogits`). Nothing is allocated or launched while a CUDA graph
+is being captured (:data:`llm_otel.gpu.capture.capture_gate`).
 """
 
 from __future__ import annotations
@@ -76,19 +79,102 @@ class StepLogits:
     def to_host(
         self, sampled: Any = None, sampled_rows: list[int] | None = None
     ) -> tuple[LogitStats, NDArray[Any] | None]:
-        """``(LogitStats, sampled log-probs (rows,) or None)`` in one transfer. ``sampled``: the
-        sampler's token ids as a torch tensor, ``(n,)`` or ``(n, m)`` (column 0 is taken), whose
-        rows ``sampled_rows`` (default: :attr:`rows`) are the chosen requests' tokens, in order."""
-        picked = None
-        if sampled is not None:
-            import torch
+        """``(LogitStats, sampled log-probs (rows,) or None)`` in one synchronous transfer.
+        ``sampled``: the sampler's token ids as a torch tensor, ``(n,)`` or ``(n, m)`` (column 0 is
+        taken), whose rows ``sampled_rows`` (default: :attr:`rows`) are the chosen requests' tokens,
+        in order."""
+        stats, sampled_lp, _ = self.stage(sampled, sampled_rows, synchronous=True).result()
+        return stats, sampled_lp
 
-            rows = self.rows if sampled_rows is None else sampled_rows
-            index = torch.tensor(rows, dtype=torch.long).to(sampled.device, non_blocking=True)
-            picked = sampled.index_select(0, index)
-            if picked.dim() > 1:
-                picked = picked[:, 0]
-        return self.stats.to_host(picked)
+    def stage(
+        self,
+        sampled: Any = None,
+        sampled_rows: list[int] | None = None,
+        sampled_cols: list[int] | None = None,
+        num_valid: Any = None,
+        *,
+        synchronous: bool = False,
+    ) -> StagedLogits:
+        """Start bringing the statistics to host without waiting for the device.
+
+        Args:
+            sampled: the sampler's token ids, a torch ``(n,)`` or ``(n, m)`` tensor (under
+                speculative decoding ``(num_reqs, drafts + 1)`` with -1 for rejected positions).
+            sampled_rows: per reduced row, its row in ``sampled`` (default: :attr:`rows`).
+            sampled_cols: per reduced row, its column in a 2-D ``sampled`` (default: 0).
+            num_valid: optional ``(n,)`` tensor, valid tokens per row of ``sampled`` (MRv2's
+                ``num_sampled``); positions at or beyond it count as no token.
+            synchronous: copy to host now (the engine waits for the device), as :meth:`to_host`.
+
+        Returns:
+            A :class:`StagedLogits`; its :meth:`~StagedLogits.result` gives the host statistics,
+            the sampled tokens' log-probs and the token ids (-1 where a reduced row has no emitted
+            token). On CPU the work is done at once; on CUDA the copy goes to pinned memory with
+            ``non_blocking=True`` and an event is recorded on the current stream after it.
+        """
+        import torch
+
+        with torch.no_grad():
+            picked = None
+            if sampled is not None:
+                rows = self.rows if sampled_rows is None else sampled_rows
+                pin = sampled.device.type == "cuda"
+                r = torch.tensor(rows, dtype=torch.long, pin_memory=pin).to(sampled.device, non_blocking=True)
+                if sampled.dim() > 1:
+                    cols = [0] * len(rows) if sampled_cols is None else sampled_cols
+                    c = torch.tensor(cols, dtype=torch.long, pin_memory=pin).to(sampled.device, non_blocking=True)
+                    picked = sampled[r, c].long()
+                    if num_valid is not None:
+                        picked = torch.where(c < num_valid.to(sampled.device)[r], picked, torch.full_like(picked, -1))
+                else:
+                    picked = sampled.index_select(0, r).long()
+            packed = self.stats.pack(picked)
+            with_sampled = picked is not None
+            if packed.device.type != "cuda" or synchronous:
+                return StagedLogits(packed.cpu(), None, None, self.stats.k, with_sampled)
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            return StagedLogits(host, event, packed, self.stats.k, with_sampled)
+
+
+class StagedLogits:
+    """One step's packed statistics on their way to host (:meth:`StepLogits.stage`).
+
+    ``host``: the ``(rows, 2k+2)`` or ``(rows, 2k+4)`` host tensor (pinned on CUDA, written by a
+    non-blocking copy); ``event``: the CUDA event recorded after that copy, None when the data is
+    already on host; ``device``: the device tensor, kept alive until the copy is done."""
+
+    __slots__ = ("host", "event", "device", "k", "with_sampled")
+
+    def __init__(self, host: Any, event: Any, device: Any, k: int, with_sampled: bool) -> None:
+        self.host = host
+        self.event = event
+        self.device = device
+        self.k = k
+        self.with_sampled = with_sampled
+
+    def ready(self) -> bool:
+        """True when :meth:`result` will not wait for the device (``event.query()``; never blocks)."""
+        if self.event is None:
+            return True
+        if not self.event.query():
+            return False
+        self.event = self.device = None  # the copy is done: result() will not wait
+        return True
+
+    def result(self) -> tuple[LogitStats, NDArray[Any] | None, NDArray[Any] | None]:
+        """``(LogitStats, sampled log-probs (rows,) or None, sampled token ids (rows,) int64 or
+        None)``; token id -1 (log-prob NaN) where a row has no emitted token. Waits for the copy
+        (``event.synchronize()``) when it is not :meth:`ready` yet."""
+        from llm_otel.telemetry.logits import unpack_packed
+
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+            self.device = None
+        return unpack_packed(self.host.numpy(), self.k, self.with_sampled)
 
 
 def stage_row(

@@ -146,8 +146,12 @@ class TorchLogitStats:
             self.entropy = -(self.logp.exp() * self.logp.clamp(min=floor)).sum(dim=1)
             self.top_lp, self.top_ids = torch.topk(self.logp, k, dim=1)
 
-    def to_host(self, sampled_ids: Any = None) -> tuple[LogitStats, np.ndarray | None]:
-        """``(LogitStats, sampled log-probs (rows,) or None)``; ``sampled_ids``: ``(rows,)`` token ids."""
+    def pack(self, sampled_ids: Any = None) -> Any:
+        """The statistics as one ``(rows, 2k+2)`` float64 tensor on the logits' device, nothing
+        moved to host: top ids, top log-probs, entropy, non-finite flag; with ``sampled_ids``
+        (``(rows,)`` token ids, -1 or >= vocab for none) two more columns: the sampled token's
+        log-prob (NaN for none) and the token id itself (-1 for none). Launches work only, never
+        waits for the device (no data-dependent branch)."""
         import torch
 
         with torch.no_grad():
@@ -159,11 +163,29 @@ class TorchLogitStats:
             ]
             if sampled_ids is not None:
                 ids = sampled_ids.reshape(-1, 1).long().to(self.logp.device)
-                parts.append(self.logp.gather(1, ids).double())
-            host = torch.cat(parts, dim=1).cpu().numpy()
-        k = self.k
-        stats = _unpack(host[:, : 2 * k + 2], k)
-        return stats, (host[:, 2 * k + 2].copy() if sampled_ids is not None else None)
+                vocab = self.logp.shape[1]
+                valid = (ids >= 0) & (ids < vocab)
+                lp = self.logp.gather(1, ids.clamp(0, vocab - 1)).double()
+                parts.append(torch.where(valid, lp, torch.full_like(lp, float("nan"))))
+                parts.append(torch.where(valid, ids, torch.full_like(ids, -1)).double())
+            return torch.cat(parts, dim=1)
+
+    def to_host(self, sampled_ids: Any = None) -> tuple[LogitStats, np.ndarray | None]:
+        """``(LogitStats, sampled log-probs (rows,) or None)``; ``sampled_ids``: ``(rows,)`` token ids.
+        One synchronous ``(rows, 2k+4)`` transfer (:meth:`pack`)."""
+        stats, sampled_lp, _ = unpack_packed(self.pack(sampled_ids).cpu().numpy(), self.k, sampled_ids is not None)
+        return stats, sampled_lp
+
+
+def unpack_packed(
+    host: np.ndarray, k: int, with_sampled: bool
+) -> tuple[LogitStats, np.ndarray | None, np.ndarray | None]:
+    """A host copy of :meth:`TorchLogitStats.pack` as ``(LogitStats, sampled log-probs (rows,),
+    sampled token ids (rows,) int64, -1 for none)``; the last two None without sampled columns."""
+    stats = _unpack(host[:, : 2 * k + 2], k)
+    if not with_sampled:
+        return stats, None, None
+    return stats, host[:, 2 * k + 2].copy(), host[:, 2 * k + 3].astype(np.int64)
 
 
 def _unpack(host: np.ndarray, k: int) -> LogitStats:

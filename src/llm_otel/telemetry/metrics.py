@@ -55,7 +55,7 @@ Observations = tuple[
     float | None,
     float | None,
     int,
-    int,
+    int | None,  # output tokens; None for a pooling request (none recorded)
     str | None,
 ]
 
@@ -228,7 +228,7 @@ class Instruments:
                 out / duration_s if out and duration_s > 0 else None,
                 rec.queue_time_s(),
                 rec.input_tokens,
-                out,
+                None if rec.pooling else out,
                 None,
             )
         return (
@@ -241,7 +241,7 @@ class Instruments:
             None,
             rec.queue_time_s(),
             rec.input_tokens,
-            rec.num_output_tokens,
+            None if rec.pooling else rec.num_output_tokens,
             self.error_type(rec.error_type),
         )
 
@@ -288,14 +288,15 @@ class Instruments:
             self.queue.record(queue, attrs, ctx)
         if whole:
             self.tokens.record(input_tokens, input_attrs, NO_TRACE)
-        self.tokens.record(output_tokens, output_attrs, NO_TRACE)
+        if output_tokens is not None:  # None: a pooling request, which has no output tokens
+            self.tokens.record(output_tokens, output_attrs, NO_TRACE)
 
     @staticmethod
     def points(obs: Observations) -> int:
         """How many metric points :meth:`apply` records for ``obs`` (for drop counts)."""
         whole = obs[1]
         if obs[10] is not None:
-            return 3 * whole + (obs[7] is not None) + 1
+            return 3 * whole + (obs[7] is not None) + (obs[9] is not None)
         return (
             3 * whole
             + (obs[3] is not None)
@@ -303,7 +304,7 @@ class Instruments:
             + len(obs[5])
             + (obs[6] is not None)
             + (obs[7] is not None)
-            + 1
+            + (obs[9] is not None)
         )
 
     def _attribute_sets(self, rec: RequestRecord) -> AttributeSets:

@@ -93,6 +93,8 @@ class RequestRecord:
         "handed_mono",
         "engine_clock",
         "choice_group",
+        "pooling",
+        "pooled_mono",
     )
 
     def __init__(
@@ -148,6 +150,10 @@ class RequestRecord:
         self.handed_mono: float | None = None
         self.engine_clock: EngineClock | None = None  # telemetry.clock.EngineClock of the engine core serving it
         self.choice_group: ChoiceGroup | None = None  # the request's choices when n > 1
+        # a pooling request (embeddings, classify, score): no output tokens; its one pooled output
+        # came at pooled_mono (engine monotonic s), the end of its prefill
+        self.pooling = False
+        self.pooled_mono: float | None = None
 
     # --- hot path ---------------------------------------------------------------------------
     def on_tokens(self, token_ids: list[int], engine_mono: float) -> int:
@@ -182,6 +188,13 @@ class RequestRecord:
         if len(self.logprob_rows) < self.logprob_cap:
             self.logprob_rows.append((token_ids, logprobs))
 
+    def annotate(self, attributes: dict[str, Any]) -> None:
+        """Set ``attributes`` on the live request span, for a recording request only: facts the
+        engine reports while the request runs (vLLM's per-request speculative-decoding figures).
+        Once per request, not per step."""
+        if self.recording and self.span is not None:
+            self.span.set_attributes(attributes)
+
     def on_handed(self) -> None:
         """The frontend hands the request to the engine core now (stamps both of its clocks)."""
         self.handed_s = time.time()
@@ -207,6 +220,7 @@ class RequestRecord:
         "error_message",
         "timing_source",
         "handed_s",
+        "pooled_mono",
     )
 
     def span_fields(self, token_ids: bool) -> tuple[Any, ...]:
@@ -230,6 +244,7 @@ class RequestRecord:
             self.error_message,
             self.timing_source,
             self.handed_s,
+            self.pooled_mono,
         )
 
     @classmethod

@@ -103,16 +103,27 @@ class SpanBuilder:
         last_ns = clamp(rec.epoch_ns(rec.step_times[-1])) if rec.step_times else None
         error = rec.error_type
 
-        # llm.prompt: arrival -> first token (or -> end when no token came)
-        prompt_end = first_ns if first_ns is not None else end_ns
+        # llm.prompt: arrival -> first token (a pooling request: its pooled output; else -> end)
+        if first_ns is None and rec.pooled_mono is not None:
+            first_out_ns: int | None = clamp(rec.epoch_ns(rec.pooled_mono))
+        else:
+            first_out_ns = first_ns
+        prompt_end = first_out_ns if first_out_ns is not None else end_ns
         attrs: dict[str, AttributeValue] = {
             A.GEN_AI_USAGE_INPUT_TOKENS: rec.input_tokens,
             A.LLM_REQUEST_TIMING_SOURCE: rec.timing_source,
         }
         if rec.cached_tokens is not None:
             attrs[A.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = rec.cached_tokens
-        if rec.preempted_mono:
-            attrs[A.LLM_REQUEST_PREEMPTIONS] = len(rec.preempted_mono)
+        # each preemption goes on the span of the phase it happened in: before the first token on
+        # llm.prompt, after it on llm.token_stream (each span counts only its own)
+        preempt_in_prompt: list[int] = []
+        preempt_in_decode: list[int] = []
+        for t in rec.preempted_mono:
+            ts = clamp(rec.epoch_ns(t))
+            (preempt_in_prompt if first_ns is None or ts <= first_ns else preempt_in_decode).append(ts)
+        if preempt_in_prompt:
+            attrs[A.LLM_REQUEST_PREEMPTIONS] = len(preempt_in_prompt)
         if rec.handed_s is not None:  # frontend processing on the frontend's clock; then the engine's input wait
             attrs[A.LLM_REQUEST_FRONTEND_DURATION] = max(0.0, rec.handed_s - rec.arrival_s)
             if rec.queued_mono is not None:
@@ -124,8 +135,8 @@ class SpanBuilder:
         queue = rec.queue_time_s()
         if queue is not None:
             attrs[A.LLM_REQUEST_QUEUE_DURATION] = queue
-        if rec.scheduled_mono is not None and first_ns is not None:
-            attrs[A.LLM_REQUEST_PREFILL_DURATION] = max(0.0, (first_ns - rec.epoch_ns(rec.scheduled_mono)) / 1e9)
+        if rec.scheduled_mono is not None and first_out_ns is not None:
+            attrs[A.LLM_REQUEST_PREFILL_DURATION] = max(0.0, (first_out_ns - rec.epoch_ns(rec.scheduled_mono)) / 1e9)
         if error is not None and first_ns is None:
             attrs[A.ERROR_TYPE] = error
         prompt = self.tracer.start_span(
@@ -135,13 +146,8 @@ class SpanBuilder:
             prompt.add_event(S.EVENT_LLM_REQUEST_QUEUED, timestamp=clamp(rec.epoch_ns(rec.queued_mono)))
         if rec.scheduled_mono is not None:
             prompt.add_event(S.EVENT_LLM_REQUEST_SCHEDULED, timestamp=clamp(rec.epoch_ns(rec.scheduled_mono)))
-        preempt_in_decode: list[int] = []
-        for t in rec.preempted_mono:
-            ts = clamp(rec.epoch_ns(t))
-            if first_ns is None or ts <= first_ns:
-                prompt.add_event(S.EVENT_LLM_REQUEST_PREEMPTED, timestamp=ts)
-            else:
-                preempt_in_decode.append(ts)
+        for ts in preempt_in_prompt:
+            prompt.add_event(S.EVENT_LLM_REQUEST_PREEMPTED, timestamp=ts)
         if error is not None and first_ns is None:
             prompt.set_status(Status(StatusCode.ERROR, rec.error_message or error))
         prompt.end(end_time=prompt_end)
@@ -182,7 +188,7 @@ class SpanBuilder:
                 threshold = st.stall_factor * p50
                 attrs[A.LLM_TOKEN_STALL_THRESHOLD] = threshold
         if preempts:
-            attrs[A.LLM_REQUEST_PREEMPTIONS] = len(rec.preempted_mono)
+            attrs[A.LLM_REQUEST_PREEMPTIONS] = len(preempts)
         if rec.error_type is not None:
             attrs[A.ERROR_TYPE] = rec.error_type
         span = self.tracer.start_span(
@@ -262,10 +268,11 @@ class SpanBuilder:
         span = cast(Span, rec.span)  # emit() runs for a recording request's span only
         attrs: dict[str, AttributeValue] = {
             A.GEN_AI_USAGE_INPUT_TOKENS: rec.input_tokens,
-            A.GEN_AI_USAGE_OUTPUT_TOKENS: rec.num_output_tokens,
             A.GEN_AI_RESPONSE_MODEL: rec.response_model,
             A.LLM_REQUEST_TIMING_SOURCE: rec.timing_source,
         }
+        if not rec.pooling:  # a pooling request has no output tokens
+            attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] = rec.num_output_tokens
         if rec.finish_reason:
             attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] = [rec.finish_reason]
         if rec.cached_tokens is not None:

@@ -5,8 +5,11 @@ device timing.
 LightLLM's router) owns the step span: it asks :meth:`EngineSteps.ready` (the
 ``LLM_OTEL_STEP_SPANS_PER_S`` budget) before doing any work for a span, passes plain values to
 :meth:`EngineSteps.start` (links to the sampled request spans of the batch, batch size, prefill /
-decode token counts, preemptions, the step's start) and ends it with :meth:`EngineSteps.finish`
-(end time, CPU time). Nothing else ever ends a step span.
+decode / recompute token counts, preemptions, the step's start) and ends it with
+:meth:`EngineSteps.finish` (end time, CPU time, and what only the step's output tells: emitted
+decode tokens, speculative-decoding drafts accepted and rejected). Nothing else ever ends a step
+span; with pipelined engines (vLLM async scheduling) it ends in a later engine step, once the
+batch's output is processed.
 
 **Device timing** (:class:`StepTracker`). The layer that runs the model (vLLM's worker) brackets
 the model execution of one batch::
@@ -131,6 +134,7 @@ class EngineSteps:
         prefill_tokens: int | None = None,
         decode_tokens: int | None = None,
         preempted: int | None = None,
+        recompute_tokens: int | None = None,
     ) -> Span | None:
         """Start the step span (takes one token of the budget) with a link to each request span;
         None when ``requests`` is empty (no sampled request in the batch: no span).
@@ -142,6 +146,8 @@ class EngineSteps:
             prefill_tokens / decode_tokens: prompt / output tokens the step computes (None: the
                 engine does not tell; the attribute is absent).
             preempted: requests the scheduler preempted in this step (None: unknown).
+            recompute_tokens: the part of ``prefill_tokens`` that requests resumed after a
+                preemption compute again (None or 0: the attribute is absent).
         """
         if not requests:
             return None
@@ -153,6 +159,8 @@ class EngineSteps:
             attrs[A.LLM_ENGINE_STEP_DECODE_TOKENS] = decode_tokens
         if preempted is not None:
             attrs[A.LLM_ENGINE_STEP_PREEMPTED] = preempted
+        if recompute_tokens:
+            attrs[A.LLM_ENGINE_STEP_RECOMPUTE_TOKENS] = recompute_tokens
         return self.telemetry.tracer.start_span(
             S.LLM_ENGINE_STEP,
             kind=SpanKind.INTERNAL,
@@ -162,11 +170,33 @@ class EngineSteps:
         )
 
     @staticmethod
-    def finish(span: Span, *, end_ns: int | None = None, cpu_time_s: float | None = None) -> None:
-        """End the step span at ``end_ns`` (epoch ns; default now) with the engine loop's CPU time
-        for the step (seconds, ``time.thread_time_ns`` delta; None: absent)."""
+    def finish(
+        span: Span,
+        *,
+        end_ns: int | None = None,
+        cpu_time_s: float | None = None,
+        decode_tokens: int | None = None,
+        draft_tokens: int | None = None,
+        accepted_tokens: int | None = None,
+    ) -> None:
+        """End the step span at ``end_ns`` (epoch ns; default now).
+
+        Args:
+            cpu_time_s: the engine loop's CPU time for the step (seconds, ``time.thread_time_ns``
+                delta; None: absent).
+            decode_tokens: the step's emitted decode tokens, known from its output (replaces the
+                scheduled count :meth:`start` set; None: keep it).
+            draft_tokens / accepted_tokens: speculative-decoding draft tokens the step verified /
+                accepted (None: no drafts in the step; rejected = draft - accepted).
+        """
         if cpu_time_s is not None:
             span.set_attribute(A.LLM_ENGINE_STEP_CPU_TIME, cpu_time_s)
+        if decode_tokens is not None:
+            span.set_attribute(A.LLM_ENGINE_STEP_DECODE_TOKENS, decode_tokens)
+        if draft_tokens is not None and accepted_tokens is not None:
+            span.set_attribute(A.LLM_ENGINE_STEP_SPEC_DECODE_DRAFT_TOKENS, draft_tokens)
+            span.set_attribute(A.LLM_ENGINE_STEP_SPEC_DECODE_ACCEPTED_TOKENS, accepted_tokens)
+            span.set_attribute(A.LLM_ENGINE_STEP_SPEC_DECODE_REJECTED_TOKENS, draft_tokens - accepted_tokens)
         span.end(end_time=end_ns)
 
     @staticmethod

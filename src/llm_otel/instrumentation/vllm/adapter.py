@@ -26,10 +26,12 @@ from typing import Any, cast
 from opentelemetry.trace import SpanKind
 
 from llm_otel.errors import guard
+from llm_otel.instrumentation.vllm.beam_search import BEAM, BeamSearch
 from llm_otel.instrumentation.vllm.engine_core import EngineCoreAdapter
 from llm_otel.instrumentation.vllm.fields import class_fields, kv_spec
 from llm_otel.instrumentation.vllm.in_flight import _REPORTED, InFlight
 from llm_otel.instrumentation.vllm.inbound import ENGINE_CARRIER, INBOUND, OPERATION, Inbound, traced_handler
+from llm_otel.instrumentation.vllm.pooling import PoolingRequests, handler_operation
 from llm_otel.instrumentation.vllm.requests import (
     ERROR_TYPES,
     EVENT_KINDS,
@@ -42,7 +44,8 @@ from llm_otel.instrumentation.vllm.requests import (
     occupancy_source,
     sampling_attributes,
 )
-from llm_otel.instrumentation.vllm.shutdown import flush_at_exit, flush_before_kill
+from llm_otel.instrumentation.vllm.shutdown import ProcessHooks
+from llm_otel.instrumentation.vllm.spec_decode import SpecDecodeAdapter, engine_spec_config, take_figures
 from llm_otel.listeners import RequestFacts
 from llm_otel.process.ports import serving_started
 from llm_otel.propagation import context_from_carrier, extract_carrier
@@ -60,7 +63,7 @@ MAX_LIVE_REQUESTS = 1_000_000  # records beyond this are not tracked (one warnin
 MAX_LORA_NAMES = 32  # distinct LoRA adapter names per process that get their own metric series
 
 
-class VLLMAdapter(InFlight):
+class VLLMAdapter(InFlight, PoolingRequests, BeamSearch, ProcessHooks):
     """Wrapper factories for the hooks in :mod:`.hooks` (each takes the hook's qualified name)."""
 
     def __init__(self, telemetry: Telemetry) -> None:
@@ -77,6 +80,7 @@ class VLLMAdapter(InFlight):
         # n > 1: vLLM's ParentRequest -> the ChoiceGroup its child requests' records share
         self._choice_groups: weakref.WeakKeyDictionary[Any, ChoiceGroup] = weakref.WeakKeyDictionary()
         self.core = EngineCoreAdapter(telemetry)
+        self.spec = SpecDecodeAdapter(telemetry)  # engine core: per-request speculative-decoding counts
         from llm_otel.instrumentation.vllm.worker import WorkerAdapter
 
         self.worker = WorkerAdapter(telemetry)
@@ -103,6 +107,7 @@ class VLLMAdapter(InFlight):
                 self.telemetry.attach_engine_load(occupancy_source(state, capacity))
         # cache_config.num_gpu_blocks is known once the engine core reported its KV pool
         state.kv = kv_spec(getattr(engine, "vllm_config", None))
+        state.spec_tokens, state.spec_public = engine_spec_config(getattr(engine, "vllm_config", None))
         if first and state.kv is not None:
             self.telemetry.attach_kv_source(kv_source_for(state, lambda s: s.kv))
 
@@ -114,7 +119,7 @@ class VLLMAdapter(InFlight):
     def traced_operation(self, hook: str):
         """LLM.generate / LLM.chat: the operation name for the requests they add, and requests
         vLLM rejects while rendering them (before the engine sees them: prompt too long, ...)."""
-        operation = "chat" if hook.endswith(".chat") else "text_completion"
+        operation = "chat" if hook.endswith(".chat") else "score" if hook.endswith(".score") else "text_completion"
 
         def wrapper(wrapped, instance, args, kwargs):
             if OPERATION.get() is not None:  # LLM.chat calling generate keeps "chat"
@@ -165,6 +170,11 @@ class VLLMAdapter(InFlight):
     def http_handler(self, hook: str):
         """OpenAI completions/chat handlers (:func:`.inbound.traced_handler`)."""
         return traced_handler(self.telemetry.errors, hook, self._rejected_http)
+
+    def pooling_handler(self, hook: str):
+        """OpenAI pooling handlers (``PoolingBaseServing.__call__``): :func:`.inbound.traced_handler`
+        with the handler's operation (:func:`.pooling.handler_operation`)."""
+        return traced_handler(self.telemetry.errors, hook, self._rejected_http, handler_operation)
 
     def _rejected_http(
         self, hook: str, args, kwargs, inbound: Inbound, arrival: float, error_type: str, message: str
@@ -257,10 +267,17 @@ class VLLMAdapter(InFlight):
     def _start(
         self, output_processor: Any, request: Any, prompt: str | None, parent_req: Any, request_index: int
     ) -> None:
+        beam = BEAM.get()
+        if beam is not None:  # an internal one-token request of LLM.beam_search: no request of its own
+            return self._beam_internal(beam, request)
         state = self._state_for(output_processor)
         rid = request.request_id
         sp = request.sampling_params
-        if sp is None or rid in state.records:  # pooling request, or a streaming-input update
+        if rid in state.records:  # a streaming-input update
+            return
+        if sp is None:  # a pooling request (PoolingParams)
+            if getattr(request, "pooling_params", None) is not None and len(state.records) < MAX_LIVE_REQUESTS:
+                self._start_pooling(state, request, prompt)
             return
         if len(state.records) >= MAX_LIVE_REQUESTS:
             if not self._warned_capacity:
@@ -285,6 +302,12 @@ class VLLMAdapter(InFlight):
             attrs[A.LLM_LORA_BASE_MODEL] = state.model
         inbound = INBOUND.get()
         carrier = ENGINE_CARRIER.get() or (inbound.carrier if inbound is not None else None)
+        # the id the client got back: the OpenAI response body's, or the offline RequestOutput.request_id
+        # (EngineCoreRequest.external_req_id; the parent's for the choices of n > 1)
+        response_id = inbound.response_id() if inbound is not None else None
+        attrs[A.GEN_AI_RESPONSE_ID] = response_id or str(
+            getattr(parent_req, "external_req_id", None) or getattr(request, "external_req_id", None) or rid
+        )
         if inbound is not None:
             inbound.started += 1
         rec = self.telemetry.start_request(
@@ -337,6 +360,8 @@ class VLLMAdapter(InFlight):
         rec.engine_clock = state.clock
         rec.choice_group = group
         state.records[rid] = rec
+        if rec.recording and state.spec_tokens:  # its final output brings vLLM's per-request spec-decode counts
+            state.spec_records[rid] = rec
         if rec.logprob_cap:
             state.logprob_records[rid] = rec
         rec.on_handed()  # vLLM sends the request to the engine core right after add_request
@@ -388,6 +413,8 @@ class VLLMAdapter(InFlight):
             ts = time.monotonic()
         else:
             state.clock.observe_output(ts, time.monotonic())
+        if state.spec_records:  # before vLLM copies a final output's spec_decode_metrics into the response
+            take_figures(outputs, state.spec_records, state.spec_public)
         keep = state.logprob_records
         if keep:
             for out in outputs:
@@ -424,6 +451,8 @@ class VLLMAdapter(InFlight):
             ids = out.new_token_ids
             if ids:
                 produced += rec.on_tokens(ids, ts)  # after vLLM trimmed tokens past a stop string
+            elif rec.pooling and out.pooling_output is not None:
+                rec.pooled_mono = ts  # the pooled result: the prefill's end
             if rid in live:
                 continue
             reason = out.finish_reason
@@ -447,14 +476,6 @@ class VLLMAdapter(InFlight):
         for rid in [rid for rid in state.records if rid not in live]:
             # tracked: not None; timing may be incomplete; counted as a hook error
             self.telemetry.finish(cast(RequestRecord, state.pop(rid)))
-
-    def process_shutdown(self, hook: str):
-        """vLLM's process-manager ``shutdown(procs, timeout)``: :func:`.shutdown.flush_before_kill`."""
-        return flush_before_kill(self.telemetry, hook)
-
-    def process_exiting(self, hook: str):
-        """EngineCore.shutdown / WorkerProc.shutdown: :func:`.shutdown.flush_at_exit`."""
-        return flush_at_exit(hook)
 
     def abort_requests(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):

@@ -3,26 +3,49 @@
 
 Engine fields read (vLLM 0.32): ``Scheduler.schedule()`` returns the step's ``SchedulerOutput``
 (``num_scheduled_tokens`` {req_id: tokens}, ``total_num_scheduled_tokens``, ``preempted_req_ids``,
-``finished_req_ids``; prefill/decode token counts in :mod:`~llm_otel.instrumentation.vllm.carrier`);
-``Scheduler.requests[req_id].sampling_params.extra_args`` holds the carrier the frontend put
-there (the request span's ``traceparent``), which becomes the step span's link to that request.
+``finished_req_ids``; prefill/decode/recompute token counts in
+:mod:`~llm_otel.instrumentation.vllm.carrier`, with the prompt lengths of
+``Scheduler.requests[req_id].num_prompt_tokens``); ``Scheduler.requests[req_id].sampling_params.extra_args``
+holds the carrier the frontend put there (the request span's ``traceparent``), which becomes the
+step span's link to that request. ``Scheduler.update_from_output(scheduler_output,
+model_runner_output)`` processes a batch's output: ``SchedulerOutput.scheduled_spec_decode_tokens``
+{req_id: draft ids} and ``.num_invalid_spec_tokens``, ``ModelRunnerOutput.sampled_token_ids`` /
+``.req_id_to_index`` and ``Scheduler.num_sampled_tokens_per_step`` give the drafts verified and
+accepted (:func:`spec_decode_counts`, vLLM's own rule, ``vllm/v1/core/sched/scheduler.py``).
 
 ``Scheduler.make_stats()`` returns the step's ``SchedulerStats`` (``kv_cache_usage``,
 ``prefix_cache_stats.queries``/``.hits``, ``num_running_reqs``/``num_waiting_reqs``), read into a
 :class:`~llm_otel.telemetry.engine_state.SchedulerState` for the engine-state metrics; each
-step's interval and whether it scheduled prompt tokens feed the GPU metrics' phase.
+step's interval and whether it scheduled prefill tokens feed the GPU metrics' phase; its
+``spec_decoding_stats`` argument (vLLM's per-step ``SpecDecodingStats``) feeds the
+speculative-decoding counters (every step, sampled or not; with vLLM's ``log_stats`` off, the
+counters come from :func:`spec_decode_counts`).
 
 A step gets a span only when at least one request in its batch is sampled (unsampled traffic
 costs a dict lookup per request per step) and the step-span budget allows it. The span starts at
-the step's start (explicit time) once ``schedule()`` has chosen the batch, its ids ride on the
-``SchedulerOutput`` to the worker, which records the step on the device timeline (docs/gpu.md),
-and this adapter ends it with the step - whether the worker runs in this process or another.
+the engine step's start (explicit time) once ``schedule()`` has chosen the batch, its ids ride on
+the ``SchedulerOutput`` to the worker, which records the step on the device timeline (docs/gpu.md,
+the child span ``llm.engine.step.device``), and this adapter ends it when ``update_from_output``
+has processed that same ``SchedulerOutput``'s model output - whether the worker runs in this
+process or another. What the span covers therefore depends on how vLLM runs its steps:
+
+* ``EngineCore.step`` (synchronous, vLLM's CPU default): schedule, execute, wait for the output,
+  update - the span ends with the update, inside the engine step.
+* ``EngineCore.step_with_batch_queue`` (async scheduling - vLLM's GPU default direction - and
+  pipeline parallelism): the engine schedules batch N+1 while batch N runs and processes N's
+  output in a later call; N's span runs from the start of the engine step that scheduled it to
+  the processing of its output, so it contains its own device work and overlaps the next
+  batch's span. Its CPU time is the engine loop's over that interval (shared with the overlapping
+  batch). Model Runner V2's async output copy is the worker's side of the same pipeline: the
+  span still ends when the engine core processes the output.
+* A span still open when an engine step raises (or one ``schedule()`` started outside a hooked
+  engine step) ends then; at most :data:`MAX_OPEN_STEPS` are open at once (the oldest ends first).
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from llm_otel.instrumentation.vllm.carrier import request_span_context, set_step_ids, step_has_prefill, step_tokens
 from llm_otel.telemetry import Telemetry
@@ -33,14 +56,24 @@ if TYPE_CHECKING:
     from llm_otel.gpu.metrics import GpuMetrics
 
 MAX_CACHED_LINKS = 100_000
+MAX_OPEN_STEPS = 16  # step spans waiting for their batch's output (vLLM keeps 2-3 batches in flight)
+
+
+class _OpenStep(NamedTuple):
+    output: Any  # the SchedulerOutput (kept so its id() cannot be reused while the span is open)
+    span: Any
+    cpu0_ns: int  # engine-loop thread CPU time when its engine step started
+    first: int  # requests whose prompt prefill completes in the step (first tokens: prefill)
 
 
 class EngineCoreAdapter:
-    """Wrapper factories for ``Scheduler.schedule``, ``Scheduler.make_stats`` and ``EngineCore.step``.
+    """Wrapper factories for ``Scheduler.schedule``, ``Scheduler.update_from_output``,
+    ``Scheduler.make_stats`` and ``EngineCore.step`` / ``.step_with_batch_queue``.
 
     The step span starts when ``schedule()`` has chosen the batch - before the model runs - so its
     ids can travel with the ``SchedulerOutput`` to the worker (:func:`~llm_otel.instrumentation.vllm.carrier.set_step_ids`),
-    whose device records and NVTX range carry them; it ends with ``EngineCore.step``. The device
+    whose device records and NVTX range carry them; it ends when ``update_from_output`` has
+    processed that batch's output (module docstring: what that covers per engine mode). The device
     timing is the worker's child span ``llm.engine.step.device``, in this process or another.
     """
 
@@ -49,7 +82,8 @@ class EngineCoreAdapter:
         self._request_spans: dict[str, Any] = {}  # req id -> sampled request SpanContext | None
         self._last_output: Any = None
         self._step_start_ns: int | None = None
-        self._span: Any = None
+        self._cpu0_ns = 0
+        self._open: dict[int, _OpenStep] = {}  # id(SchedulerOutput) -> its open step span
         self.step_spans = EngineSteps(telemetry)
         self.phase_clock = PhaseClock()
         self.state_metrics: EngineStateMetrics | None = None
@@ -68,14 +102,20 @@ class EngineCoreAdapter:
         return self.state_metrics
 
     def make_stats(self, hook: str):
-        """Scheduler.make_stats: read the statistics vLLM builds for its own loggers."""
+        """Scheduler.make_stats(spec_decoding_stats, ...): read the statistics vLLM builds for its
+        own loggers, the step's ``SpecDecodingStats`` (``num_draft_tokens``,
+        ``num_accepted_tokens``) included - O(1) per step, sampled or not."""
 
         def wrapper(wrapped, instance, args, kwargs):
             stats = wrapped(*args, **kwargs)
             try:  # per step: inline, not errors.guard (0.3-0.7 us more)
                 if self._model is None:
                     self._model = _served_model(instance)
-                self.engine_metrics().on_step_state(scheduler_state(stats), self._model)
+                metrics = self.engine_metrics()
+                metrics.on_step_state(scheduler_state(stats), self._model)
+                spec = args[0] if args else kwargs.get("spec_decoding_stats")
+                if spec is not None and stats is not None and spec.num_draft_tokens:
+                    metrics.on_spec_decode(int(spec.num_draft_tokens), int(spec.num_accepted_tokens), self._model)
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
             return stats
@@ -87,7 +127,7 @@ class EngineCoreAdapter:
             output = wrapped(*args, **kwargs)
             self._last_output = output  # the engine core's busy loop is one thread
             try:  # per step: inline, not errors.guard (0.3-0.7 us more)
-                if self._span is None and getattr(output, "total_num_scheduled_tokens", 0):
+                if getattr(output, "total_num_scheduled_tokens", 0):
                     self._start(instance, output)
             except Exception as exc:  # noqa: BLE001
                 self.telemetry.errors.report(hook, exc)
@@ -95,17 +135,56 @@ class EngineCoreAdapter:
 
         return wrapper
 
+    def update_from_output(self, hook: str):
+        """Scheduler.update_from_output(scheduler_output, model_runner_output): count the batch's
+        speculative decoding (read before vLLM updates its requests) and end the batch's step
+        span once its output is processed. The counting is O(requests with drafts): for steps
+        with a span, and for the counters only when vLLM's ``log_stats`` is off (otherwise
+        :meth:`make_stats` receives vLLM's own count)."""
+
+        def wrapper(wrapped, instance, args, kwargs):
+            spec = None
+            so = args[0] if args else kwargs.get("scheduler_output")
+            try:  # per step: inline, not errors.guard (0.3-0.7 us more)
+                if getattr(so, "scheduled_spec_decode_tokens", None):
+                    own = not getattr(instance, "log_stats", False)  # no SpecDecodingStats from vLLM
+                    if own or id(so) in self._open:
+                        mro = args[1] if len(args) > 1 else kwargs.get("model_runner_output")
+                        spec = spec_decode_counts(instance, so, mro)
+                        if own and spec.draft:
+                            if self._model is None:
+                                self._model = _served_model(instance)
+                            self.engine_metrics().on_spec_decode(spec.draft, spec.accepted, self._model)
+            except Exception as exc:  # noqa: BLE001
+                self.telemetry.errors.report(hook, exc)
+            result = wrapped(*args, **kwargs)
+            if self._open:
+                try:
+                    step = self._open.pop(id(so), None)
+                    if step is not None and step.output is so:
+                        self._finish(step, spec, result)
+                except Exception as exc:  # noqa: BLE001
+                    self.telemetry.errors.report(hook, exc)
+            return result
+
+        return wrapper
+
     def step(self, hook: str):
+        """EngineCore.step / .step_with_batch_queue: the step's start (span start, CPU clock) and
+        the engine phase; a synchronous step's span that its update did not end ends here."""
+        pipelined = hook.endswith("step_with_batch_queue")
+
         def wrapper(wrapped, instance, args, kwargs):
             self._last_output = None
-            self._span = None
             self._step_start_ns = time.time_ns()
+            self._cpu0_ns = time.thread_time_ns()
             start_mono = time.monotonic()
-            cpu0 = time.thread_time_ns()
+            failed = True
             try:
                 result = wrapped(*args, **kwargs)
+                failed = False
             finally:
-                span, self._span, self._step_start_ns = self._span, None, None
+                self._step_start_ns = None
                 output = self._last_output
                 # engine phase and engine-state metrics: every step, sampled or not; per step:
                 # inline try, not errors.guard (0.3-0.7 us more)
@@ -116,16 +195,34 @@ class EngineCoreAdapter:
                         self.phase_clock.on_step(start_mono, time.monotonic(), step_has_prefill(output))
                 except Exception as exc:  # noqa: BLE001
                     self.telemetry.errors.report(hook, exc)
-                if span is not None:
+                if self._open and (failed or not pipelined):
                     try:
-                        self.step_spans.finish(
-                            span, end_ns=time.time_ns(), cpu_time_s=(time.thread_time_ns() - cpu0) / 1e9
-                        )
+                        for key in list(self._open):
+                            self._finish(self._open.pop(key), None)
                     except Exception as exc:  # noqa: BLE001
                         self.telemetry.errors.report(hook, exc)
             return result
 
         return wrapper
+
+    def _finish(self, step: _OpenStep, spec: SpecCounts | None, outputs: Any = None) -> None:
+        """End an open step span now, with what the batch's output told (``spec``: None when
+        the step had no drafts or its output was not processed): with drafts, the decode tokens
+        become the tokens the step emitted (``EngineCoreOutputs.outputs[].new_token_ids`` of
+        ``update_from_output``'s result, less the prompts' first tokens) - accepted drafts and
+        each request's bonus or recovered token, not rejected drafts nor tokens vLLM dropped
+        past a stop (``max_tokens``)."""
+        span = step.span
+        kwargs: dict[str, Any] = {}
+        if spec is not None and spec.draft:
+            if isinstance(outputs, dict):
+                emitted = sum(len(o.new_token_ids) for eco in outputs.values() for o in eco.outputs)
+                kwargs["decode_tokens"] = max(0, emitted - step.first)
+            kwargs["draft_tokens"] = spec.draft
+            kwargs["accepted_tokens"] = spec.accepted
+        self.step_spans.finish(
+            span, end_ns=time.time_ns(), cpu_time_s=(time.thread_time_ns() - step.cpu0_ns) / 1e9, **kwargs
+        )
 
     def _request_span(self, requests: dict, req_id: str) -> Any:
         """The sampled request span's SpanContext of ``req_id`` (None: unsampled), read once per request."""
@@ -155,23 +252,68 @@ class EngineCoreAdapter:
                 linked.append(sc)
         if not linked:
             return
-        prefill, decode = step_tokens(output)
+        tokens = step_tokens(output, requests)
         start_ns = self._step_start_ns if self._step_start_ns is not None else time.time_ns()
         span = self.step_spans.start(
             linked,
             start_ns=start_ns,
             batch_size=len(scheduled),
-            prefill_tokens=prefill,
-            decode_tokens=decode,
+            prefill_tokens=tokens.prefill,
+            decode_tokens=tokens.decode,
             preempted=len(output.preempted_req_ids or ()),
+            recompute_tokens=tokens.recompute,
         )
         if TYPE_CHECKING:  # for the checker only (no check per step): ``linked`` is not empty
             assert span is not None
         if self._step_start_ns is None:  # schedule() outside a hooked step: nothing would end it
             self.step_spans.finish(span)
             return
-        self._span = span
+        if len(self._open) >= MAX_OPEN_STEPS:  # outputs that never came back: end the oldest
+            self._finish(self._open.pop(next(iter(self._open))), None)
+        self._open[id(output)] = _OpenStep(output, span, self._cpu0_ns, tokens.first)
         set_step_ids(output, self.step_spans.ids(span))
+
+
+class SpecCounts(NamedTuple):
+    """One step's speculative decoding as ``Scheduler.update_from_output`` counts it (tokens).
+
+    Attributes:
+        draft: drafts verified (scheduled drafts minus ``num_invalid_spec_tokens``).
+        accepted: drafts accepted (``len(sampled_token_ids[i]) - num_sampled_tokens_per_step``).
+    """
+
+    draft: int
+    accepted: int
+
+
+def spec_decode_counts(scheduler: Any, scheduler_output: Any, model_runner_output: Any) -> SpecCounts:
+    """The :class:`SpecCounts` of one batch, by vLLM 0.32's own rule in ``Scheduler.update_from_output``
+    (``vllm/v1/core/sched/scheduler.py``), read before it runs: for each request with
+    ``scheduled_spec_decode_tokens`` that is still live (in ``Scheduler.requests``, not finished,
+    its output not dropped as stale) and got sampled tokens (``ModelRunnerOutput.sampled_token_ids``
+    at ``req_id_to_index``), accepted = sampled - ``num_sampled_tokens_per_step`` (at least 0).
+    O(requests with drafts)."""
+    requests = scheduler.requests
+    per_step = int(getattr(scheduler, "num_sampled_tokens_per_step", 1))
+    sampled = getattr(model_runner_output, "sampled_token_ids", None)
+    index = getattr(model_runner_output, "req_id_to_index", None) or {}
+    invalid = scheduler_output.num_invalid_spec_tokens or {}
+    draft = accepted = 0
+    for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+        if not drafts:
+            continue
+        req = requests.get(req_id)
+        if req is None or req.is_finished():
+            continue
+        if getattr(req, "num_stale_output_tokens", 0) > 0 and getattr(req, "drop_stale_output", False):
+            continue
+        i = index.get(req_id)
+        generated = sampled[i] if sampled and i is not None else []
+        if not generated and per_step != 0:
+            continue
+        draft += len(drafts) - invalid.get(req_id, 0)
+        accepted += max(len(generated) - per_step, 0)
+    return SpecCounts(draft, accepted)
 
 
 def scheduler_state(stats: Any) -> SchedulerState | None:

@@ -31,6 +31,37 @@ HOOKS: list[Hook] = [
         "operation chat; prompts vLLM rejects while rendering them",
     ),
     Hook(
+        "vllm.entrypoints.generate.beam_search.offline",
+        "BeamSearchOfflineMixin.beam_search",
+        "beam_search",
+        V1,
+        "LLM.beam_search: one request span per prompt, counted once; its internal one-token requests "
+        "are not requests of their own (beam_search.py)",
+    ),
+    Hook(
+        "vllm.entrypoints.generate.beam_search.offline",
+        "BeamSearchOfflineMixin._beam_search_step",
+        "beam_step",
+        V1,
+        "one beam step: instances_batch (BeamSearchInstance.beams, BeamSearchSequence.tokens/orig_prompt), "
+        "whose internal requests it adds in beam order",
+    ),
+    Hook(
+        "vllm.entrypoints.generate.beam_search.online",
+        "BeamSearchOnlineMixin.beam_search",
+        "online_beam_search",
+        SERVE_032,
+        "OpenAI server use_beam_search: one request span per prompt, counted once; internal requests as "
+        "offline (beam_search.py)",
+    ),
+    Hook(
+        "vllm.entrypoints.pooling.offline",
+        "PoolingOfflineMixin.score",
+        "traced_operation",
+        V1,
+        "LLM.score: operation score for the pooling requests it adds (vllm/entrypoints/pooling/offline.py)",
+    ),
+    Hook(
         "vllm.v1.engine.core_client",
         "EngineCoreClient.make_client",
         "engine_core_client",
@@ -107,6 +138,21 @@ HOOKS: list[Hook] = [
         group="openai.chat",
     ),
     Hook(
+        "vllm.entrypoints.pooling.base.serving",
+        "PoolingBaseServing.__call__",
+        "pooling_handler",
+        SERVE_032,
+        "OpenAI pooling endpoints (/v1/embeddings, /classify, /score, /pooling): inbound trace headers, "
+        "kind SERVER, operation from the handler's request_id_prefix, rejected requests",
+    ),
+    Hook(
+        "vllm.entrypoints.pooling.base.serving",
+        "PoolingBaseServing._init_ctx",
+        "pooling_context",
+        SERVE_032,
+        "the pooling response's id (PoolingServeContext.request_id, embd-...) for gen_ai.response.id",
+    ),
+    Hook(
         "vllm.entrypoints.openai.serving_completion",
         "OpenAIServingCompletion.create_completion",
         "http_handler",
@@ -171,6 +217,24 @@ HOOKS: list[Hook] = [
     ),
     Hook(
         "vllm.v1.core.sched.scheduler",
+        "Scheduler.add_request",
+        "spec.scheduler_add_request",
+        V1,
+        "speculative decoding: a sampled request gets vLLM's own per-request counter "
+        "(Request.spec_decode_metrics = RequestSpecDecodeMetrics.new(num_spec_tokens)) when the operator "
+        "left --per-request-spec-decode-metrics off; the frontend reads and removes it (spec_decode.py)",
+    ),
+    Hook(
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler.update_from_output",
+        "core.update_from_output",
+        V1,
+        "a batch's output processed: its step span ends (async scheduling: in a later engine step); "
+        "speculative decoding from SchedulerOutput.scheduled_spec_decode_tokens, num_invalid_spec_tokens "
+        "and ModelRunnerOutput.sampled_token_ids, req_id_to_index",
+    ),
+    Hook(
+        "vllm.v1.core.sched.scheduler",
         "Scheduler.make_stats",
         "core.make_stats",
         V1,
@@ -182,7 +246,7 @@ HOOKS: list[Hook] = [
         "EngineCore.step",
         "core.step",
         V1,
-        "step timing (wall, CPU) around schedule + execute + update",
+        "step start (wall, CPU clocks) and engine phase around schedule + execute + update",
     ),
     Hook(
         "vllm.v1.engine.core",

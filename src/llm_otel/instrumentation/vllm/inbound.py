@@ -26,13 +26,27 @@ class Inbound:
     """One HTTP request seen by an OpenAI handler: its valid trace headers, and whether any engine
     request was started for it (if none was and the handler failed, it was rejected)."""
 
-    __slots__ = ("carrier", "operation", "started", "headers")
+    __slots__ = ("carrier", "operation", "started", "headers", "raw", "fixed_id")
 
-    def __init__(self, carrier: dict | None, operation: str, headers: Any = None) -> None:
+    def __init__(self, carrier: dict | None, operation: str, headers: Any = None, raw: Any = None) -> None:
         self.carrier = carrier
         self.operation = operation
         self.started = 0
         self.headers = headers  # the inbound request's headers, for request classes (llm_otel.signals)
+        self.raw = raw  # the handler's raw_request (starlette Request), for the response id
+        self.fixed_id: str | None = None  # the response id where the handler tells it otherwise (pooling)
+
+    def response_id(self) -> str | None:
+        """The ``id`` of the response body the client gets (``cmpl-...``, ``chatcmpl-...``,
+        ``embd-...``): vLLM's handler stores it as ``raw_request.state.request_metadata.request_id``
+        (``RequestResponseMetadata``, vLLM 0.32 ``entrypoints/openai/*/serving.py``) before it adds
+        the engine request; the pooling handlers' :attr:`fixed_id`; None before that or without
+        a raw request."""
+        if self.fixed_id is not None:
+            return self.fixed_id
+        meta = getattr(getattr(self.raw, "state", None), "request_metadata", None)
+        rid = getattr(meta, "request_id", None)
+        return rid if isinstance(rid, str) else None
 
 
 async def in_context(stream, inbound: Inbound, operation: str):
@@ -47,23 +61,28 @@ async def in_context(stream, inbound: Inbound, operation: str):
         await stream.aclose()
 
 
-def traced_handler(errors, hook: str, rejected):
+def traced_handler(errors, hook: str, rejected, operation_of=None):
     """Wrapper of an OpenAI completions/chat handler ``(request, raw_request)``: the HTTP request's
     trace headers and headers become the task's :data:`INBOUND` (SERVER-kind request spans under
     them); a request the handler refuses before any engine request started (an exception, or an
     ``ErrorResponse`` with ``error.type`` / ``.message``) goes to ``rejected(hook, args, kwargs,
-    inbound, arrival_s, error_type, message)``."""
-    operation = "chat" if "chat" in hook.rsplit(".", 1)[-1] else "text_completion"
+    inbound, arrival_s, error_type, message)``. ``operation_of(handler instance)`` names the
+    operation (pooling handlers); else ``chat`` or ``text_completion`` from the hook's name."""
+    default = "chat" if "chat" in hook.rsplit(".", 1)[-1] else "text_completion"
 
     async def wrapper(wrapped, instance, args, kwargs):
         arrival = time.time()
         inbound = None
+        operation = default
         with guard(hook, errors):
+            if operation_of is not None:
+                operation = operation_of(instance)
             raw = kwargs.get("raw_request", args[1] if len(args) > 1 else None)
             inbound = Inbound(
                 extract_carrier(raw.headers) if raw is not None else None,
                 operation,
                 raw.headers if raw is not None else None,
+                raw,
             )
             INBOUND.set(inbound)  # the request's task (and the streaming tasks it starts) see it
             OPERATION.set(operation)

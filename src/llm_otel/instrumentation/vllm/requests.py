@@ -46,6 +46,9 @@ class EngineState:
         "kv",
         "load_attached",
         "clock",
+        "spec_tokens",
+        "spec_public",
+        "spec_records",
         "__weakref__",
     )
 
@@ -60,10 +63,16 @@ class EngineState:
         self.kv: KVSpec | None = None  # KV geometry from vllm_config (llm_otel.signals)
         self.load_attached = False  # occupancy source handed to the adaptive sampler
         self.clock = EngineClock()  # the engine core's clock domain vs ours (telemetry/clock.py)
+        # speculative decoding: num_speculative_tokens (0: off), whether the operator turned on vLLM's
+        # per-request metrics (they stay in responses), and the live sampled records awaiting them
+        self.spec_tokens = 0
+        self.spec_public = False
+        self.spec_records: dict[str, RequestRecord] = {}
 
     def pop(self, request_id: str) -> RequestRecord | None:
         """Stop tracking ``request_id``; its record, or None when it was not tracked."""
         self.logprob_records.pop(request_id, None)
+        self.spec_records.pop(request_id, None)
         return self.records.pop(request_id, None)
 
     def read_model_config(self, model_config: Any) -> None:

@@ -46,6 +46,21 @@ def flush_before_kill(telemetry: Telemetry, hook: str):
     return wrapper
 
 
+class ProcessHooks:
+    """Mixin of :class:`~llm_otel.instrumentation.vllm.adapter.VLLMAdapter`: the wrapper factories
+    of the process-lifecycle hooks."""
+
+    telemetry: Telemetry
+
+    def process_shutdown(self, hook: str):
+        """vLLM's process-manager ``shutdown(procs, timeout)``: :func:`flush_before_kill`."""
+        return flush_before_kill(self.telemetry, hook)
+
+    def process_exiting(self, hook: str):
+        """EngineCore.shutdown / WorkerProc.shutdown: :func:`flush_at_exit`."""
+        return flush_at_exit(hook)
+
+
 def flush_at_exit(hook: str):
     """EngineCore.shutdown / WorkerProc.shutdown: this engine process starts its flush now,
     before vLLM's own teardown (the engine core then waits for its workers, which flush at the

@@ -29,21 +29,31 @@ sampling_params)`` is hooked to remember, per request-state slot, the carrier of
 without speculative decoding) and state slot ``idx_mapping_np[i]``; a chunk of a prefill that does
 not finish it (``num_computed_tokens_np + num_scheduled_tokens < prefill_len_np``, the rule of
 ``get_num_sampled_and_rejected``) samples nothing and is skipped; requests vLLM still holds are
-``req_states.req_id_to_index``. Under speculative decoding only request i's *first* row
-(``cu_num_logits_np[i]``) is reduced: the target model's distribution for the step's first new
-token, which is always an output token (the accepted first draft or the recovered/bonus token,
-``sampled_token_ids[i, 0]``); draft rows after it are output tokens only when accepted, which is
-known after sampling, so they are not reported - such a request's span has one entry per engine
-step, not per token. The V1 runner (``_sample``) skips steps with speculative decoding.
+``req_states.req_id_to_index``.
+
+Speculative decoding (V1 and MRv2 alike): a request's rows are its draft positions' target rows
+and the bonus row (V1: ``SpecDecodeMetadata.num_draft_tokens[i] + 1`` consecutive rows,
+vllm/v1/spec_decode/metadata.py; MRv2: ``cu_num_logits_np``). All are reduced before sampling;
+the rejection sampler's ``(num_reqs, drafts + 1)`` ``sampled_token_ids`` (V1: -1,
+``PLACEHOLDER_TOKEN_ID``, for rejected positions; MRv2: ``num_sampled[i]`` valid) says which were
+emitted: position p is kept when it holds a token - the accepted drafts and the recovered or
+bonus token, never a rejected draft - and its log-prob is the target distribution's at that row.
+So a request's span has one ``llm.logit.step`` per output token, as without speculative decoding;
+tokens after ``max_tokens`` or a stop token within a step (vLLM's scheduler drops them) are not
+reported. The target logits are read before the rejection sampler (which may process them in place).
 
 Per step: the chosen rows are gathered and reduced on the logits' device *before* the sampler
-runs (it may modify logits in place; the capture is the core's, :mod:`llm_otel.telemetry.logit_capture`,
-the same as LightLLM's), and after it one ``(rows, 2k+3)`` transfer brings top-k,
-entropy, non-finite flags and the sampled tokens' log-probs to host. That transfer is
-synchronous: on a step with chosen rows the engine's thread waits for the sampler to finish on
-the device. Unchosen requests cost a dict lookup (MRv2: one NumPy gather over the batch while
-any chosen request is live). While a CUDA graph is captured nothing is reduced. A request's span is emitted when its last token is sampled (``max_tokens`` reached),
-when vLLM drops it from ``requests``, or after ``IDLE_FLUSH_S`` without a step for it.
+runs (the capture is the core's, :mod:`llm_otel.telemetry.logit_capture`, the same as
+LightLLM's); after it the statistics, the sampled tokens and their log-probs are packed into one
+``(rows, 2k+4)`` tensor and copied with ``non_blocking=True`` into pinned host memory, with a CUDA
+event recorded after the copy. Nothing waits for the device on the step path: the copy is
+collected at a later hook call (or by the idle flusher) once its event has completed
+(:class:`~.logit_rows.Streams`; at most ``MAX_PENDING`` steps pending, past which the oldest is
+waited for). On CPU the copy is the data itself, collected at once. Unchosen requests cost a
+dict lookup (MRv2: one NumPy gather over the batch while any chosen request is live). While a
+CUDA graph is captured nothing is reduced. A request's span is emitted, once none of its steps is
+pending, when its last token is collected (``max_tokens`` reached or a stop token), when vLLM
+drops it from ``requests``, or after ``IDLE_FLUSH_S`` without a step for it.
 """
 
 from __future__ import annotations
@@ -67,16 +77,24 @@ from llm_otel.instrumentation.vllm.carrier import (
     step_tokens,
 )
 from llm_otel.instrumentation.vllm.logit_rows import Chosen as _Chosen
+from llm_otel.instrumentation.vllm.logit_rows import Plan as _Plan
 from llm_otel.instrumentation.vllm.logit_rows import Slots as _Slots
 from llm_otel.instrumentation.vllm.logit_rows import Stream as _Stream
+from llm_otel.instrumentation.vllm.logit_rows import Streams as _Streams
+from llm_otel.instrumentation.vllm.logit_rows import emit_stream
+from llm_otel.instrumentation.vllm.logit_rows import stops_of as _stops
 from llm_otel.propagation import context_from_carrier
 from llm_otel.telemetry import Telemetry
 from llm_otel.telemetry.logit_capture import capture_rows, wrap_sampler
-from llm_otel.telemetry.spans import emit_logit_dist_for
 from llm_otel.telemetry.steps import step_parent
 
 IDLE_FLUSH_S = 2.0
-MAX_STEPS_PER_REQUEST = 1 << 16
+
+
+def _parent_of(extra: dict[str, Any]) -> Any:
+    """The request span's context from the carrier the frontend put in ``extra_args``."""
+    carrier = {"traceparent": extra.get(CARRIER_KEY), "tracestate": extra.get(CARRIER_STATE_KEY)}
+    return context_from_carrier(cast(dict[str, str], carrier))
 
 
 def owns_sampling_result() -> bool:
@@ -109,8 +127,7 @@ class WorkerAdapter:
 
     def __init__(self, telemetry: Telemetry) -> None:
         self.telemetry = telemetry
-        self._streams: dict[str, _Stream] = {}
-        self._lock = threading.Lock()
+        self._logits = _Streams(self._emit, _parent_of)
         self._flusher: threading.Thread | None = None
         self._open_steps: dict[int, Any] = {}  # id(model runner) -> StepContext awaiting sample_tokens
         self._torch_cuda: Any = False  # torch.cuda once known to be usable, None when not
@@ -206,7 +223,7 @@ class WorkerAdapter:
         return steps.begin(
             list(so.num_scheduled_tokens),
             parent=step_parent(trace_id, span_id, sampled),
-            phase=step_phase(*step_tokens(so)),
+            phase=step_phase(*step_tokens(so)[:2]),
             stream=stream,
             request_spans=request_spans,
         )
@@ -234,25 +251,42 @@ class WorkerAdapter:
         return wrap_sampler(self.telemetry.errors, hook, self._before_sample, self._after_sample)
 
     def _before_sample(self, runner: Any, args: tuple, kwargs: dict):
+        if self._logits.pending:  # earlier steps' statistics whose copies may have completed
+            self._logits.poll()
         logits = args[0] if args else kwargs.get("logits")
         spec = args[1] if len(args) > 1 else kwargs.get("spec_decode_metadata")
-        # with speculative decoding rows != requests; with TP every rank samples the same rows, and
-        # only the rank whose output vLLM returns computes the statistics
-        if logits is not None and spec is None and self._owns_sampling():
-            return self._prepare(runner, logits)
+        # with TP every rank samples the same rows; only the rank whose output vLLM returns
+        # computes the statistics
+        if logits is not None and self._owns_sampling():
+            return self._prepare(runner, logits, spec)
         return None
 
-    def _after_sample(self, runner: Any, plan, output: Any) -> None:
-        self._collect(plan, getattr(output, "sampled_token_ids", None), plan[0], runner.requests)
+    def _after_sample(self, runner: Any, plan: _Plan, output: Any) -> None:
+        self._stage(plan, getattr(output, "sampled_token_ids", None), None, runner.requests, mrv2=False)
 
-    def _prepare(self, runner: Any, logits: Any):
-        """V1: chosen rows of ``logits`` (row i <-> ``input_batch.req_ids[i]``), reduced."""
+    def _prepare(self, runner: Any, logits: Any, spec: Any) -> _Plan | None:
+        """V1: the rows of the chosen requests in ``logits``, reduced. Without speculative
+        decoding row i belongs to ``input_batch.req_ids[i]``; with it (``SpecDecodeMetadata``,
+        vllm/v1/spec_decode/metadata.py) request i owns ``num_draft_tokens[i] + 1`` consecutive
+        rows (``_calc_spec_decode_metadata``: its drafts' target rows, then its bonus row), all
+        reduced - which of them belong to emitted tokens is known after the rejection sampler."""
         req_ids = runner.input_batch.req_ids
         requests = runner.requests
-        n = min(int(logits.shape[0]), len(req_ids))
+        n_rows = int(logits.shape[0])
+        n = min(n_rows, len(req_ids))
+        drafts = getattr(spec, "num_draft_tokens", None) if spec is not None else None
+        if drafts is not None:
+            n = min(len(drafts), len(req_ids))
         discard = getattr(getattr(runner, "discard_request_mask", None), "np", None)
-        rows, members = [], []
+        members: list[tuple] = []
+        rows: list[int] = []
+        owner: list[int] = []
+        pos: list[int] = []
+        sample_rows: list[int] = []
+        start = 0
         for i in range(n):
+            width = int(drafts[i]) + 1 if drafts is not None else 1
+            first, start = start, start + width
             state = requests.get(req_ids[i])
             sp = getattr(state, "sampling_params", None) if state else None
             extra = getattr(sp, "extra_args", None)
@@ -260,11 +294,24 @@ class WorkerAdapter:
                 continue
             if discard is not None and i < len(discard) and discard[i]:
                 continue
-            rows.append(i)
+            if first + width > n_rows:
+                break
+            m = len(members)
             members.append(
-                (req_ids[i], extra, getattr(sp, "max_tokens", None), len(getattr(state, "output_token_ids", ())))
+                (
+                    req_ids[i],
+                    extra,
+                    getattr(sp, "max_tokens", None),
+                    len(getattr(state, "output_token_ids", ())),
+                    _stops(sp),
+                )
             )
-        return self._reduce(logits, rows, members)
+            for p in range(width):
+                rows.append(first + p)
+                owner.append(m)
+                pos.append(p)
+                sample_rows.append(i)
+        return self._reduce(logits, rows, _Plan(members, owner, pos, sample_rows))
 
     # --- logit statistics: Model Runner V2 ----------------------------------------------------
     def sampler_add_request(self, hook: str):
@@ -283,7 +330,7 @@ class WorkerAdapter:
                         slots = self._chosen[instance] = _Slots()
                     index_to_req_id = getattr(getattr(instance, "req_states", None), "index_to_req_id", None)
                     req_id = index_to_req_id.get(req_idx) if index_to_req_id is not None else None
-                    slots.choose(int(req_idx), _Chosen(req_id, extra, getattr(sp, "max_tokens", None)))
+                    slots.choose(int(req_idx), _Chosen(req_id, extra, getattr(sp, "max_tokens", None), _stops(sp)))
                 elif slots:
                     slots.forget(int(req_idx))
             return output
@@ -302,6 +349,10 @@ class WorkerAdapter:
 
     def _before_sampler_call(self, instance: Any, args: tuple, kwargs: dict):
         sampler = self._sampler_of(instance)
+        if self._logits.pending:
+            self._logits.poll()
+        if self._logits.gone_mrv2:
+            self._forget(sampler)
         if self._chosen.get(sampler) and self._owns_sampling():  # TP: the output rank only
             logits = args[0] if args else kwargs.get("logits")
             batch = args[1] if len(args) > 1 else kwargs.get("input_batch")
@@ -309,136 +360,96 @@ class WorkerAdapter:
                 return self._prepare_mrv2(sampler, logits, batch)
         return None
 
-    def _after_sampler_call(self, instance: Any, plan, output: Any) -> None:
+    def _after_sampler_call(self, instance: Any, plan: _Plan, output: Any) -> None:
         sampler = self._sampler_of(instance)
-        rows, _, _, requests, n_logit_rows = plan
         sampled = getattr(output, "sampled_token_ids", None)
-        # Sampler: one sampled row per logit row; RejectionSampler: (num_reqs, drafts + 1)
-        by_row = sampled is not None and int(sampled.shape[0]) == n_logit_rows
-        finished = self._collect(plan, sampled, rows if by_row else requests, sampler.req_states.req_id_to_index)
-        if finished:  # forget their slots: a step without chosen requests costs one lookup
-            slots = self._chosen.get(sampler) or _Slots()
-            for slot in [k for k, c in slots.items() if c.req_id in finished]:
+        # Sampler: (num_reqs, 1); RejectionSampler: (num_reqs, drafts + 1); num_sampled: valid per row
+        self._stage(plan, sampled, getattr(output, "num_sampled", None), sampler.req_states.req_id_to_index, mrv2=True)
+        if self._logits.gone_mrv2:  # forget their slots: a step without chosen requests costs one lookup
+            self._forget(sampler)
+
+    def _forget(self, sampler: Any) -> None:
+        gone = self._logits.take_gone_mrv2()
+        slots = self._chosen.get(sampler)
+        if slots:
+            for slot in [k for k, c in slots.items() if c.req_id in gone]:
                 slots.forget(slot)
 
-    def _prepare_mrv2(self, sampler: Any, logits: Any, batch: Any):
-        """MRv2: the first logit row of each chosen request of ``batch`` (an ``InputBatch``), reduced;
-        the plan ends with each reduced request's index in the batch and the number of logit rows."""
+    def _prepare_mrv2(self, sampler: Any, logits: Any, batch: Any) -> _Plan | None:
+        """MRv2: every logit row of each chosen request of ``batch`` (an ``InputBatch``), reduced:
+        request i owns rows ``cu_num_logits_np[i]:cu_num_logits_np[i+1]`` (one row without
+        speculative decoding; with it the draft positions and the bonus row, in position order,
+        matching column p of the sampler's ``(num_reqs, drafts + 1)`` output). A step whose
+        logits do not span ``cu_num_logits_np`` (adaptive verification compacts the logits and
+        keeps the pre-compaction sums) is not reduced."""
         slots = cast(_Slots, self._chosen.get(sampler))  # the caller found chosen slots for sampler
         req_ids = batch.req_ids
         num_reqs = min(int(batch.num_reqs), len(req_ids))
         idx_mapping = np.asarray(batch.idx_mapping_np[:num_reqs])
         cu = batch.cu_num_logits_np
+        n_rows = int(logits.shape[0])
+        if len(cu) <= num_reqs or int(cu[num_reqs]) != n_rows:
+            return None
         # vectorised over the batch; the Python loop runs over the chosen requests only
         wanted = slots.matches(idx_mapping)
         wanted &= ~(
             batch.num_computed_tokens_np[:num_reqs] + batch.num_scheduled_tokens[:num_reqs]
             < batch.prefill_len_np[:num_reqs]
         )
-        n_rows = int(logits.shape[0])
-        rows, members, requests = [], [], []
+        members: list[tuple] = []
+        rows: list[int] = []
+        owner: list[int] = []
+        pos: list[int] = []
+        sample_rows: list[int] = []
         for i in np.flatnonzero(wanted).tolist():
             chosen = slots[int(idx_mapping[i])]
             req_id = req_ids[i]
             if chosen.req_id is not None and chosen.req_id != req_id:
                 continue  # the slot was reused by a request added without our hook seeing it
-            row = int(cu[i])
-            if row >= n_rows:
-                continue
-            rows.append(row)
-            requests.append(i)
-            members.append((req_id, chosen.extra, chosen.max_tokens, None))
-        plan = self._reduce(logits, rows, members)
-        return None if plan is None else (*plan, requests, n_rows)
+            m = len(members)
+            members.append((req_id, chosen.extra, chosen.max_tokens, None, chosen.stops))
+            for p, row in enumerate(range(int(cu[i]), int(cu[i + 1]))):
+                rows.append(row)
+                owner.append(m)
+                pos.append(p)
+                sample_rows.append(i)
+        return self._reduce(logits, rows, _Plan(members, owner, pos, sample_rows))
 
     # --- one step's statistics, both runners ------------------------------------------------------
     @staticmethod
-    def _reduce(logits: Any, rows: list[int], members: list[tuple]):
+    def _reduce(logits: Any, rows: list[int], plan: _Plan) -> _Plan | None:
         """A step's chosen ``rows`` of the ``(rows, vocab)`` ``logits``, reduced on their device
-        (:func:`~llm_otel.telemetry.logit_capture.capture_rows`). ``members[j]`` = ``(req_id,
-        extra_args, max_tokens, output tokens before this step or None)`` for ``rows[j]``.
+        (:func:`~llm_otel.telemetry.logit_capture.capture_rows`) into ``plan.captured``.
 
-        Returns ``(rows, members, StepLogits)`` or None (nothing chosen, or a CUDA graph is being
-        captured)."""
+        Returns ``plan``, or None (nothing chosen, or a CUDA graph is being captured)."""
         if not rows:
             return None
-        k = max(int(extra[CARRIER_TOPK_KEY]) for _, extra, _, _ in members)
-        captured = capture_rows(logits, rows, k)
-        return None if captured is None else (rows, members, captured)
+        k = max(int(extra[CARRIER_TOPK_KEY]) for _, extra, _, _, _ in plan.members)
+        plan.captured = capture_rows(logits, rows, k)
+        return None if plan.captured is None else plan
 
-    def _collect(self, plan, sampled: Any, sampled_rows: list[int], live: Any) -> set[str]:
-        """After the sampler: one ``(rows, 2k+3)`` transfer (statistics plus the log-probs of the
-        tokens in column 0 of ``sampled[sampled_rows]``), then each member's stream is extended;
-        streams of requests absent from ``live`` (vLLM's own request map) are emitted. Returns
-        the request ids whose streams were emitted."""
-        _, members, captured = plan[:3]
-        stats, sampled_lp = captured.to_host(sampled, sampled_rows)
-        step = (time.time_ns(), stats, sampled_lp)
-        now_mono = time.monotonic()
-        done = []
-        with self._lock:
-            streams = self._streams
-            for j, (req_id, extra, max_tokens, tokens_before) in enumerate(members):
-                stream = streams.get(req_id)
-                if stream is None:
-                    parent = context_from_carrier(
-                        {"traceparent": extra.get(CARRIER_KEY), "tracestate": extra.get(CARRIER_STATE_KEY)}
-                    )
-                    if parent is None:
-                        continue
-                    stream = streams[req_id] = _Stream(parent, int(extra[CARRIER_TOPK_KEY]), max_tokens)
-                if len(stream.rows) >= MAX_STEPS_PER_REQUEST:
-                    continue
-                before = tokens_before if tokens_before is not None else len(stream.rows)
-                stream.rows.append((step, j))
-                stream.last_mono = now_mono
-                if stream.max_tokens is not None and before + 1 >= stream.max_tokens:
-                    done.append(req_id)
-            # requests vLLM no longer holds have finished (EOS, stop, abort)
-            done.extend(r for r in streams if r not in live and r not in done)
-            finished = [(r, streams.pop(r)) for r in done if r in streams]
-        for _req_id, stream in finished:
-            self._emit(stream)
+    def _stage(self, plan: _Plan, sampled: Any, num_valid: Any, live: Any, *, mrv2: bool) -> None:
+        """After the sampler: stage the statistics plus the sampled tokens (and their log-probs)
+        of each reduced row - ``sampled[sample_rows[r], pos[r]]`` - with no wait for the device
+        (:meth:`~llm_otel.telemetry.logit_capture.StepLogits.stage`), and hand them to the streams,
+        which collect them at this or a later step (:class:`~.logit_rows.Streams`)."""
+        staged = plan.captured.stage(sampled, plan.sample_rows, plan.pos, num_valid)
+        self._logits.add(plan, staged, live, mrv2=mrv2)
         self._ensure_flusher()
-        return {req_id for req_id, _ in finished}
 
     def _emit(self, stream: _Stream) -> None:
-        if not stream.rows:
-            return
-        k = stream.k
-        steps = stream.rows
-        times_ns = [st[0] for st, _ in steps]
-        top_ids = np.stack([st[1].top_ids[j, :k] for st, j in steps])
-        top_lp = np.stack([st[1].top_logprobs[j, :k] for st, j in steps])
-        entropy = np.array([st[1].entropy[j] for st, j in steps], dtype=np.float64)
-        margin = np.array([st[1].margin[j] for st, j in steps], dtype=np.float64)
-        nonfinite = np.array([st[1].nonfinite[j] for st, j in steps], dtype=bool)
-        sampled_lp = np.array([st[2][j] if st[2] is not None else np.nan for st, j in steps], dtype=np.float64)
-        emit_logit_dist_for(
-            self.telemetry,
-            stream.parent,
-            source="full_vocab_logits",
-            start_ns=times_ns[0],
-            end_ns=times_ns[-1],
-            times_ns=times_ns,
-            top_ids=top_ids,
-            top_logprobs=top_lp,
-            sampled_logprobs=sampled_lp,
-            entropy=entropy,
-            margin=margin,
-            nonfinite=nonfinite,
-        )
+        with guard("worker.logit_dist", self.telemetry.errors):
+            emit_stream(self.telemetry, stream)
+
+    @property
+    def _streams(self) -> dict[str, _Stream]:
+        """The chosen requests' statistics so far, by request id (:class:`~.logit_rows.Streams`)."""
+        return self._logits.streams
 
     def flush(self, idle_s: float = 0.0) -> int:
-        """Emit streams that saw no step for ``idle_s`` seconds (all with 0); returns how many."""
-        cutoff = time.monotonic() - idle_s
-        with self._lock:
-            stale = [r for r, s in self._streams.items() if s.last_mono <= cutoff]
-            streams = [self._streams.pop(r) for r in stale]
-        for stream in streams:
-            with guard("worker.flush", self.telemetry.errors):
-                self._emit(stream)
-        return len(streams)
+        """Emit streams that saw no step for ``idle_s`` seconds (all with 0, after waiting for every
+        pending copy); returns how many."""
+        return self._logits.flush(idle_s)
 
     def _ensure_flusher(self) -> None:
         if self._flusher is not None:
@@ -447,8 +458,9 @@ class WorkerAdapter:
         def loop() -> None:
             while True:
                 time.sleep(IDLE_FLUSH_S / 2)
-                if self._streams:
-                    self.flush(IDLE_FLUSH_S)
+                if self._logits.streams or self._logits.pending:
+                    with guard("worker.flush", self.telemetry.errors):
+                        self._logits.flush(IDLE_FLUSH_S)
 
         self._flusher = threading.Thread(target=loop, name="llm-otel-logit-flush", daemon=True)
         self._flusher.start()
