@@ -64,11 +64,12 @@ PROBE_PREFIXES = ("sglang/srt/",)
 
 
 def targets() -> list[tuple[str, str]]:
-    """Every hooked target, then every class of :data:`CLASS_FIELDS` (order kept, no repeats)."""
-    from llm_otel.instrumentation.sglang.hooks import HOOKS
+    """Every hooked target, every gate (``hooks.SERVING``: the calls that make a process one llm-otel
+    serves), then every class of :data:`CLASS_FIELDS` (order kept, no repeats)."""
+    from llm_otel.instrumentation.sglang.hooks import HOOKS, SERVING
 
     seen: list[tuple[str, str]] = []
-    for item in [(h.module, h.target) for h in HOOKS] + list(CLASS_FIELDS):
+    for item in [(h.module, h.target) for h in HOOKS] + list(SERVING) + list(CLASS_FIELDS):
         if item not in seen:
             seen.append(item)
     return seen

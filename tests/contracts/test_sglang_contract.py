@@ -16,7 +16,7 @@ import pytest
 from contracts import sglang_golden, signatures
 from support import sglang_server
 
-from llm_otel.instrumentation.sglang.hooks import HOOKS
+from llm_otel.instrumentation.sglang.hooks import HOOKS, SERVING
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -97,6 +97,17 @@ def test_goldens_of_the_last_two_releases_cover_every_hooked_target_and_field_cl
     wanted = {f"{m}:{q}" for m, q in sglang_golden.targets()}
     for path in GOLDENS:
         assert set(load(path)["targets"]) == wanted, f"{os.path.basename(path)} is stale: run sglang_golden.py"
+
+
+@pytest.mark.parametrize("path", GOLDENS, ids=[os.path.basename(p) for p in GOLDENS])
+def test_every_serving_gate_is_a_function_in_each_golden_release(path):
+    """hooks.SERVING decides which SGLang processes get providers: a gate a release renamed would
+    leave that process kind uninstrumented (the scheduler, or --enable-trace's provider first)."""
+    targets = load(path)["targets"]
+    missing = [
+        f"{m}:{t}" for m, t in SERVING if not targets[f"{m}:{t}"]["found"] or targets[f"{m}:{t}"]["params"] is None
+    ]
+    assert missing == []
 
 
 @pytest.mark.parametrize("path", GOLDENS, ids=[os.path.basename(p) for p in GOLDENS])

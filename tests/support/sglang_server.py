@@ -92,7 +92,10 @@ def start(
 ) -> SGLangServer:
     """Launch the server (under ``opentelemetry-instrument`` unless ``instrument`` is False) and wait
     for ``/health``; raises RuntimeError with the log's tail when it does not come up."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
+    # PYTHONPATH goes last: opentelemetry-instrument rewrites it in every process it starts, and
+    # when it is the first environment variable that breaks setproctitle (the process titles,
+    # sglang::scheduler / sglang::detokenizer, stay the spawn command line)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_", "PYTHONPATH"))}
     env.update(
         OTEL_EXPORTER_OTLP_ENDPOINT=otlp_endpoint,
         OTEL_EXPORTER_OTLP_INSECURE="true",

@@ -49,7 +49,7 @@ from llm_otel.instrumentation._hooks import (
     telemetry_on_first_use,
 )
 from llm_otel.instrumentation.sglang.adapter import SGLangAdapter
-from llm_otel.instrumentation.sglang.hooks import HOOKS, MODULES, RELEASES, SERVING
+from llm_otel.instrumentation.sglang.hooks import GATE_MODULES, HOOKS, MODULES, RELEASES, SERVING
 from llm_otel.instrumentation.sglang.package import _instruments
 
 __all__ = ["SGLangInstrumentor", "HOOKS"]
@@ -81,7 +81,7 @@ class SGLangInstrumentor(ImportHooked, BaseInstrumentor):
             logger.debug("llm-otel: sglang is not importable here; its hooks wait for an import of it")
         settings = kwargs.get("settings") or Settings.from_env()
         self._applied, self._imported = [], {}
-        self._wait_for(MODULES, {**kwargs, "settings": settings})
+        self._wait_for([*MODULES, *GATE_MODULES], {**kwargs, "settings": settings})
 
     def _on_import(self, module) -> None:
         """Post-import hook. Until this process serves (:meth:`_serve`), only note the module and, for
@@ -96,12 +96,17 @@ class SGLangInstrumentor(ImportHooked, BaseInstrumentor):
                 if name in self._imported:
                     return
                 self._imported[name] = module
-                if name in SERVING:
-                    gate = Hook(name, f"{SERVING[name]}.__init__", "gate", RELEASES, "this process serves")
-                    owner = getattr(module, SERVING[name])
-                    original = vars(owner)["__init__"]
-                    wrapt.wrap_function_wrapper(owner, "__init__", self._gate(owner))
-                    self._applied.append(AppliedHook(gate, owner, "__init__", original))
+                for module_name, target in SERVING:
+                    if module_name != name:
+                        continue
+                    *path, attribute = target.split(".")
+                    owner: Any = module
+                    for part in path:
+                        owner = getattr(owner, part)
+                    gate = Hook(name, target, "gate", RELEASES, "this process serves")
+                    original = vars(owner)[attribute]
+                    wrapt.wrap_function_wrapper(owner, attribute, self._gate(owner if path else None))
+                    self._applied.append(AppliedHook(gate, owner, attribute, original))
         except Exception as exc:  # noqa: BLE001
             process_errors().report(self.SITE, exc, f"could not instrument {name}; it runs uninstrumented")
 
@@ -115,9 +120,10 @@ class SGLangInstrumentor(ImportHooked, BaseInstrumentor):
                 self._imported = {}
             return self.adapter is not None
 
-    def _gate(self, owner: type):
-        """``owner.__init__``'s wrapper: the first construction makes this process serve, then runs
-        through the hooks just applied (they wrap this gate; ``Scheduler.__init__`` has its own)."""
+    def _gate(self, owner: type | None):
+        """The wrapper of a ``SERVING`` call (``owner.__init__``, or a function when ``owner`` is
+        None): the first call makes this process serve; a constructor then runs through the hooks
+        just applied (they wrap this gate; ``Scheduler.__init__`` has its own)."""
 
         def gate(wrapped, instance, args, kwargs):
             serving = False
@@ -126,7 +132,7 @@ class SGLangInstrumentor(ImportHooked, BaseInstrumentor):
                     serving = self._serve()
                 except Exception as exc:  # noqa: BLE001
                     process_errors().report(self.SITE, exc, "could not instrument SGLang here")
-            if serving:
+            if serving and owner is not None:
                 return owner.__init__(instance, *args, **kwargs)
             return wrapped(*args, **kwargs)
 

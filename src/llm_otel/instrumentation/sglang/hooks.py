@@ -96,9 +96,24 @@ HOOKS: list[Hook] = [
 
 MODULES = sorted({h.module for h in HOOKS})
 
-SERVING: dict[str, str] = {TOKENIZER: "TokenizerManager", SCHEDULER: "Scheduler"}
-"""The classes whose construction makes a process one llm-otel serves (module -> class): the HTTP
-process (and each tokenizer worker) builds a ``TokenizerManager``, each scheduler a ``Scheduler``.
-Every SGLang child process imports all these modules (``spawn`` re-imports ``sglang.launch_server``
-as ``__mp_main__``), so importing them decides nothing: the ``sglang::detokenizer`` imports both and
-constructs neither, and gets no providers, no exporter process and no hooks."""
+TRACE = "sglang.srt.observability.trace"
+MULTI_TOKENIZER = "sglang.srt.managers.multi_tokenizer_mixin"
+
+SERVING: list[tuple[str, str]] = [
+    (TOKENIZER, "TokenizerManager.__init__"),
+    (SCHEDULER, "Scheduler.__init__"),
+    (MULTI_TOKENIZER, "MultiTokenizerRouter.__init__"),
+    (TRACE, "process_tracing_init"),
+]
+"""The calls that make a process one llm-otel serves (module, ``Class.__init__`` or function): the
+HTTP process and each tokenizer worker build a ``TokenizerManager``; each scheduler a ``Scheduler``;
+with several tokenizer workers the launcher runs the ``MultiTokenizerRouter``, which unpickles and
+re-pickles every request on its way to the scheduler (the carrier's ``__getstate__`` hook must be
+there); ``process_tracing_init`` (``--enable-trace``) installs SGLang's tracer provider - in the
+scheduler before its ``Scheduler`` exists - so llm-otel's providers must come first to stay global.
+Every SGLang child process imports these modules (``spawn`` re-imports ``sglang.launch_server`` as
+``__mp_main__``), so importing them decides nothing: the ``sglang::detokenizer`` imports them and
+calls none, and gets no providers, no exporter process and no hooks."""
+
+GATE_MODULES = sorted({module for module, _ in SERVING} - set(MODULES))
+"""Modules imported only for a gate (no hook of HOOKS lives there)."""
