@@ -35,7 +35,15 @@ def served(tmp_path_factory):
     assert _REASON is None, _REASON  # in CI the environment must exist
     rx = OTLPReceiver().start()
     server = sglang_server.start(
-        str(ensure_tiny_model()), rx.grpc_endpoint, tmp_path_factory.mktemp("sglang") / "server.log"
+        str(ensure_tiny_model()),
+        rx.grpc_endpoint,
+        tmp_path_factory.mktemp("sglang") / "server.log",
+        # the serving signals (docs/signals.md): request classes from a header and the engine's
+        # priority field, a tier table
+        env_overrides={
+            "LLM_OTEL_CLASS_HEADERS": "tenant:x-tenant-id,priority:engine:priority",
+            "LLM_OTEL_TIERS": "premium tenant=acme ttft=60; standard * e2e=120",
+        },
     )
     try:
         yield server, rx
@@ -249,3 +257,46 @@ def test_only_serving_processes_get_an_exporter_process(served):
     assert not [p for p in parents if "sglang::detokenizer" in p], parents
     assert len([p for p in parents if "sglang::scheduler" in p]) == 1, parents
     assert len([p for p in parents if p == procs[server.process.pid][1]]) == 1, parents
+
+
+def test_serving_signals_classes_tiers_slo_checks_and_kv_footprint_from_sglangs_own_fields(served):
+    """Request classes from the HTTP header and SGLang's ``priority`` field, bounded (a hostile
+    header value becomes ``other``); the tier's SLO checks counted; the KV footprint from SGLang's
+    ModelConfig/ServerArgs (tiny Llama: 2 layers x 2 KV heads x head dim 64 x float32 x K+V = 2048 B
+    per token, page size 1) equals the bytes of the tokens SGLang reports in meta_info."""
+    server, rx = served
+
+    def slo(tier: str, objective: str) -> int:
+        return sum(
+            p["value"]
+            for p in rx.metrics("llm.server.slo.checks")
+            if p["attributes"].get("llm.request.tier") == tier
+            and p["attributes"].get("llm.slo.objective") == objective
+            and p["attributes"].get("llm.slo.outcome") == "met"
+        )
+
+    keys = [("premium", "availability"), ("premium", "ttft"), ("standard", "e2e")]
+    before, stable_since = {k: slo(*k) for k in keys}, time.monotonic()
+    while time.monotonic() - stable_since < 2.0:  # settle: earlier tests' checks may still be arriving
+        time.sleep(0.25)
+        if {k: slo(*k) for k in keys} != before:
+            before, stable_since = {k: slo(*k) for k in keys}, time.monotonic()
+    body = {"text": "Hello there my friend", "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
+    acme = server.post("/generate", {**body, "priority": 3}, {"x-tenant-id": "acme"})["meta_info"]
+    hostile = server.post("/generate", body, {"x-tenant-id": 'acme"}) or 1=1 {' + "x" * 300})["meta_info"]
+    spans = {m["id"]: _request_span(rx, m["id"])["attributes"] for m in (acme, hostile)}
+    a, h = spans[acme["id"]], spans[hostile["id"]]
+    assert (a["llm.request.tenant"], a["llm.request.priority"], a["llm.request.tier"]) == ("acme", "3", "premium")
+    assert (h["llm.request.tenant"], h["llm.request.tier"]) == ("other", "standard")
+    assert "llm.request.priority" not in h  # absent from the request: no dimension
+    for meta, attrs in ((acme, a), (hostile, h)):
+        tokens = meta["prompt_tokens"] + meta["completion_tokens"] - 1  # the last token's KV is never written
+        assert attrs["llm.request.kv_cache.final_bytes"] == 2048 * tokens
+        assert attrs["llm.request.kv_cache.prompt_bytes"] == 2048 * meta["prompt_tokens"]
+    deadline = time.monotonic() + 30
+    want = {("premium", "availability"): 1, ("premium", "ttft"): 1, ("standard", "e2e"): 1}
+    while time.monotonic() < deadline and any(slo(*k) - before[k] < n for k, n in want.items()):
+        time.sleep(0.2)
+    assert {k: slo(*k) - before[k] for k in want} == want
+    collapsed = rx.metrics("llm_otel.request_class.collapsed")
+    assert any(p["attributes"].get("llm.request.class.key") == "tenant" for p in collapsed), collapsed

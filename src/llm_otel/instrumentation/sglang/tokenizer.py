@@ -31,6 +31,7 @@ from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind
 
 from llm_otel.errors import guard
+from llm_otel.instrumentation.sglang.fields import class_fields, kv_spec
 from llm_otel.listeners import RequestFacts
 from llm_otel.propagation import TRACEPARENT, TRACESTATE, carrier_from_span, context_from_carrier, extract_carrier
 from llm_otel.semconv import attributes as A
@@ -119,6 +120,8 @@ class TokenizerAdapter:
         self.telemetry = telemetry
         self.version = engine_version()
         self.live: dict[str, RequestRecord] = {}  # request id -> record, freed at finish/abort/close
+        self._kv: dict[int, Any] = {}  # id(TokenizerManager) -> its KVSpec or None (llm_otel.signals)
+        self.kv: Any = None  # the KVSpec of this process's TokenizerManager, once one served
 
     def init_req_state(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
@@ -181,6 +184,9 @@ class TokenizerAdapter:
             call.rids.extend(rids)
         kind, operation, headers, parent, attrs, arrival_s = origin
         model = str(getattr(manager, "served_model_name", None) or "unknown")
+        if id(manager) not in self._kv:
+            self._kv = {id(manager): kv_spec(manager)}  # one manager per process: never grows
+            self.kv = self._kv[id(manager)]
         started = []
         for index, rid in enumerate(rids):
             rec = self.telemetry.start_request(
@@ -195,7 +201,7 @@ class TokenizerAdapter:
                 engine_version=self.version,
                 choice_index=choice + index,
                 request_attributes=attrs,
-                facts=RequestFacts(headers),
+                facts=RequestFacts(headers, class_fields(obj, index if call is None else 0)),
             )
             if call is not None and call.n > 1:
                 rec.choice_group = call.group
@@ -292,6 +298,11 @@ class TokenizerAdapter:
             rec = live.get(rid)
             if rec is None:
                 continue
+            if not rec.input_tokens and self.kv is not None:
+                # SGLang tokenizes after _init_req_state: the prompt's length (and its KV estimate,
+                # docs/signals.md) comes with the request's first output batch
+                rec.input_tokens = int(recv.prompt_tokens[i])
+                self.telemetry.signals.admit(rec, rec.metric_attributes, (rec.signal_state or (None,))[0], self.kv)
             ids = output_ids[i]
             if ids is not None and len(ids):
                 total += rec.on_tokens(list(ids), now)
