@@ -87,9 +87,14 @@ def start_server(
     """The OpenAI server under ``opentelemetry-instrument`` (``instrument=False``: plain), in its own
     process group, ready."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
+    # PYTHONPATH goes last: opentelemetry-instrument rewrites it in every process it starts, and
+    # when it is the first environment variable that breaks setproctitle (vLLM's VLLM::EngineCore /
+    # VLLM::Worker titles stay the spawn command line, and engine_pids() finds no engine process)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_", "PYTHONPATH"))}
     env.update(VLLM_ENV)
     env.update(env_extra)
+    if "PYTHONPATH" in os.environ and "PYTHONPATH" not in env:
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     prefix = [os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")] if instrument else []
     entry = [str(HERE / "vllm_fork_launcher.py")] if fork else ["-m", "vllm.entrypoints.openai.api_server"]
     cmd = [
