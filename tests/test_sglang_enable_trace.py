@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
+import urllib.error
 
 import pytest
 from support import sglang_server
@@ -33,7 +34,13 @@ def traced(tmp_path_factory):
         str(ensure_tiny_model()),
         rx.grpc_endpoint,
         tmp_path_factory.mktemp("sglang-trace") / "server.log",
-        ("--enable-trace", "--otlp-traces-endpoint", rx.grpc_endpoint.replace("http://", "")),
+        (
+            "--enable-trace",
+            "--otlp-traces-endpoint",
+            rx.grpc_endpoint.replace("http://", ""),
+            # a request with a priority is rejected by the scheduler (priority scheduling is off)
+            "--abort-on-priority-when-disabled",
+        ),
         # the frontend's exporter process holds at most 4 span frames waiting for the collector
         # (export/offload/main.py _EXPORT_QUEUE); SGLang's many per-slice spans overflow it on this
         # loaded 2-core machine and some are dropped (counted in llm_otel.spans.dropped). This test
@@ -91,3 +98,22 @@ def test_sglang_stage_spans_nest_under_the_llm_otel_request_span(traced):
     assert roles == {"frontend", "engine_core"}
     # no 64-bit (top half zero) trace id anywhere: SGLang's own id generator is not in use
     assert not [s for s in rx.spans() if s["trace_id"].startswith("0" * 16)]
+
+
+def test_a_request_the_scheduler_rejects_ends_its_scheduler_records(traced):
+    """SGLang rejects a request in ``_add_request_to_queue`` (here: a priority while priority
+    scheduling is off; also a full queue) and reports it with ``send_abort_output``, never through a
+    batch result or ``abort_request``: llm-otel's scheduler entries for it (the rid table, the
+    ``llm.infer.request`` of a request chosen for logit statistics) end there - before, they stayed
+    until the tables' caps and then no request got step spans or logit statistics."""
+    server, rx = traced
+    trace_id = secrets.token_hex(16)
+    with pytest.raises(urllib.error.HTTPError):
+        server.post(
+            "/generate",
+            {"text": "x y", "priority": 3, "sampling_params": {"max_new_tokens": 2}},
+            {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"},
+        )
+    (infer,) = rx.wait_for_spans(1, timeout=30, trace_id=trace_id, name="llm.infer.request")
+    assert infer["status_code"] == "STATUS_CODE_ERROR", infer
+    assert infer["resource"]["llm.process.role"] == "engine_core"

@@ -85,6 +85,14 @@ HOOKS: list[Hook] = [
     ),
     Hook(SCHEDULER, "Scheduler.abort_request", "scheduler.abort", RELEASES, "aborted requests leave the table"),
     Hook(
+        SCHEDULER,
+        "Scheduler.send_abort_output",
+        "scheduler.abort_output",
+        "0.5.23",  # 0.5.22 sends such outputs inline: its entries stay until the table's cap
+        "a request the scheduler ends outside the output stream (rejected: queue full, priority "
+        "disabled; aborted while queued; retracted) leaves the table, its llm.infer.request ends aborted",
+    ),
+    Hook(
         SAMPLER,
         "Sampler.forward",
         "scheduler.logits.sampler",

@@ -139,6 +139,24 @@ class SchedulerAdapter:
 
         return wrapper
 
+    def abort_output(self, hook: str):
+        """``Scheduler.send_abort_output(abort_req, req)``: the request ends without a batch result
+        (SGLang rejected it in ``_add_request_to_queue``, or ended it while queued or retracted)."""
+
+        def wrapper(wrapped, instance, args, kwargs):
+            try:
+                req = args[1] if len(args) > 1 else kwargs.get("req")
+                rid = getattr(req, "rid", None)
+                if isinstance(rid, str):
+                    self.table.pop(rid, None)
+                    if rid in self.logits.chosen:
+                        self.logits.finish(req, aborted=True)
+            except Exception as exc:  # noqa: BLE001
+                self.telemetry.errors.report(hook, exc)
+            return wrapped(*args, **kwargs)
+
+        return wrapper
+
     def abort(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
             try:

@@ -16,8 +16,9 @@ None), ``.prompt_tokens[i]``, ``.completion_tokens[i]``, ``.cached_tokens[i]`` -
 puts in ``meta_info``; ``abort_request(rid)``.
 
 Token timing: SGLang's scheduler sends a streaming request's output every ``--stream-interval``
-steps (1) and a non-streaming request's only at its finish, so a non-streaming request has one
-token batch (its TTFT is the time to its whole completion, as the client sees it).
+steps (1) and a non-streaming request's every ``SGLANG_FORCE_STREAM_INTERVAL`` steps (50) and at its
+finish, so a non-streaming request has a token batch per 50 tokens (its TTFT is the time to its first
+batch).
 """
 
 from __future__ import annotations
