@@ -22,7 +22,7 @@ from support.otlp_receiver import OTLPReceiver
 
 from llm_otel.demo.tiny_model import ensure_tiny_model
 
-pytestmark = [pytest.mark.sglang, pytest.mark.case("C28")]
+pytestmark = pytest.mark.sglang
 
 _REASON = sglang_server.unavailable_reason()
 if _REASON and not os.environ.get("CI"):
@@ -51,6 +51,7 @@ def workers(tmp_path_factory):
         rx.stop()
 
 
+@pytest.mark.case("C28")
 def test_every_request_and_step_span_arrives_from_several_tokenizer_workers_and_sampling_holds(workers):
     server, rx = workers
 

@@ -73,7 +73,7 @@ def engine_version() -> str:
         from importlib.metadata import version
 
         return version("sglang")
-    except Exception:  # noqa: BLE001 - a source checkout without metadata
+    except Exception:  # noqa: BLE001 - silent: a source checkout without metadata (no version)
         return ""
 
 
