@@ -14,11 +14,12 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
 from typing import Any
+
+from support.vllm_servers import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VENV = ROOT / ".venv-sglang"
@@ -29,12 +30,6 @@ def unavailable_reason() -> str | None:
     if not (VENV / "bin" / "python").exists() or not sorted(VENV.glob("lib/python3*/site-packages/sglang")):
         return f"no SGLang in {VENV} (bash .ci/install.sh creates it)"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclasses.dataclass

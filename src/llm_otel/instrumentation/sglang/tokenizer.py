@@ -121,8 +121,8 @@ class TokenizerAdapter:
         self.telemetry = telemetry
         self.version = engine_version()
         self.live: dict[str, RequestRecord] = {}  # request id -> record, freed at finish/abort/close
-        self._kv: dict[int, Any] = {}  # id(TokenizerManager) -> its KVSpec or None (llm_otel.signals)
-        self.kv: Any = None  # the KVSpec of this process's TokenizerManager, once one served
+        self.kv: Any = None  # the KVSpec of this process's TokenizerManager (llm_otel.signals), or None
+        self._kv_of: Any = None  # the TokenizerManager self.kv was read from (one per process)
 
     def init_req_state(self, hook: str):
         def wrapper(wrapped, instance, args, kwargs):
@@ -185,9 +185,8 @@ class TokenizerAdapter:
             call.rids.extend(rids)
         kind, operation, headers, parent, attrs, arrival_s = origin
         model = str(getattr(manager, "served_model_name", None) or "unknown")
-        if id(manager) not in self._kv:
-            self._kv = {id(manager): kv_spec(manager)}  # one manager per process: never grows
-            self.kv = self._kv[id(manager)]
+        if manager is not self._kv_of:
+            self._kv_of, self.kv = manager, kv_spec(manager)
         started = []
         for index, rid in enumerate(rids):
             rec = self.telemetry.start_request(
