@@ -41,11 +41,6 @@ def traced(tmp_path_factory):
             # a request with a priority is rejected by the scheduler (priority scheduling is off)
             "--abort-on-priority-when-disabled",
         ),
-        # the frontend's exporter process holds at most 4 span frames waiting for the collector
-        # (export/offload/main.py _EXPORT_QUEUE); SGLang's many per-slice spans overflow it on this
-        # loaded 2-core machine and some are dropped (counted in llm_otel.spans.dropped). This test
-        # is about where SGLang's spans go, so the frontend exports in process here.
-        env_overrides={"LLM_OTEL_EXPORT_PROCESS": "false"},
     )
     try:
         yield server, rx

@@ -245,6 +245,8 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
         self._receiver = receiver
 
     def Export(self, request, context):  # noqa: N802 (grpc naming)
+        if self._receiver.trace_delay_s:
+            time.sleep(self._receiver.trace_delay_s)  # a slow collector
         self._receiver._record_request("grpc", "traces", None, 200, peer=context.peer(), size=request.ByteSize())
         self._receiver._ingest_traces(request, "grpc")
         return trace_service_pb2.ExportTraceServiceResponse()
@@ -395,6 +397,8 @@ class OTLPReceiver:
 
     def __init__(self, grpc_workers: int = 4) -> None:
         self._grpc_workers = grpc_workers
+        # seconds each OTLP/gRPC trace export waits before it is answered: a slow collector
+        self.trace_delay_s = 0.0
         self._cond = threading.Condition()
         self._spans: list[dict[str, Any]] = []
         self._metric_points: list[dict[str, Any]] = []

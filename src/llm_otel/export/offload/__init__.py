@@ -36,9 +36,11 @@ Guarantees:
 * **Export failures in the exporter process** (collector down) are reported back in its status
   frames and counted here, in this process's ``llm_otel.spans.dropped`` (``export_failed``) - the
   metric stays where the serving process's metrics are. The exporter process exports on a thread
-  of its own behind a queue of a few frames (:func:`~main.main`): a collector outage never stops it
-  reading the pipe, so GenAI request metrics keep arriving and are aggregated through the outage,
-  as in process; span frames the queue cannot take are reported failed at once.
+  of its own behind a queue bounded by the same ``LLM_OTEL_EXPORT_PROCESS_BUFFER`` in spans
+  (:func:`~main.main`): a collector outage never stops it reading the pipe, so GenAI request metrics
+  keep arriving and are aggregated through the outage, as in process; span frames the queue cannot
+  take are reported lost at once (``export_process_backlog``: the exporter process fell behind, the
+  collector did not fail).
 * **Shutdown**: :meth:`~recorder.OffloadTracerProvider.shutdown` (called by the lifecycle's final flush)
   sends what is buffered, asks the exporter process to flush and exit within the remaining
   deadline, and waits for its answer; spans it had not delivered are reported (``failed``,

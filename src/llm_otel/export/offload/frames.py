@@ -2,11 +2,12 @@
 pipes, and the layout of the records they carry.
 
 A frame is a pickled tuple behind a 4-byte big-endian length (:data:`HEADER`); its first item names
-it. Serving process -> exporter process (its stdin): ``("init", resource attributes, schema url)``
-first, then ``("spans", records)``, ``("metrics", records)``, ``("resource", attributes, schema
+it. Serving process -> exporter process (its stdin): ``("init", resource attributes, schema url,
+buffer size)`` first, then ``("spans", records)``, ``("metrics", records)``, ``("resource", attributes, schema
 url)``, ``("instruments", scope name, version, schema url, itl_every)`` and ``("flush", token,
 timeout_ms, final)``. Exporter process -> serving process (its stdout): ``("status", exported,
-failed, last error)`` once per ``spans`` frame, ``("flushed", token, ok)``, ``("metrics_failed", n,
+failed, last error, error.type)`` for every export (frames waiting together are exported together)
+and for every frame the export queue could not take, ``("flushed", token, ok)``, ``("metrics_failed", n,
 last error)`` and ``("metrics_exported", points)``.
 
 Records in a ``spans`` frame: a span record (:meth:`~llm_otel.export.offload.recorder.OffloadSpan.end`:

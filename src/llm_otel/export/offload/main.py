@@ -14,42 +14,59 @@ from collections import deque
 
 from llm_otel.export.offload.frames import read_frame, span_count, write_frame
 from llm_otel.export.offload.replay import ChildMetrics, expand_trees, readable_spans
-from llm_otel.export.offload.writer import DEFAULT_DEADLINE_S
+from llm_otel.export.offload.writer import DEFAULT_BUFFER, DEFAULT_DEADLINE_S
 
-# span frames (each at most writer._BATCH records) the exporter process holds waiting for its export
-# thread; one more may be in export. Its only holding besides the SDK's: bounded.
-_EXPORT_QUEUE = 4
-_QUEUE_FULL = "the collector does not keep up: the exporter process's span export queue is full"
+# spans sent in one export call: span frames waiting together are exported together (the batch
+# span processor's OTEL_BSP_MAX_EXPORT_BATCH_SIZE default), so a collector that answers in
+# milliseconds keeps up with any serving process
+_EXPORT_BATCH = 512
+_QUEUE_FULL = (
+    "the exporter process's export queue is full ({waiting} span(s) wait for the collector; "
+    "LLM_OTEL_EXPORT_PROCESS_BUFFER)"
+)
+# error.type of spans the exporter process could not queue: the exporter process fell behind, which
+# is not a failed export (export_failed is reserved for batches the collector did not take)
+BACKLOG = "export_process_backlog"
 
 
 class _SpanExports:
-    """The exporter process's export thread and its bounded queue of ``spans`` frames, so that the
-    reading loop never waits on the collector (``metrics``, ``resource`` and ``flush`` frames are
-    read while an export retries). Every ``spans`` frame gets exactly one ``status`` frame: when
-    exported (or failed), or at once when the queue is full. ``write``: serialized stdout writes."""
+    """The exporter process's export thread and its queue of ``spans`` frames, so that the reading
+    loop never waits on the collector (``metrics``, ``resource`` and ``flush`` frames are read while
+    an export retries). The queue is bounded in spans (``limit``: the serving process's
+    ``LLM_OTEL_EXPORT_PROCESS_BUFFER``, so a burst that piled up while this process started fits),
+    not in frames. Frames waiting together under one resource are exported in one call of at most
+    :data:`_EXPORT_BATCH` spans. Every span put is reported exactly once in a ``status`` frame
+    (``("status", exported, failed, last error, error.type)``): when its export ended, or at once
+    when the queue is full (``export_process_backlog``). ``write``: serialized stdout writes."""
 
-    def __init__(self, exporter, limits, write) -> None:
+    def __init__(self, exporter, limits, write, limit: int) -> None:
         self._exporter = exporter
         self._limits = limits
         self._write = write
-        self._jobs: deque = deque()
+        self._limit = max(1, int(limit))
+        self._jobs: deque = deque()  # (records, resource, spans)
+        self._waiting = 0  # spans in _jobs
         self._busy = False
         self._cv = threading.Condition()
         threading.Thread(target=self._run, name="llm-otel-offload-export", daemon=True).start()
 
     def put(self, records: list, resource) -> None:
         """Queue one ``spans`` frame's records, exported under ``resource`` (the one current when
-        the frame was read: ``resource`` frames go in order with the spans). When ``_EXPORT_QUEUE``
-        frames wait, this newest one is reported failed at once (its spans counted ``export_failed``
-        by the serving process): the frames queued first keep their order, and, as with the
+        the frame was read: ``resource`` frames go in order with the spans). When the frame does not
+        fit the queue's span bound it is reported lost at once as ``export_process_backlog``
+        (counted by the serving process): the frames queued first keep their order, and, as with the
         serving process's full buffer, what is lost is what came last."""
+        n = span_count(records)
         with self._cv:
-            if len(self._jobs) < _EXPORT_QUEUE:
-                self._jobs.append((records, resource))
+            if self._waiting + n <= self._limit or not self._jobs:
+                self._jobs.append((records, resource, n))
+                self._waiting += n
                 self._cv.notify_all()
                 return
+            waiting = self._waiting
+        why = _QUEUE_FULL.format(waiting=waiting)
         error = self._exporter.last_error
-        self._write(("status", 0, span_count(records), f"{_QUEUE_FULL} ({error})" if error else _QUEUE_FULL))
+        self._write(("status", 0, n, f"{why}; last export error: {error}" if error else why, BACKLOG))
 
     def wait(self, deadline: float) -> bool:
         """Wait until every frame put so far was exported and reported, or ``deadline``
@@ -62,6 +79,18 @@ class _SpanExports:
                 self._cv.wait(left)
         return True
 
+    def _take(self) -> tuple[list, object, int]:
+        """The next export: the first waiting frame and those after it under the same resource, up
+        to :data:`_EXPORT_BATCH` spans (a frame is never split). Called under ``_cv``."""
+        records, resource, n = self._jobs.popleft()
+        records = list(records)
+        while self._jobs and self._jobs[0][1] is resource and n + self._jobs[0][2] <= _EXPORT_BATCH:
+            more, _, m = self._jobs.popleft()
+            records.extend(more)
+            n += m
+        self._waiting -= n
+        return records, resource, n
+
     def _run(self) -> None:
         from opentelemetry.sdk.trace.export import SpanExportResult
 
@@ -70,9 +99,8 @@ class _SpanExports:
             with self._cv:
                 while not self._jobs:
                     self._cv.wait()
-                records, resource = self._jobs.popleft()
+                records, resource, n = self._take()
                 self._busy = True
-            n = span_count(records)
             try:
                 records, lost = expand_trees(records)
                 spans = readable_spans(records, resource, self._limits)
@@ -89,10 +117,10 @@ class _SpanExports:
                 )
                 if lost:
                     exporter.last_error = "cannot build a request's spans in the exporter process"
-                status = ("status", len(spans) - failed, failed + lost, exporter.last_error)
+                status = ("status", len(spans) - failed, failed + lost, exporter.last_error, "export_failed")
             except Exception as exc:  # noqa: BLE001 - silent: a frame that cannot be rebuilt is failed, reported
                 exporter.last_error = f"cannot rebuild spans in the exporter process: {type(exc).__name__}: {exc}"
-                status = ("status", 0, n, exporter.last_error)
+                status = ("status", 0, n, exporter.last_error, "export_failed")
             try:
                 self._write(status)
             except (OSError, ValueError):
@@ -111,8 +139,9 @@ def main() -> int:
     ``resource`` and ``instruments`` frames at once and hands each ``spans`` frame (at most
     ``writer._BATCH`` spans) to :class:`_SpanExports`, whose thread exports it through
     :class:`~llm_otel.export.exporters.ProcessSpanExporter` (request size cap) and writes its
-    ``status`` frame. While exports wait on a collector that is down, at most ``_EXPORT_QUEUE``
-    frames wait here; a frame beyond that is reported failed at once (so the serving process's
+    ``status`` frame. While exports wait on a collector that is down or slow, at most
+    ``LLM_OTEL_EXPORT_PROCESS_BUFFER`` spans wait here; a frame beyond that is reported lost at once
+    (``export_process_backlog``) (so the serving process's
     acknowledgements, ``llm_otel.spans.dropped`` and ``in_flight`` stay exact) and GenAI request
     metrics keep being recorded, as the in-process meter provider keeps them through an outage.
     A ``flush`` frame is answered once every ``spans`` frame before it was reported (ok False when
@@ -142,7 +171,8 @@ def main() -> int:
         with write_lock:
             write_frame(stdout, frame)
 
-    exports = _SpanExports(exporter, SpanLimits(), write)
+    # the serving process's buffer size (init frames from before it carried one: the setting)
+    exports = _SpanExports(exporter, SpanLimits(), write, frame[3] if len(frame) > 3 else _queue_limit())
     # a Resource of its own: a re-label changes the meter provider's in place, and span frames
     # still queued for export keep the resource they were read with
     metrics = ChildMetrics(Resource(frame[1], frame[2] or None), write, lambda: metric_exporter_from_env(os.environ))
@@ -180,6 +210,17 @@ def main() -> int:
         except Exception:  # noqa: BLE001 - silent: exit cleanup of the exporter process
             pass
     return 0
+
+
+def _queue_limit() -> int:
+    """Spans the export queue holds: the serving process's ``LLM_OTEL_EXPORT_PROCESS_BUFFER`` (this
+    process inherits its environment), so what its buffer held while this process started fits."""
+    from llm_otel.config import Settings
+
+    try:
+        return Settings.from_env().export_process_buffer
+    except Exception:  # noqa: BLE001 - silent: the serving process reported the bad setting
+        return DEFAULT_BUFFER
 
 
 def _exit_with_parent(parent: int) -> float:

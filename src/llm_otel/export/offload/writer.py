@@ -77,7 +77,7 @@ class OffloadBuffer:
         self.capacity = max(1, int(capacity))
         self.respawn_s = _RESPAWN_S
         self.max_request_bytes = 0
-        self._init = ("init", resource_attributes, schema_url)
+        self._init = ("init", resource_attributes, schema_url, self.capacity)
         self._instruments_init: tuple | None = None  # set by declare_instruments()
         self._exemplar_ids: tuple = (None, None)  # RemoteInstrument's last (context, exemplar ids)
         self._no_trace = None  # the core's context of observations without an exemplar (declare_instruments)
@@ -225,7 +225,7 @@ class OffloadBuffer:
         """The serving process's resource changed (re-labelled): an exporter process started from
         now on gets it in its ``init`` frame; a running one gets a ``resource`` frame in order with
         the spans (those ended before keep the old resource). O(1), never blocks."""
-        self._init = ("init", attributes, schema_url)
+        self._init = ("init", attributes, schema_url, self.capacity)
         if self._pid != os.getpid() or self._thread is None or self._closed:
             return  # a forked child's or a not yet started exporter process starts with the new init
         with self._start_lock:
@@ -470,12 +470,13 @@ class OffloadBuffer:
                 elif kind == "metrics_exported" and proc is self._proc:
                     self._mexported = max(self._mexported, frame[1])
                 elif kind == "status" and proc is self._proc:
-                    _, exported, failed, error = frame
+                    exported, failed, error = frame[1:4]
                     self._acked += exported + failed
                     if failed:
                         self.last_error = error
                         self.failed += failed
-                        self.drops.failed(failed, "export_failed", error)
+                        # an older exporter process's frame has no error.type: its drops were exports
+                        self.drops.failed(failed, frame[4] if len(frame) > 4 else "export_failed", error)
                     elif exported:
                         self._death_logged = False
                         self.drops.succeeded()
