@@ -20,7 +20,8 @@ $PIP install --quiet -c "$HERE/constraints.txt" 'torch==2.13.0+cpu'
 $PIP install --quiet --no-deps 'sglang==0.5.23'
 $PIP install --quiet -c "$HERE/constraints.txt" -r "$HERE/requirements.txt" 2>&1 \
     | grep -v -E "^(WARNING: Location|ERROR: pip's dependency resolver|sglang .* requires)" || true
-$PIP install --quiet -c "$HERE/constraints.txt" -e . 2>&1 \
+# one editable install of this checkout at a time (.ci/install.sh runs its own beside this script)
+flock /tmp/llm-otel-editable-install.lock $PIP install --quiet -c "$HERE/constraints.txt" -e . 2>&1 \
     | grep -v -E "^(WARNING: Location|ERROR: pip's dependency resolver|sglang .* requires)" || true
 SITE=$(.venv-sglang/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 echo "$HERE/standins" > "$SITE/llm_otel_sglang_standins.pth"
