@@ -730,3 +730,43 @@ def test_the_points_of_a_request_record_are_what_apply_records(case):
         for p in m.data.data_points
     )
     assert recorded == Instruments.points(obs)
+
+
+PREWARM_APP = """
+    import sys, time
+    from opentelemetry import trace
+    from llm_otel.config import Settings
+    from llm_otel.instrumentation.lightllm import process
+    from llm_otel.process.providers import build_providers
+    tp, _ = build_providers(Settings(console="off", adaptive_sampling="off"), shutdown_on_exit=False)
+    trace.set_tracer_provider(tp)
+    process.relabel_this_process(sys.argv[1], **({"master": sys.argv[2] == "master"} if len(sys.argv) > 2 else {}))
+    started = tp.buffer._thread is not None  # prewarm starts the writer thread, which starts the process
+    deadline = time.monotonic() + 20
+    while started and tp.buffer._proc is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print("RESULT", started, tp.buffer._proc is not None, flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("role", "started"),
+    [(("router",), True), (("worker", "master"), True), (("worker", "other"), False), (("detokenizer",), False)],
+)
+def test_lightllm_processes_that_export_start_their_exporter_process_when_known(receiver, role, started):
+    """Issue 30 item 4: LightLLM's router lost step spans of its first requests while its exporter
+    process started under load; the processes that will export - the router (engine steps), a DP
+    group's master model-infer worker (device steps, ``llm.logit_dist``), like the HTTP worker -
+    start theirs as soon as they are known (re-labelled at multiprocessing's bootstrap), before any
+    span; the detokenizer and a non-master worker, which export nothing, start none."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
+    env.update(_env(receiver))
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(PREWARM_APP), *role],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"RESULT {started} {started}" in done.stdout, done.stdout + done.stderr[-3000:]
