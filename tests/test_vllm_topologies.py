@@ -465,7 +465,6 @@ class TestDataParallel:
     TOKENS = 4
     DEADLINE_S = 2.0
 
-    @pytest.mark.case("C26")
     def test_a_launcher_sigterm_half_a_second_after_the_last_response_loses_no_span(self, dp2, receiver):
         """vLLM 0.32's launcher stops its API servers with ``shutdown_timeout`` 0: SIGTERM and, at
         once, SIGKILL of each process tree - their final flush (spans still queued, every metric
