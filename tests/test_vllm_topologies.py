@@ -475,22 +475,27 @@ class TestDataParallel:
         per step it ran in, each with its worker's ``llm.engine.step.device`` - and nothing of the
         session outlives the launcher by more than the deadline."""
         spans = top_spans(receiver, dp2)
-        roots = {s["trace_id"]: s for s in spans if s["name"] == f"text_completion {SERVED}"}
+        named = collections.Counter(s["name"] for s in spans)
+        roots = [s for s in spans if s["name"] == f"text_completion {SERVED}"]
         steps = [s for s in spans if s["name"] == "llm.engine.step"]
         device_parents = collections.Counter(
             s["parent_span_id"] for s in spans if s["name"] == "llm.engine.step.device"
         )
         linked = collections.Counter(link["trace_id"] for s in steps for link in s["links"])
-        children = collections.Counter((s["trace_id"], s["name"]) for s in spans if s["trace_id"] in roots)
+        # the requests' traces, from whichever of their spans arrived
+        traces = {s["trace_id"] for s in spans if s["name"] in (f"text_completion {SERVED}", "llm.prompt")} | set(
+            linked
+        )
         lost = {
-            "request spans": self.N - len(roots),
-            "llm.prompt": sum(1 for t in roots if children[(t, "llm.prompt")] != 1),
-            "llm.token_stream": sum(1 for t in roots if children[(t, "llm.token_stream")] != 1),
-            # one step per output token: the prefill produces the first, a decode step each other
-            "llm.engine.step": sum(max(0, self.TOKENS - linked[t]) for t in roots),
-            "llm.engine.step.device": sum(1 for s in steps if device_parents[s["span_id"]] != 1),
+            name: max(0, self.N - named[name])
+            for name in (f"text_completion {SERVED}", "llm.prompt", "llm.token_stream")
         }
-        served = collections.Counter(r["resource"]["llm.process.api_server.index"] for r in roots.values())
+        # one step per output token (the prefill produces the first, a decode step each other), per request
+        lost["llm.engine.step"] = sum(max(0, self.TOKENS - linked[t]) for t in traces) + self.TOKENS * max(
+            0, self.N - len(traces)
+        )
+        lost["llm.engine.step.device"] = sum(1 for s in steps if device_parents[s["span_id"]] != 1)
+        served = collections.Counter(r["resource"]["llm.process.api_server.index"] for r in roots)
         print(
             f"\n[topology dp2] SIGTERM to the launcher 0.5 s after the last response: launcher exited "
             f"{dp2.exit_code} after {dp2.stop_s:.1f} s; spans lost {sum(lost.values())} {lost}; "
