@@ -191,6 +191,75 @@ def test_a_killed_exporter_process_costs_counted_spans_and_a_new_one_takes_over(
     tp.shutdown()
 
 
+def test_a_respawned_exporter_process_marks_the_reset_of_its_cumulative_series(receiver):
+    """Issue 30 item 4: the GenAI request metrics are aggregated in the exporter process; one that
+    dies takes its cumulative sums with it, and the new one counts from zero under the same
+    resource and attributes. What the collector receives must say so the way OTLP does: every point
+    of the new process starts (``start_time_unix_nano``) after the last point of the old one, so a
+    backend sees a counter reset - not a decrease, nor (when the new count overtakes the old) a
+    smaller increase. A backend adding up the cumulative segments (one per start time) gets every
+    request."""
+    receiver.clear()
+    settings = Settings(console="off", adaptive_sampling="off")
+    env = {k: v for k, v in _env(receiver, OTEL_TRACES_SAMPLER="always_on").items() if k != "OTEL_METRICS_EXPORTER"}
+    env.update(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint, OTEL_METRIC_EXPORT_INTERVAL="600000")
+    tp, mp = build_providers(settings, env, shutdown_on_exit=False)
+    telemetry = Telemetry(tp, mp, settings, outlets=request_outlets(tp, mp))
+    buffer = tp.buffer
+    buffer.respawn_s = 0.0
+
+    def requests(n: int, tag: str) -> None:
+        for i in range(n):
+            rec = telemetry.start_request(
+                f"{tag}-{i}",
+                operation="text_completion",
+                provider="vllm",
+                model="m",
+                arrival_s=time.time(),
+                input_tokens=3,
+            )
+            rec.mono_offset_ns = time.time_ns() - time.monotonic_ns()
+            rec.on_tokens([1], time.monotonic())
+            rec.finish_reason = "length"
+            telemetry.finish(rec)
+        assert tp.force_flush(30_000)
+
+    def points() -> list[dict]:
+        return [
+            p
+            for p in receiver.metrics(M.LLM_SERVER_REQUESTS, latest=False)
+            if p["resource"]["process.pid"] == os.getpid()
+        ]
+
+    requests(3, "old")
+    old = receiver.wait_for_metric(M.LLM_SERVER_REQUESTS, timeout=10)
+    first = buffer._proc  # noqa: SLF001 - the real exporter process, killed as an OOM killer would
+    first.kill()
+    first.wait()
+    requests(5, "new")  # more than the old process counted: a backend that ignores start times undercounts
+    assert buffer._proc is not None and buffer._proc.pid != first.pid  # noqa: SLF001 - a new process exported
+    deadline = time.monotonic() + 10
+    while len({p["start_ns"] for p in points()}) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    tp.shutdown()
+    mp.shutdown()
+    series: dict[tuple, list[dict]] = {}
+    for p in points():
+        series.setdefault(tuple(sorted(p["attributes"].items())), []).append(p)
+    assert old and series
+    for key, pts in series.items():
+        pts.sort(key=lambda p: p["time_ns"])
+        starts = sorted({p["start_ns"] for p in pts})
+        assert len(starts) == 2, (key, pts)  # one cumulative segment per exporter process
+        last_old = max(p["time_ns"] for p in pts if p["start_ns"] == starts[0])
+        assert starts[1] > last_old, (key, pts)  # the reset is marked: after the old process's last point
+        for a, b in zip(pts, pts[1:], strict=False):  # within a segment the sum never goes down
+            assert b["value"] >= a["value"] or b["start_ns"] > a["time_ns"], (key, pts)
+        # what a start-time-aware backend adds up: the last value of each segment
+        total = sum(max(p["value"] for p in pts if p["start_ns"] == s) for s in starts)
+        assert total == 8, (key, pts)
+
+
 def test_spans_ended_while_the_exporter_process_is_down_are_counted(receiver, caplog):
     receiver.clear()
     tp, reader = _offload(receiver)
@@ -361,8 +430,11 @@ def test_the_opt_out_keeps_the_sdk_batch_processor(receiver):
     tp.shutdown()
 
 
-@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX")
-def test_the_exporter_process_exits_when_its_serving_process_is_killed(receiver, tmp_path):
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+def test_the_exporter_process_exits_when_its_serving_process_is_killed(receiver):
+    """SIGKILL to the serving process (an OOM kill): its exporter process, idle, is gone within the
+    flush deadline (``LLM_OTEL_FLUSH_DEADLINE_S``, 2 s here) plus a margin - not after an export
+    timeout or two (an exporter process once outlived its server by about 30 s)."""
     script = textwrap.dedent("""
         import time
         from llm_otel.config import Settings
@@ -374,23 +446,20 @@ def test_the_exporter_process_exits_when_its_serving_process_is_killed(receiver,
         time.sleep(60)
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
-    env.update(_env(receiver, OTEL_TRACES_SAMPLER="always_on"))
+    env.update(_env(receiver, OTEL_TRACES_SAMPLER="always_on", LLM_OTEL_FLUSH_DEADLINE_S="2"))
     serving = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
     exporter_pid = int(serving.stdout.readline())
+    assert not _gone(exporter_pid)
     serving.kill()
-    serving.wait()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            os.kill(exporter_pid, 0)
-        except ProcessLookupError:
-            return
-        try:  # reap it if it happens to be our child's orphan adopted by us (it is not; init reaps)
-            os.waitpid(exporter_pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        time.sleep(0.1)
-    pytest.fail("the exporter process outlived its killed serving process")
+    assert serving.wait(30) == -signal.SIGKILL
+    killed = time.monotonic()
+    while time.monotonic() < killed + 2.0 + 1.5 and not _gone(exporter_pid):
+        time.sleep(0.05)
+    alive = not _gone(exporter_pid)
+    if alive:
+        os.kill(exporter_pid, signal.SIGKILL)
+    assert not alive, "the exporter process outlived its killed serving process by more than the flush deadline"
+    print(f"\nexporter process gone {time.monotonic() - killed:.2f} s after its serving process was killed")
 
 
 BLACK_HOLE_APP = """
@@ -661,3 +730,43 @@ def test_the_points_of_a_request_record_are_what_apply_records(case):
         for p in m.data.data_points
     )
     assert recorded == Instruments.points(obs)
+
+
+PREWARM_APP = """
+    import sys, time
+    from opentelemetry import trace
+    from llm_otel.config import Settings
+    from llm_otel.instrumentation.lightllm import process
+    from llm_otel.process.providers import build_providers
+    tp, _ = build_providers(Settings(console="off", adaptive_sampling="off"), shutdown_on_exit=False)
+    trace.set_tracer_provider(tp)
+    process.relabel_this_process(sys.argv[1], **({"master": sys.argv[2] == "master"} if len(sys.argv) > 2 else {}))
+    started = tp.buffer._thread is not None  # prewarm starts the writer thread, which starts the process
+    deadline = time.monotonic() + 20
+    while started and tp.buffer._proc is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print("RESULT", started, tp.buffer._proc is not None, flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("role", "started"),
+    [(("router",), True), (("worker", "master"), True), (("worker", "other"), False), (("detokenizer",), False)],
+)
+def test_lightllm_processes_that_export_start_their_exporter_process_when_known(receiver, role, started):
+    """Issue 30 item 4: LightLLM's router lost step spans of its first requests while its exporter
+    process started under load; the processes that will export - the router (engine steps), a DP
+    group's master model-infer worker (device steps, ``llm.logit_dist``), like the HTTP worker -
+    start theirs as soon as they are known (re-labelled at multiprocessing's bootstrap), before any
+    span; the detokenizer and a non-master worker, which export nothing, start none."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
+    env.update(_env(receiver))
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(PREWARM_APP), *role],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"RESULT {started} {started}" in done.stdout, done.stdout + done.stderr[-3000:]

@@ -46,6 +46,9 @@ def served(tmp_path_factory):
         },
     )
     try:
+        # the serving processes' exporter processes, before any request (issue 30 item 4: started
+        # when the process builds its TokenizerManager / Scheduler, not with its first spans)
+        server.exporters_before_requests = _exporter_parents(server.process.pid, want=2, wait_s=20)
         yield server, rx
     finally:
         server.stop()
@@ -244,11 +247,27 @@ def _session_processes(session: int) -> dict[int, tuple[int, str]]:
     return out
 
 
+def _exporter_parents(session: int, want: int = 0, wait_s: float = 0.0) -> list[str]:
+    """Command lines of the processes in the session that have an exporter process, waiting up to
+    ``wait_s`` for ``want`` of them."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        procs = _session_processes(session)
+        parents = [procs.get(ppid, (0, "?"))[1] for ppid, cmd in procs.values() if "llm_otel.export.offload" in cmd]
+        if len(parents) >= want or time.monotonic() >= deadline:
+            return parents
+        time.sleep(0.2)
+
+
 def test_only_serving_processes_get_an_exporter_process(served):
-    """The HTTP process and the scheduler each start llm-otel's exporter process; the detokenizer
-    (it imports the TokenizerManager and Scheduler modules, constructs neither, emits nothing) has
-    none: no providers, no exporter process, no hooks there."""
+    """The HTTP process and the scheduler each start llm-otel's exporter process - when they build
+    their TokenizerManager / Scheduler, before any request; the detokenizer (it imports the
+    TokenizerManager and Scheduler modules, constructs neither, emits nothing) has none: no
+    providers, no exporter process, no hooks there."""
     server, _ = served
+    early = server.exporters_before_requests
+    assert len([p for p in early if "sglang::scheduler" in p]) == 1, early
+    assert early.count(_session_processes(server.process.pid)[server.process.pid][1]) == 1, early  # the HTTP process
     server.post("/generate", {"text": "x y", "sampling_params": {"max_new_tokens": 2}})
     procs = _session_processes(server.process.pid)
     parents = [procs.get(ppid, (0, "?"))[1] for ppid, cmd in procs.values() if "llm_otel.export.offload" in cmd]

@@ -6,8 +6,10 @@ zero-code (``LLM_OTEL_ENABLED=1``), exporting to the test's OTLP receiver.
   (tests/support/vllm_serve_launcher.py) starts two API servers (``ApiServer_0/1``), one engine core and
   one worker. Prometheus: each API server on its own port (base - index), the launcher none; the
   per-process request counts add up, with ``n=3`` (C15) and a LoRA request (C22).
-* ``--data-parallel-size 2``: two API servers (vLLM's default for DP), two engine cores
-  (``EngineCore_DP0/1``), two workers; OTLP metrics from all of them (C14).
+* ``--data-parallel-size 2 --api-server-count 2``: two API servers, two engine cores
+  (``EngineCore_DP0/1``), two workers; OTLP metrics from all of them (C14). Stopped by a SIGTERM to
+  the launcher alone 0.5 s after the last response, with the engine processes' spans and every
+  metric point delivered only by the final flushes: nothing is lost (issue 30 item 5).
 * ``--tensor-parallel-size 2``: one engine core, two workers (TP ranks 0 and 1); one
   ``llm.logit_dist`` per request.
 
@@ -160,12 +162,61 @@ def running(name: str, tiny_model, receiver, tmp_path_factory, args: list[str], 
 
 
 def stop_topology(top: Topology) -> None:
-    os.killpg(top.proc.pid, signal.SIGTERM)
+    """SIGTERM to the whole process group (nothing left when a test already stopped the launcher)."""
     try:
+        os.killpg(top.proc.pid, signal.SIGTERM)
+        top.proc.wait(timeout=90)
+    except ProcessLookupError:
         top.proc.wait(timeout=90)
     except subprocess.TimeoutExpired:
         os.killpg(top.proc.pid, signal.SIGKILL)
         top.proc.wait()
+
+
+def session_processes(session: int) -> list[int]:
+    """Processes still running (zombies excluded) in the session ``session`` (Linux /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[3]) == session:
+            out.append(int(entry))
+    return out
+
+
+def kill_exporter_processes(top: Topology, parent_title: str) -> list[int]:
+    """SIGKILL the exporter processes (``python -m llm_otel.export.offload``) of the processes whose
+    title contains ``parent_title``; returns the killed exporter processes' parents' pids."""
+    parents = []
+    for p in psutil.Process(top.proc.pid).children(recursive=True):
+        try:
+            title = " ".join(p.parent().cmdline()).lower()
+            if "llm_otel.export.offload" in " ".join(p.cmdline()) and parent_title.lower() in title:
+                parents.append(p.parent().pid)
+                p.kill()
+                p.wait(10)
+        except psutil.Error:
+            pass
+    return parents
+
+
+def sigterm_launcher(top: Topology, deadline_s: float) -> None:
+    """SIGTERM to the ``vllm serve`` launcher alone (what an orchestrator sends to its main
+    process); sets ``top.exit_code``, ``top.stop_s`` (seconds until the launcher exited) and
+    ``top.leftover`` (pids of its session still running ``deadline_s`` + 1.5 s after it exited)."""
+    t0 = time.monotonic()
+    top.proc.send_signal(signal.SIGTERM)
+    top.exit_code = top.proc.wait(timeout=120)
+    top.stop_s = time.monotonic() - t0
+    gone_by = time.monotonic() + deadline_s + 1.5
+    while session_processes(top.proc.pid) and time.monotonic() < gone_by:
+        time.sleep(0.1)
+    top.leftover = session_processes(top.proc.pid)
 
 
 def send(top: Topology, count: int, max_tokens: int = 4, **extra) -> list[dict]:
@@ -384,18 +435,79 @@ class TestApiServers:
             assert r.status_code in (200, 503) and "score" in r.text
 
 
-# --- data parallelism -------------------------------------------------------------------------
+# --- data parallelism, stopped by a SIGTERM to the launcher ---------------------------------------
 @pytest.fixture(scope="class")
 def dp2(tiny_model, receiver, tmp_path_factory):
-    with running(
-        "dp2", tiny_model, receiver, tmp_path_factory, ["--data-parallel-size", "2"], {"LLM_OTEL_LOGIT_DIST_RATIO": "0"}
-    ) as top:
-        top.responses = send(top, TestDataParallel.N)
+    """Two API servers, two engine cores, two workers. The engine processes' spans and every
+    process's metrics arrive only through the final flushes (batch delay and metric interval
+    longer than the test), the API servers' spans through their exporter processes: the requests
+    are sent, and 0.5 s after the last response the launcher alone gets SIGTERM, as an orchestrator
+    stops ``vllm serve``. The tests read what arrived (issue 30 item 5)."""
+    env = {
+        "LLM_OTEL_LOGIT_DIST_RATIO": "0",
+        "OTEL_BSP_SCHEDULE_DELAY": "600000",
+        "OTEL_METRIC_EXPORT_INTERVAL": "600000",
+        "LLM_OTEL_FLUSH_DEADLINE_S": str(TestDataParallel.DEADLINE_S),
+    }
+    args = ["--data-parallel-size", "2", "--api-server-count", "2"]
+    with running("dp2", tiny_model, receiver, tmp_path_factory, args, env) as top:
+        # each API server's exporter process dies first (as to an OOM kill): it says so and starts
+        # a new one for the requests' spans and metrics
+        top.killed_exporters = kill_exporter_processes(top, "APIServer")
+        top.responses = send(top, TestDataParallel.N, max_tokens=TestDataParallel.TOKENS)
+        time.sleep(0.5)
+        sigterm_launcher(top, TestDataParallel.DEADLINE_S)
         yield top
 
 
 class TestDataParallel:
     N = 8
+    TOKENS = 4
+    DEADLINE_S = 2.0
+
+    def test_a_launcher_sigterm_half_a_second_after_the_last_response_loses_no_span(self, dp2, receiver):
+        """vLLM 0.32's launcher stops its API servers with ``shutdown_timeout`` 0: SIGTERM and, at
+        once, SIGKILL of each process tree - their final flush (spans still queued, every metric
+        point since the last export) would go with it. llm-otel holds vLLM's process-manager
+        shutdown until each process below has flushed or exited (at most the flush deadline + 0.5 s
+        per group): every request's spans arrive - the request span, ``llm.prompt`` and
+        ``llm.token_stream`` from the API server that served it, an ``llm.engine.step`` linking it
+        per step it ran in, each with its worker's ``llm.engine.step.device`` - and nothing of the
+        session outlives the launcher by more than the deadline."""
+        spans = top_spans(receiver, dp2)
+        named = collections.Counter(s["name"] for s in spans)
+        roots = [s for s in spans if s["name"] == f"text_completion {SERVED}"]
+        steps = [s for s in spans if s["name"] == "llm.engine.step"]
+        device_parents = collections.Counter(
+            s["parent_span_id"] for s in spans if s["name"] == "llm.engine.step.device"
+        )
+        linked = collections.Counter(link["trace_id"] for s in steps for link in s["links"])
+        # the requests' traces, from whichever of their spans arrived
+        traces = {s["trace_id"] for s in spans if s["name"] in (f"text_completion {SERVED}", "llm.prompt")} | set(
+            linked
+        )
+        lost = {
+            name: max(0, self.N - named[name])
+            for name in (f"text_completion {SERVED}", "llm.prompt", "llm.token_stream")
+        }
+        # one step per output token (the prefill produces the first, a decode step each other), per request
+        lost["llm.engine.step"] = sum(max(0, self.TOKENS - linked[t]) for t in traces) + self.TOKENS * max(
+            0, self.N - len(traces)
+        )
+        lost["llm.engine.step.device"] = sum(1 for s in steps if device_parents[s["span_id"]] != 1)
+        served = collections.Counter(r["resource"]["llm.process.api_server.index"] for r in roots)
+        print(
+            f"\n[topology dp2] SIGTERM to the launcher 0.5 s after the last response: launcher exited "
+            f"{dp2.exit_code} after {dp2.stop_s:.1f} s; spans lost {sum(lost.values())} {lost}; "
+            f"requests per API server {dict(served)}, {len(steps)} steps"
+        )
+        assert sum(lost.values()) == 0, lost
+        assert dp2.exit_code == 0
+        # the exporter processes killed before the requests: one line per API server that noticed
+        # (an API server notices when it next sends spans or metrics: at least each one that served)
+        ended = dp2.log_path.read_text(errors="replace").count("llm-otel: the span exporter process ended")
+        assert len(dp2.killed_exporters) == 2 and len(served) <= ended <= 2, (dp2.killed_exporters, ended)
+        assert not dp2.leftover, f"still running {self.DEADLINE_S + 1.5:g} s after the launcher exited: {dp2.leftover}"
 
     def _points(self, receiver):
         return latest_points(receiver, "topology-dp2")

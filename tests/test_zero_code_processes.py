@@ -242,3 +242,57 @@ def test_vllm_imported_by_two_threads_at_once_is_fully_instrumented_before_it_bu
     assert done.returncode == 0, done.stdout + done.stderr
     line = [x for x in done.stdout.splitlines() if x.startswith("RESULT")]
     assert line == ["RESULT [] [] True"], (done.stdout + done.stderr)[-3000:]
+
+
+SWITCHED_OFF_APP = """
+    import multiprocessing
+
+    def state():
+        from opentelemetry import trace
+        import vllm.v1.utils
+        from llm_otel.instrumentation.vllm import VLLMInstrumentor
+        # instrumented: an adapter, providers (not the API's proxy), vLLM's process shutdown wrapped
+        return (VLLMInstrumentor().adapter is not None, type(trace.get_tracer_provider()).__name__,
+                hasattr(vllm.v1.utils.shutdown, "__wrapped__"))
+
+    def engine_core(queue):  # what vLLM's engine core does first: load the general plugins
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        queue.put(state())
+
+    if __name__ == "__main__":
+        import vllm
+        import llm_otel
+        context = multiprocessing.get_context("spawn")
+        queue = context.Queue()
+        child = context.Process(target=engine_core, args=(queue,), name="EngineCore")
+        child.start()
+        print("RESULT frontend", state(), flush=True)
+        print("RESULT engine_core", queue.get(timeout=200), flush=True)
+        child.join()
+        print("RESULT instrument()", llm_otel.instrument(engines=["vllm"]), state()[0], flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_llm_otel_enabled_false_is_off_in_the_frontend_and_the_engine_processes_it_starts(tmp_path):
+    """Issue 30 item 5: ``LLM_OTEL_ENABLED=false`` under ``opentelemetry-instrument``. The engine
+    processes' ``vllm.general_plugins`` entry point followed it, but the frontend's instrumentor
+    (the ``opentelemetry_instrumentor`` entry point) ignored it: request spans without any engine
+    span below them (partial trees). Now every process is off - the frontend's instrumentor, the
+    plugin in the spawned engine core, and an explicit ``llm_otel.instrument()`` (returns [])."""
+    pytest.importorskip("vllm")
+    app = tmp_path / "app.py"
+    app.write_text(textwrap.dedent(SWITCHED_OFF_APP))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
+    env.update(
+        LLM_OTEL_ENABLED="false", OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none", OTEL_LOGS_EXPORTER="none"
+    )
+    done = subprocess.run([INSTRUMENT, sys.executable, str(app)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT")]
+    assert lines == [
+        "RESULT frontend (False, 'ProxyTracerProvider', False)",
+        "RESULT engine_core (False, 'ProxyTracerProvider', False)",
+        "RESULT instrument() [] False",
+    ], (done.stdout + done.stderr)[-3000:]

@@ -52,6 +52,9 @@ def instrument(
             after the whole configuration validated: on ConfigError the environment is untouched.
             Applies when llm-otel creates the providers (both provider arguments None).
 
+    ``LLM_OTEL_ENABLED=false`` (``0``/``no``/``off``) in the environment: nothing is instrumented
+    (returns ``[]``), as in every other process of the engine.
+
     Idempotent: a second call while instrumented is a no-op for engines already instrumented (and
     builds no providers when every engine it names is: the application's own stay the only ones).
 
@@ -69,6 +72,11 @@ def instrument(
     unknown = set(engines or ()) - set(_ENGINES)
     if unknown:
         raise ValueError(f"unknown engine(s) {sorted(unknown)}; known: {sorted(_ENGINES)}")
+    from llm_otel.instrumentation._hooks import switched_off
+
+    if switched_off():  # off in every process, this one included (the engine processes follow the variable)
+        logger.info("llm-otel: LLM_OTEL_ENABLED=%s; instrument() instruments nothing", os.environ["LLM_OTEL_ENABLED"])
+        return []
     if prometheus_port is None:
         settings = Settings.from_env()
     else:  # validate everything against the environment it would make, then change os.environ

@@ -81,6 +81,22 @@ def library_missing(package: str, what: str) -> bool:
     return True
 
 
+ENABLED_ENV = "LLM_OTEL_ENABLED"
+_OFF_VALUES = ("0", "false", "no", "off")
+
+
+def switched_off() -> bool:
+    """True when ``LLM_OTEL_ENABLED`` holds a false value (``0``, ``false``, ``no``, ``off``, any
+    case): llm-otel instruments nothing in this process, whichever way it was started
+    (``opentelemetry-instrument``, ``llm_otel.instrument()``, vLLM's plugin loader), so that every
+    process of an engine is off together - the processes an engine starts inherit the variable
+    (unset: each entry point's default; ``1``: vLLM's plugin on in every vLLM process)."""
+    if os.environ.get(ENABLED_ENV, "").strip().lower() not in _OFF_VALUES:
+        return False
+    logger.debug("llm-otel: %s=%s; nothing is instrumented in this process", ENABLED_ENV, os.environ[ENABLED_ENV])
+    return True
+
+
 def _absent_dependency(hook: Hook, exc: BaseException) -> bool:
     """Whether ``exc`` says a package outside the engine's own tree is not installed (an optional
     extra such as tritonclient's grpc or http part), rather than that the engine moved the target."""
@@ -234,7 +250,10 @@ class ImportHooked:
 
     def _instrument(self, **kwargs: Any) -> None:
         """``BaseInstrumentor``'s entry: the subclass's ``_instrument_engine(**kwargs)``; an invalid
-        setting it meets is one ERROR line and no instrumentation (:func:`configuration_refused`)."""
+        setting it meets is one ERROR line and no instrumentation (:func:`configuration_refused`);
+        nothing with ``LLM_OTEL_ENABLED=false`` (:func:`switched_off`)."""
+        if switched_off():
+            return
         try:
             self._instrument_engine(**kwargs)
         except ConfigError as exc:

@@ -52,9 +52,12 @@ Guarantees:
   dropped uncounted, as with the in-process exporters.
 * **Start**: the exporter process starts with the first span or metric observation (under
   ``opentelemetry-instrument`` every Python process builds providers, most never make a span);
-  :func:`~recorder.prewarm` starts it at once where llm-otel knows the process serves requests (a vLLM
-  frontend when it starts building ``LLMEngine``/``AsyncLLM``, LightLLM's HTTP worker), so that
-  its start-up overlaps the server's; a process that merely has vLLM installed starts none. It runs
+  :func:`~recorder.prewarm` starts it at once where llm-otel knows the process will export (a vLLM
+  frontend when it starts building ``LLMEngine``/``AsyncLLM``; LightLLM's HTTP worker, router and
+  master model-infer workers when they are re-labelled; SGLang's HTTP process and schedulers start
+  theirs during their own start-up anyway), so that its start-up overlaps the server's instead of
+  the first requests (a router's first step spans waited for it under load); a process that merely
+  has the engine installed, or exports nothing (a detokenizer), starts none. It runs
   without the auto-instrumentation ``sitecustomize`` its environment would otherwise carry.
 * **Re-labels** (:func:`llm_otel.process.identity.relabel`, also after fork): a ``resource`` frame
   goes in order with the spans (spans ended before keep the old resource); the exporter process's

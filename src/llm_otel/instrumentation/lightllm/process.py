@@ -155,9 +155,9 @@ def relabel_this_process(role: str | None = None, **extra: Any) -> None:
 
         _found.clear()
         _found[os.getpid()] = (role, dict(extra))
-        extra.pop("master", None)
+        master = extra.pop("master", None)
         relabel(role, **extra)
-        if role == "frontend":  # the HTTP worker serves: its exporter process starts now
+        if exports(role, master):  # its exporter process starts now, not with its first spans
             _prewarm()
     except Exception as exc:  # noqa: BLE001
         process_errors().report(
@@ -174,6 +174,21 @@ def relabel_as_found() -> None:
     made = found()
     if made is not None:
         relabel_this_process(made[0], **made[1])
+
+
+EXPORTING_ROLES = ("frontend", "router", "worker")
+"""The LightLLM processes that emit spans: the HTTP worker (request spans), the router (engine
+steps; with v1.0.x on one GPU the model runs there too) and the model-infer worker of a DP group's
+master rank (device steps, ``llm.logit_dist``)."""
+
+
+def exports(role: str, master: bool | None = None) -> bool:
+    """Whether a LightLLM process of ``role`` will export spans, so that its exporter process is
+    started as soon as the process is known (:func:`_prewarm`: its start-up, about a second of CPU,
+    overlaps the model's loading instead of the first requests' steps, whose spans would otherwise
+    wait for it). A model-infer worker only when it is (or may be: ``master`` None) its DP group's
+    master rank; the detokenizer, cache, metrics and other stages export nothing and start none."""
+    return role in EXPORTING_ROLES and not (role == "worker" and master is False)
 
 
 def _prewarm() -> None:

@@ -57,6 +57,7 @@ from llm_otel.instrumentation._hooks import (
     flush_after_later_exit_handlers,
     library_missing,
     remove_hooks,
+    switched_off,
 )
 from llm_otel.instrumentation.vllm.adapter import VLLMAdapter
 from llm_otel.instrumentation.vllm.engine_processes import BEFORE_FINAL_FLUSH
@@ -95,8 +96,8 @@ class VLLMInstrumentor(BaseInstrumentor):
     def _instrument(self, **kwargs: Any) -> None:
         from llm_otel.instrumentation.vllm import engine_processes
 
-        if library_missing("vllm", "vLLM"):
-            return
+        if switched_off() or library_missing("vllm", "vLLM"):
+            return  # LLM_OTEL_ENABLED=false: off here as in the engine processes (their plugin is off)
         if (
             kwargs.get("tracer_provider") is None
             and kwargs.get("meter_provider") is None
