@@ -128,12 +128,21 @@ def test_every_refusal_is_one_server_span_with_error_type_counted_once(rx, opena
 def _snapshot(rx) -> dict[tuple, dict]:
     """Every metric series the server exports now -> its latest point. A series is (its process's
     service.instance.id, metric name, attributes); metrics are cumulative, so each export carries
-    every series its process has, and two export intervals after now every process has exported."""
+    every series its process has: the exports that began after now, once every process that ever
+    exported has exported again."""
     start = time.time_ns()
     time.sleep(2.5 * EXPORT_INTERVAL_S)
+    deadline = time.monotonic() + 20
+    while True:  # every process that exported before has exported since (a loaded machine delays some)
+        points = [p for p in rx.metrics(latest=False) if p["resource"].get("service.name") == SERVICE]
+        known = {p["resource"].get("service.instance.id") for p in points}
+        fresh = {p["resource"].get("service.instance.id") for p in points if p["time_ns"] > start}
+        if fresh >= known or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     series: dict[tuple, dict] = {}
-    for p in rx.metrics(latest=False):
-        if p["resource"].get("service.name") == SERVICE and p["time_ns"] > start:
+    for p in points:
+        if p["time_ns"] > start:
             attrs = tuple(sorted((k, json.dumps(v)) for k, v in p["attributes"].items()))
             series[(p["resource"].get("service.instance.id"), p["name"], attrs)] = p
     return series
