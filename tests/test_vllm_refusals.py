@@ -18,6 +18,7 @@ every refusal once and keeps its telemetry bounded - on the real server (the ses
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import time
 import uuid
@@ -157,6 +158,10 @@ def _values(series, attribute: str) -> set[str]:
     return {json.loads(v) for _, _, attrs in series for k, v in attrs if k == attribute}
 
 
+RECORDED_EVERY = 5  # of the 10,000 refused requests every 5th is sampled (traceparent flags 01)
+PIPELINE_SELF_METRICS = {"llm_otel.spans.dropped", "llm_otel.metric_points.dropped"}
+
+
 @pytest.mark.case("C26")
 def test_ten_thousand_distinct_client_strings_leave_a_bounded_number_of_series_and_span_names(rx, openai_server):
     """10,000 refused requests, each with its own model name, tenant and priority headers, request
@@ -164,7 +169,11 @@ def test_ten_thousand_distinct_client_strings_leave_a_bounded_number_of_series_a
     400 for a body that fails validation, the cheap refusals - and 50 served requests with their
     own tenant, priority and 1,000-character request id. In two rounds: the first may add the
     series of the bounded values (``_OTHER``, ``other``), the second, all new strings again, adds
-    none. Every span name is ``{operation} {served or _OTHER}``; ids on spans are cut to 256."""
+    none. Every span name is ``{operation} {served or _OTHER}``; ids on spans are cut to 256. Every
+    request is counted; every 5th refused one is recorded (2,000 spans: with all 10,000 recorded,
+    one run in four had the exporter count spans lost to export failures - this test's receiver,
+    in this busy process on 2 shared cores, fell behind) and the others, with ``traceparent``
+    flags 00, are not exported at all."""
     from support.http_load import post_all, request_bytes
 
     base = openai_server["base"]
@@ -178,7 +187,7 @@ def test_ten_thousand_distinct_client_strings_leave_a_bounded_number_of_series_a
         for i in range(first, first + count):
             model = f"client-model-{run}-{i}"
             headers = {
-                "traceparent": traceparent(f"b{i:031x}"),
+                "traceparent": traceparent(f"b{i:031x}", sampled=i % RECORDED_EVERY == 0),
                 "x-tenant-id": f"t{run}{i}",
                 "x-priority": f"p{run}{i}",
                 "x-request-id": f"r{run}{i}",
@@ -229,7 +238,10 @@ def test_ten_thousand_distinct_client_strings_leave_a_bounded_number_of_series_a
     models = _values(round_b, "gen_ai.request.model")
     assert models <= {SERVED, OTHER} and OTHER in models, models
     assert not {v for s in round_b for _, v in s[2]} & {json.dumps(c) for c in chosen}
-    assert round_b == round_a, f"new series after the bounds were reached: {sorted(round_b - round_a)}"
+    # (the export pipeline's drop counters are left out: a reason of their fixed set can first appear
+    # when the test's own receiver, in this busy process, falls behind - not a client's doing)
+    new = {s for s in round_b - round_a if s[1] not in PIPELINE_SELF_METRICS}
+    assert not new, f"new series after the bounds were reached: {sorted(new)}"
     tenants = _values(round_b, "llm.request.tenant")
     # LLM_OTEL_CLASS_MAX_VALUES (20) labels, plus `other` and the tier table's `acme`
     assert len(tenants) <= 22 and "other" in tenants, tenants
@@ -237,12 +249,14 @@ def test_ten_thousand_distinct_client_strings_leave_a_bounded_number_of_series_a
     assert _errors(after) == _errors(before)  # no failure of llm-otel's own code on the way
 
     # span names: the route's operation and a bounded model, one span per request
-    spans = rx.wait_for_spans(5000, name=f"text_completion {OTHER}", kind=SERVER, timeout=120)
-    spans += rx.wait_for_spans(5000, name=f"chat {OTHER}", kind=SERVER, timeout=120)
+    recorded = [i for i in range(10_000) if i % RECORDED_EVERY == 0]
+    completions = sum(i % 4 in (0, 2) for i in recorded)
+    spans = rx.wait_for_spans(completions, name=f"text_completion {OTHER}", kind=SERVER, timeout=120)
+    spans += rx.wait_for_spans(len(recorded) - completions, name=f"chat {OTHER}", kind=SERVER, timeout=120)
     served_spans = rx.wait_for_spans(50, name=f"text_completion {SERVED}", kind=SERVER, timeout=60)
     names = {s["name"] for s in rx.spans(kind=SERVER)}
     assert names == {f"text_completion {OTHER}", f"chat {OTHER}", f"text_completion {SERVED}"}, names
-    assert len({s["trace_id"] for s in spans}) == len(spans) == 10_000
+    assert sorted(s["trace_id"] for s in spans) == sorted(f"b{i:031x}" for i in recorded)
     for s in served_spans:
         assert len(s["attributes"]["llm.request.id"]) <= 256
         assert len(s["attributes"]["gen_ai.response.id"]) <= 256
@@ -268,8 +282,6 @@ def _fuzz_bodies(schema_document: dict, path: str, n: int) -> list:
     """The JSON bodies schemathesis generates from the OpenAPI document ``schema_document`` for
     ``POST path``: ``n`` examples, derandomized (the same document gives the same bodies; generated
     once per session, ~3-5 s a route here)."""
-    import hashlib
-
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings
 
@@ -390,9 +402,10 @@ def test_schemathesis_fuzz_of_the_servers_own_schema_finds_no_llm_otel_failure(r
         log.seek(log_start)
         log_text = log.read().decode(errors="replace")
     assert _llm_otel_failures(log_text) == []
+    digest = hashlib.sha256(json.dumps(cases, sort_keys=True, default=str).encode()).hexdigest()[:12]
     print(
-        f"\nfuzz: {len(cases)} cases x 2 in {fuzz_s:.1f} s, answers {dict(sorted(statuses.items()))}; "
-        f"series before {len(before)}, after {len(after)}"
+        f"\nfuzz: {len(cases)} cases (digest {digest}) x 2 in {fuzz_s:.1f} s, answers "
+        f"{dict(sorted(statuses.items()))}; series before {len(before)}, after {len(after)}"
     )
 
 
