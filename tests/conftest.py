@@ -199,6 +199,79 @@ def engine(tiny_model, receiver):
     cap.meter_provider.shutdown()
 
 
+# --- the real OpenAI server --------------------------------------------------------------------
+OPENAI_SERVED = "tiny"  # --served-model-name of the session's OpenAI server
+
+
+@pytest.fixture(scope="session")
+def openai_server(tiny_model, receiver, tmp_path_factory):
+    """The real vLLM OpenAI server (frontend, engine-core and worker processes), started once per
+    session zero-code with ``opentelemetry-instrument``, exporting spans and metrics (every second)
+    to the session's OTLP receiver as service ``vllm-server-test``; request classes from the
+    ``x-tenant-id`` / ``x-priority`` headers, a ``premium`` tier for tenant ``acme``, and the
+    in-process ``/healthz``. Used by tests/test_vllm_server.py and tests/test_vllm_refusals.py."""
+    import signal
+    import subprocess
+
+    from support.vllm_servers import free_port
+
+    if not HAS_VLLM:
+        pytest.skip("vLLM is not installed (pip install -e '.[vllm]')")
+    port = free_port()
+    health_port = free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
+    env.update(VLLM_ENV)
+    env.update(
+        OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint,
+        OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+        OTEL_BSP_SCHEDULE_DELAY="200",
+        OTEL_METRIC_EXPORT_INTERVAL="1000",
+        OTEL_SERVICE_NAME="vllm-server-test",
+        LLM_OTEL_LOGIT_DIST_RATIO="1",
+        VLLM_LOGGING_LEVEL="INFO",
+        # serving signals (test_signals_from_http_headers_and_in_process_healthz)
+        LLM_OTEL_CLASS_HEADERS="tenant:x-tenant-id,priority:x-priority",
+        LLM_OTEL_TIERS="premium tenant=acme ttft=60",
+        LLM_OTEL_MODEL_REVISION="stable",
+        LLM_OTEL_HEALTH_PORT=str(health_port),
+        LLM_OTEL_HEALTH_WARMUP_S="0",
+    )
+    instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
+    cmd = [
+        instrument,
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(tiny_model),
+        "--served-model-name",
+        OPENAI_SERVED,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "2048",
+        "--max-logprobs",
+        "20",
+    ]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    wait_for_vllm_server(proc, base, log_path, 300)
+    yield {"base": base, "proc": proc, "log": log_path, "health_port": health_port}
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    log.close()
+
+
 # ngram speculative decoding as the engine tests turn it on: drafts of up to 3 tokens looked up in
 # the request's own tokens (repetitive prompts get drafts proposed, some accepted, some rejected)
 SPEC_CONFIG = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}

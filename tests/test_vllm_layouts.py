@@ -89,8 +89,10 @@ def run_layout(layout: str, tmp_path) -> dict:
                 "vllm.v1.utils:shutdown",
                 "vllm.v1.engine.core:EngineCore.shutdown",
                 "vllm.v1.executor.multiproc_executor:WorkerProc.shutdown",
+                "vllm.entrypoints.launchers.app:build_app",
+                "vllm.entrypoints.launchers.api_server.entry:build_app",
             },
-            25,
+            27,
         ),
         # 0.33 has every target (tests/contracts/vllm-0.33.0.json); only the old OpenAI handler
         # modules of the <= 0.11 layout do not resolve, and their 0.33 alternatives do: no warning

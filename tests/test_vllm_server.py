@@ -5,16 +5,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
-from conftest import HAS_VLLM, VLLM_ENV, record_received, wait_for_vllm_server
+from conftest import HAS_VLLM, record_received
 
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")]
 
@@ -22,67 +17,10 @@ httpx = pytest.importorskip("httpx")
 SERVED = "tiny"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
-def server(tiny_model, receiver, tmp_path_factory):
-    port = _free_port()
-    health_port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
-    env.update(VLLM_ENV)
-    env.update(
-        OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint,
-        OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
-        OTEL_BSP_SCHEDULE_DELAY="200",
-        OTEL_METRIC_EXPORT_INTERVAL="1000",
-        OTEL_SERVICE_NAME="vllm-server-test",
-        LLM_OTEL_LOGIT_DIST_RATIO="1",
-        VLLM_LOGGING_LEVEL="INFO",
-        # serving signals (test_signals_from_http_headers_and_in_process_healthz)
-        LLM_OTEL_CLASS_HEADERS="tenant:x-tenant-id,priority:x-priority",
-        LLM_OTEL_TIERS="premium tenant=acme ttft=60",
-        LLM_OTEL_MODEL_REVISION="stable",
-        LLM_OTEL_HEALTH_PORT=str(health_port),
-        LLM_OTEL_HEALTH_WARMUP_S="0",
-    )
-    instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
-    cmd = [
-        instrument,
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(tiny_model),
-        "--served-model-name",
-        SERVED,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "2048",
-        "--max-logprobs",
-        "20",
-    ]
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    wait_for_vllm_server(proc, base, log_path, 300)
-    yield {"base": base, "proc": proc, "log": log_path, "health_port": health_port}
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    log.close()
+def server(openai_server):
+    """The session's instrumented OpenAI server (conftest.openai_server)."""
+    return openai_server
 
 
 @pytest.fixture

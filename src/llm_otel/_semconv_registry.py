@@ -48,6 +48,8 @@ class Attribute:
     members: list[dict] | None
     origin: str  # "official" or "llm-otel"
     group: str
+    # how a client reaches the value and its bound (annotations.client_input: {from, bound}), or None
+    client_input: dict | None = None
 
 
 @dataclasses.dataclass
@@ -120,6 +122,7 @@ def load_registry(root: pathlib.Path | None = None) -> Registry:
                     members,
                     origin,
                     group["id"],
+                    (raw.get("annotations") or {}).get("client_input"),
                 ),
             )
     return Registry(root, manifest, groups, attributes)
@@ -131,6 +134,11 @@ def validate(reg: Registry) -> list[str]:
     for key in ("name", "description", "schema_url"):
         if not reg.manifest.get(key):
             problems.append(f"manifest.yaml: missing {key!r}")
+    for i, item in enumerate(reg.manifest.get("client_input") or []):
+        if not isinstance(item, dict) or not item.get("input"):
+            problems.append(f"manifest.yaml: client_input[{i}] needs input, from and bound")
+        else:
+            problems.extend(_check_client_input(f"manifest.yaml: client_input {item['input']!r}", item, input_row=True))
     seen_groups: dict[str, str] = {}
     seen_attrs: dict[str, str] = {}
     # a span, event or metric name declared twice would silently replace the first generated constant
@@ -214,6 +222,7 @@ def validate(reg: Registry) -> list[str]:
                     problems.append(f"{awhere}: string attributes need examples")
                 if raw.get("examples") is not None:
                     problems.extend(_check_examples(awhere, typ, raw["examples"]))
+                problems.extend(_check_client_input(awhere, (raw.get("annotations") or {}).get("client_input")))
             elif "ref" in raw:
                 ref = raw["ref"]
                 if ref not in reg.attributes:
@@ -224,6 +233,17 @@ def validate(reg: Registry) -> list[str]:
             else:
                 problems.append(f"{where}: attribute entry needs 'id' or 'ref'")
     return problems
+
+
+def _check_client_input(where: str, entry: Any, input_row: bool = False) -> list[str]:
+    """``annotations.client_input`` of an attribute (or a ``client_input`` row of the manifest):
+    absent, or ``from`` (how a client reaches the value) and ``bound`` (what bounds it), both text."""
+    if entry is None:
+        return []
+    allowed = {"from", "bound"} | ({"input"} if input_row else set())
+    if not isinstance(entry, dict) or set(entry) != allowed or not all(isinstance(entry[k], str) for k in allowed):
+        return [f"{where}: client_input needs exactly {sorted(allowed)}, as text"]
+    return []
 
 
 def _check_requirement(where: str, level: Any) -> list[str]:
@@ -354,12 +374,31 @@ def render_markdown(reg: Registry) -> str:
             f"| `{name}` | {g['instrument']} | `{g['unit']}` | {g['brief'].strip()} | "
             f"{', '.join(str(b) for b in bounds) if bounds else ''} |"
         )
+    L += _client_input_section(reg)
     L += ["", "## Attribute registry", "", "| attribute | type | origin | brief |", "|---|---|---|---|"]
     for aid in sorted(reg.attributes):
         a = reg.attributes[aid]
         typ = "enum: " + ", ".join(f"`{m['value']}`" for m in a.members) if a.members else a.type
         L.append(f"| `{aid}` | {typ} | {a.origin} | {a.brief} |")
     return "\n".join(L) + "\n"
+
+
+def _client_input_section(reg: Registry) -> list[str]:
+    """The table of every value a client can choose and what bounds it: the attributes with
+    ``annotations.client_input``, then the manifest's ``client_input`` rows (inputs that are no
+    attribute of their own: trace headers, baggage, request fields llm-otel does not read)."""
+    L = ["", "## Values a client chooses", ""]
+    intro = reg.manifest.get("client_input_note")
+    if intro:
+        L += [" ".join(str(intro).split()), ""]
+    L += ["| value | where a client sets it | bound |", "|---|---|---|"]
+    for aid in sorted(reg.attributes):
+        ci = reg.attributes[aid].client_input
+        if ci:
+            L.append(f"| `{aid}` | {' '.join(ci['from'].split())} | {' '.join(ci['bound'].split())} |")
+    for item in reg.manifest.get("client_input") or []:
+        L.append(f"| {item['input']} | {' '.join(item['from'].split())} | {' '.join(item['bound'].split())} |")
+    return L
 
 
 def _attr_table(reg: Registry, g: dict) -> list[str]:

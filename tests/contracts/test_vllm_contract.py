@@ -49,6 +49,7 @@ READS: dict[str, dict] = {
     "engine_failed": {"at": {0: "e"}},
     "process_shutdown": {"at": {0: "procs", 1: "timeout"}},
     "process_exiting": {},
+    "http_app": {},
 }
 
 

@@ -35,6 +35,7 @@ from llm_otel.semconv import SCHEMA_URL
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import spans as S
 from llm_otel.signals import Signals, SignalsConfig
+from llm_otel.telemetry.bounds import bounded_id
 from llm_otel.telemetry.client import ClientCalls
 from llm_otel.telemetry.errors import HookErrors, guard
 from llm_otel.telemetry.metrics import Instruments
@@ -251,6 +252,8 @@ class Telemetry:
         """Start the live request span at ``arrival_s`` (wall-clock seconds) and return its record.
 
         The span is named ``{operation} {model}``; ``parent`` defaults to the current context.
+        ``llm.request.id`` and ``gen_ai.response.id``, which a client may choose, are cut to
+        :data:`~llm_otel.telemetry.bounds.MAX_ID_CHARS` characters.
         ``prompt_text`` is attached only when content capture is on (truncated). ``facts``
         (headers, engine class fields, KV geometry; :class:`llm_otel.listeners.RequestFacts`) go to the
         lifecycle listeners' ``on_start`` - request classes, tier, KV estimate - whose notes land on
@@ -261,13 +264,16 @@ class Telemetry:
             A.GEN_AI_OPERATION_NAME: operation,
             A.GEN_AI_PROVIDER_NAME: provider,
             A.GEN_AI_REQUEST_MODEL: model,
-            A.LLM_REQUEST_ID: request_id,
+            A.LLM_REQUEST_ID: bounded_id(request_id),  # a client may choose it (X-Request-Id)
             A.LLM_REQUEST_CHOICE_INDEX: choice_index,
         }
         if engine_version:
             attrs[A.LLM_ENGINE_VERSION] = engine_version
         if request_attributes:
             attrs.update(request_attributes)
+            response_id = attrs.get(A.GEN_AI_RESPONSE_ID)
+            if isinstance(response_id, str):
+                attrs[A.GEN_AI_RESPONSE_ID] = bounded_id(response_id)
         if user_logprobs is not None:
             attrs[A.LLM_REQUEST_LOGPROBS] = user_logprobs
         span = self.tracer.start_span(

@@ -41,6 +41,8 @@ from llm_otel.propagation import carrier_from_span
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import metrics as M
 from llm_otel.semconv import spans as S
+from llm_otel.telemetry.bounds import bounded_id
+from llm_otel.telemetry.metrics import BoundedValues
 from llm_otel.telemetry.record import mono_offset_ns
 from llm_otel.telemetry.spans import _percentiles
 
@@ -53,6 +55,7 @@ if TYPE_CHECKING:
     from llm_otel.config import Settings
     from llm_otel.telemetry.errors import HookErrors
 
+MAX_CLIENT_MODELS = 64  # distinct model names per process with their own client metric series
 # ``error.type`` of a call or stream the application cancelled: recorded, but no error status
 CANCELLED = "cancelled"
 
@@ -227,6 +230,8 @@ class ClientCalls:
         self.errors = errors
         self._truncate = truncate
         self.instruments = ClientInstruments(meter)
+        # the model names the application passes: the first MAX_CLIENT_MODELS keep their own series
+        self._models = BoundedValues(MAX_CLIENT_MODELS, f"models called through {provider}")
 
     # --- start ----------------------------------------------------------------------------------
     def start(
@@ -246,9 +251,13 @@ class ClientCalls:
         ``server``: ``server.address``/``server.port`` (span and metric attributes);
         ``attributes``: the adapter's request attributes (``gen_ai.request.*``, library fields);
         ``streaming`` sets ``gen_ai.request.stream``; ``request_id`` (if any) ``llm.request.id``.
+        ``model`` and ``request_id`` are cut to :data:`~llm_otel.telemetry.bounds.MAX_ID_CHARS`
+        characters; on the metrics the first :data:`MAX_CLIENT_MODELS` models keep their names,
+        later ones are ``_OTHER``.
         On a ``stream``: the child of the caller's current span when there is one, else of the
         stream span, and always linked to the stream span; in flight on it until :meth:`finish`.
         """
+        model = bounded_id(model)  # the application's argument: cut to MAX_ID_CHARS on the span
         attrs: dict[str, Any] = {
             A.GEN_AI_OPERATION_NAME: operation,
             A.GEN_AI_PROVIDER_NAME: self.provider,
@@ -259,7 +268,7 @@ class ClientCalls:
         if streaming:
             attrs[A.GEN_AI_REQUEST_STREAM] = True
         if request_id:
-            attrs[A.LLM_REQUEST_ID] = request_id
+            attrs[A.LLM_REQUEST_ID] = bounded_id(request_id)
         parent = links = None
         if stream is not None:
             if not trace.get_current_span().get_span_context().is_valid:
@@ -271,7 +280,7 @@ class ClientCalls:
         metric_attrs = {
             A.GEN_AI_OPERATION_NAME: operation,
             A.GEN_AI_PROVIDER_NAME: self.provider,
-            A.GEN_AI_REQUEST_MODEL: model,
+            A.GEN_AI_REQUEST_MODEL: self._models(model),
             **server,
         }
         call = ClientCall(span, request_id, metric_attrs, streaming, expected, stream)

@@ -422,10 +422,10 @@ def sampling_probability_reader(sampler: object) -> Callable[[], float] | None:
 
 
 class BoundedValues:
-    """A metric dimension whose values the engine chooses at run time (LoRA adapters loaded while
-    serving): the first ``limit`` distinct values keep their own series, later ones are recorded
-    as ``_OTHER``, with one warning (``what``: the values' name in it). Not thread-safe: one
-    engine loop asks."""
+    """A metric dimension whose values are chosen at run time (LoRA adapters loaded while serving,
+    the models an application calls): the first ``limit`` distinct values keep their own series,
+    later ones are recorded as ``_OTHER``, with one warning (``what``: the values' name in it, "LoRA
+    adapters served"). Safe from several threads (a seen value costs one set lookup)."""
 
     OTHER = "_OTHER"
 
@@ -434,19 +434,21 @@ class BoundedValues:
         self.what = what
         self._seen: set[str] = set()
         self._warned = False
+        self._lock = threading.Lock()
 
     def __call__(self, value: str) -> str:
         """``value`` if it is one of the first ``limit`` seen here, else ``_OTHER``."""
         seen = self._seen
         if value in seen:
             return value
-        if len(seen) < self.limit:
-            seen.add(value)
-            return value
-        if not self._warned:
-            self._warned = True
+        with self._lock:
+            if value in seen or len(seen) < self.limit:
+                seen.add(value)
+                return value
+            first, self._warned = not self._warned, True
+        if first:
             logging.getLogger("llm_otel").warning(
-                "llm-otel: more than %d %s served; metrics of further ones are recorded as model _OTHER "
+                "llm-otel: more than %d %s; metrics of further ones are recorded as model _OTHER "
                 "(spans keep their names)",
                 self.limit,
                 self.what,

@@ -34,6 +34,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from llm_otel.config import Settings
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import spans as S
+from llm_otel.telemetry.bounds import bounded_id
 from llm_otel.telemetry.spans import add_token_events, emit_logit_dist
 
 ROUTER = S.LLM_ROUTER_REQUEST  # the scheduler's process: queued -> released
@@ -155,7 +156,10 @@ class StageRecord:
 def emit_stage(tracer: Tracer, settings: Settings, rec: StageRecord, end_ns: int) -> None:
     """The stage span of ``rec`` (ended at ``end_ns`` epoch ns, or at its last token if later) and,
     when it kept logit rows, its ``llm.logit_dist`` span; both children of ``rec.parent``."""
-    attrs: dict[str, Any] = {A.LLM_REQUEST_ID: str(rec.request_id), A.LLM_REQUEST_CHOICE_INDEX: rec.choice_index}
+    attrs: dict[str, Any] = {
+        A.LLM_REQUEST_ID: bounded_id(str(rec.request_id)),
+        A.LLM_REQUEST_CHOICE_INDEX: rec.choice_index,
+    }
     if isinstance(rec.input_tokens, int):
         attrs[A.GEN_AI_USAGE_INPUT_TOKENS] = rec.input_tokens
     if isinstance(rec.output_tokens, int):

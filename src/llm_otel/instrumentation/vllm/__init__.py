@@ -274,6 +274,7 @@ class VLLMInstrumentor(BaseInstrumentor):
         self._applied = []
         engine_processes.remove_bootstrap_patch()  # a spawned child not yet bootstrapped builds no providers
         if self.adapter is not None:
+            self.adapter.retired = True  # the HTTP edge stays on an app built before; it records nothing
             self.adapter.telemetry.signals.stop()  # its thread and /healthz end with the hooks
         self.adapter = None
         self._pending = self._awaiting = None

@@ -27,6 +27,7 @@ from opentelemetry.trace import SpanKind
 
 from llm_otel.errors import guard
 from llm_otel.instrumentation.vllm.beam_search import BEAM, BeamSearch
+from llm_otel.instrumentation.vllm.edge import Exchange, bounded_model, install_edge, served_models
 from llm_otel.instrumentation.vllm.engine_core import EngineCoreAdapter
 from llm_otel.instrumentation.vllm.fields import class_fields, kv_spec
 from llm_otel.instrumentation.vllm.in_flight import _REPORTED, InFlight
@@ -63,6 +64,14 @@ MAX_LIVE_REQUESTS = 1_000_000  # records beyond this are not tracked (one warnin
 MAX_LORA_NAMES = 32  # distinct LoRA adapter names per process that get their own metric series
 
 
+def _named_error(error_type: str, message: str) -> Exception:
+    """An exception whose class name is ``error_type`` (what ``Telemetry.reject`` records as
+    ``error.type``) for a refusal that vLLM answered without one reaching us."""
+    named = type(error_type, (Exception,), {})
+    named.__qualname__ = error_type
+    return named(message)
+
+
 class VLLMAdapter(InFlight, PoolingRequests, BeamSearch, ProcessHooks):
     """Wrapper factories for the hooks in :mod:`.hooks` (each takes the hook's qualified name)."""
 
@@ -76,7 +85,7 @@ class VLLMAdapter(InFlight, PoolingRequests, BeamSearch, ProcessHooks):
         # where requests will arrive, the instrumentor starts the exporter process then, overlapping
         # vLLM's start-up, and not in every Python process that merely has vLLM installed
         self.before_first_engine: Callable[[], object] | None = None  # its result is not used
-        self._lora_names = BoundedValues(MAX_LORA_NAMES, "LoRA adapters")  # metric dimension values
+        self._lora_names = BoundedValues(MAX_LORA_NAMES, "LoRA adapters served")  # metric dimension values
         # n > 1: vLLM's ParentRequest -> the ChoiceGroup its child requests' records share
         self._choice_groups: weakref.WeakKeyDictionary[Any, ChoiceGroup] = weakref.WeakKeyDictionary()
         self.core = EngineCoreAdapter(telemetry)
@@ -84,6 +93,7 @@ class VLLMAdapter(InFlight, PoolingRequests, BeamSearch, ProcessHooks):
         from llm_otel.instrumentation.vllm.worker import WorkerAdapter
 
         self.worker = WorkerAdapter(telemetry)
+        self.retired = False  # uninstrumented: the HTTP edge left on an app built before records nothing
 
     # --- engine facts -----------------------------------------------------------------------
     def _state_for(self, output_processor: Any) -> EngineState:
@@ -181,20 +191,50 @@ class VLLMAdapter(InFlight, PoolingRequests, BeamSearch, ProcessHooks):
     ) -> None:
         with guard(hook, self.telemetry.errors):
             request = kwargs.get("request", args[0] if args else None)
-            model = getattr(request, "model", None) or "unknown"
-
-            class _Error(Exception):
-                pass
-
-            _Error.__qualname__ = error_type
             self.telemetry.reject(
                 operation=inbound.operation,
                 provider=PROVIDER,
-                model=str(model),
+                # the client's string only when it names a model served here (edge.bounded_model)
+                model=bounded_model(inbound.models, getattr(request, "model", None), self._lora_metric_name),
                 arrival_s=arrival,
-                error=_Error(message),
+                error=_named_error(error_type, message),
                 kind=SpanKind.SERVER,
                 parent=context_from_carrier(inbound.carrier),
+                engine_version=self.version,
+            )
+
+    def http_app(self, hook: str):
+        """vLLM's ``build_app`` (the OpenAI server's FastAPI app): :func:`.edge.install_edge` puts
+        the HTTP edge on the app it returns, so requests refused before a handler hook runs are
+        traced there (:meth:`_refused_at_edge`)."""
+
+        def wrapper(wrapped, instance, args, kwargs):
+            app = wrapped(*args, **kwargs)
+            with guard(hook, self.telemetry.errors):
+                install_edge(app, self._refused_at_edge)
+            return app
+
+        return wrapper
+
+    def _refused_at_edge(self, exchange: Exchange, scope: dict) -> None:
+        """A request the OpenAI server refused before any handler hook traced it (body validation,
+        authentication, ...): one SERVER span under the caller's ``traceparent`` and the count,
+        ``error.type`` the exception vLLM's handler got (``RequestValidationError``) or else the
+        HTTP status code (``"401"``), the model bounded (:func:`.edge.bounded_model`)."""
+        if self.retired:
+            return
+        with guard("vllm.http_edge", self.telemetry.errors):
+            from starlette.datastructures import Headers
+
+            error_type = exchange.error_type or str(exchange.status)
+            self.telemetry.reject(
+                operation=exchange.operation,
+                provider=PROVIDER,
+                model=bounded_model(served_models(scope), exchange.requested, self._lora_metric_name),
+                arrival_s=exchange.arrival_s,
+                error=_named_error(error_type, f"HTTP {exchange.status}"),
+                kind=SpanKind.SERVER,
+                parent=context_from_carrier(extract_carrier(Headers(scope=scope))),
                 engine_version=self.version,
             )
 

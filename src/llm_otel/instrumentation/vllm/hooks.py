@@ -138,6 +138,25 @@ HOOKS: list[Hook] = [
         group="openai.chat",
     ),
     Hook(
+        "vllm.entrypoints.launchers.api_server.entry",
+        "build_app",
+        "http_app",
+        SERVE_032,
+        "the OpenAI server's FastAPI app, under the name entry.py calls it by (build_and_serve, "
+        "run_server_worker); wrapped before the row below, so each name keeps vLLM's own function to restore: "
+        "the HTTP edge (edge.py), outermost ASGI middleware, traces the requests refused before a handler "
+        "hook runs (body validation 400, --api-key 401, scaling 503); one edge per app",
+        group="openai.app",
+    ),
+    Hook(
+        "vllm.entrypoints.launchers.app",
+        "build_app",
+        "http_app",
+        SERVE_032,
+        "the same function where vLLM defines it (other callers of build_app)",
+        group="openai.app",
+    ),
+    Hook(
         "vllm.entrypoints.pooling.base.serving",
         "PoolingBaseServing.__call__",
         "pooling_handler",

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from llm_otel.errors import guard
+from llm_otel.instrumentation.vllm.edge import EXCHANGE
 from llm_otel.propagation import extract_carrier
 
 # Operation of the LLM entry point on this thread/task ("chat" inside LLM.chat).
@@ -26,15 +27,19 @@ class Inbound:
     """One HTTP request seen by an OpenAI handler: its valid trace headers, and whether any engine
     request was started for it (if none was and the handler failed, it was rejected)."""
 
-    __slots__ = ("carrier", "operation", "started", "headers", "raw", "fixed_id")
+    __slots__ = ("carrier", "operation", "started", "rejected", "headers", "raw", "fixed_id", "models")
 
-    def __init__(self, carrier: dict | None, operation: str, headers: Any = None, raw: Any = None) -> None:
+    def __init__(
+        self, carrier: dict | None, operation: str, headers: Any = None, raw: Any = None, models: Any = None
+    ) -> None:
         self.carrier = carrier
         self.operation = operation
         self.started = 0
+        self.rejected = False  # the handler hook recorded this request's refusal
         self.headers = headers  # the inbound request's headers, for request classes (llm_otel.signals)
         self.raw = raw  # the handler's raw_request (starlette Request), for the response id
         self.fixed_id: str | None = None  # the response id where the handler tells it otherwise (pooling)
+        self.models = models  # the handler's OpenAIServingModels: the names a refusal may carry (edge.py)
 
     def response_id(self) -> str | None:
         """The ``id`` of the response body the client gets (``cmpl-...``, ``chatcmpl-...``,
@@ -67,7 +72,9 @@ def traced_handler(errors, hook: str, rejected, operation_of=None):
     them); a request the handler refuses before any engine request started (an exception, or an
     ``ErrorResponse`` with ``error.type`` / ``.message``) goes to ``rejected(hook, args, kwargs,
     inbound, arrival_s, error_type, message)``. ``operation_of(handler instance)`` names the
-    operation (pooling handlers); else ``chat`` or ``text_completion`` from the hook's name."""
+    operation (pooling handlers); else ``chat`` or ``text_completion`` from the hook's name. The
+    HTTP edge's :class:`.edge.Exchange` learns of the handler's :class:`Inbound`, so a request the
+    handler traced is not traced again there."""
     default = "chat" if "chat" in hook.rsplit(".", 1)[-1] else "text_completion"
 
     async def wrapper(wrapped, instance, args, kwargs):
@@ -83,18 +90,24 @@ def traced_handler(errors, hook: str, rejected, operation_of=None):
                 operation,
                 raw.headers if raw is not None else None,
                 raw,
+                getattr(instance, "models", None),
             )
+            exchange = EXCHANGE.get()
+            if exchange is not None:
+                exchange.inbound = inbound
             INBOUND.set(inbound)  # the request's task (and the streaming tasks it starts) see it
             OPERATION.set(operation)
         try:
             result = await wrapped(*args, **kwargs)
         except Exception as error:
             if inbound is not None and not inbound.started:
+                inbound.rejected = True
                 rejected(hook, args, kwargs, inbound, arrival, type(error).__qualname__, str(error))
             raise
         if inbound is not None and not inbound.started:
             err = getattr(result, "error", None)
             if err is not None and hasattr(err, "message"):
+                inbound.rejected = True
                 rejected(
                     hook, args, kwargs, inbound, arrival, str(getattr(err, "type", None) or "error"), str(err.message)
                 )
