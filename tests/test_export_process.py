@@ -546,7 +546,9 @@ def test_genai_metrics_are_the_same_and_their_exemplars_point_at_exported_reques
         assert tp.force_flush(30_000) and mp.force_flush(30_000)
         points = {}
         for name in GENAI_REQUEST_METRICS:
-            for p in receiver.wait_for_metric(name, timeout=10):
+            # this process's series: other processes (the session's servers) export these instruments
+            # here too; a point the exporter process sent under its own identity would never match
+            for p in receiver.wait_for_metric(name, timeout=10, resource={"process.pid": os.getpid()}):
                 key = (name, tuple(sorted(p["attributes"].items())))
                 points[key] = (
                     p.get("count"),
