@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from support import tools
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PYPI = os.path.join(os.path.dirname(sys.executable), "..", "lightllm-pypi")
@@ -35,8 +36,11 @@ def free_ports(n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def pypi_run(receiver, tiny_model):
-    if not os.path.isdir(os.path.join(PYPI, "lightllm")):
-        pytest.skip("PyPI lightllm 0.0.1 not installed in .venv/lightllm-pypi (see .ci/install.sh)")
+    tools.require(
+        "PyPI lightllm 0.0.1 in .venv/lightllm-pypi",
+        os.path.isdir(os.path.join(PYPI, "lightllm")),
+        "bash .ci/install.sh",
+    )
     service = f"lightllm-pypi-{os.getpid()}"
     spec = {
         "model_dir": str(tiny_model),

@@ -19,7 +19,7 @@ import pytest
 from conftest import make_captured
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode
-from support import triton_server
+from support import tools, triton_server
 
 from llm_otel.config import Settings
 
@@ -41,8 +41,7 @@ pytestmark = pytest.mark.triton
 def triton(receiver, tmp_path_factory):
     """One real tritonserver for the session, tracing every request to ``receiver``."""
     reason = triton_server.unavailable_reason()
-    if reason:
-        pytest.skip(reason)
+    tools.require("the real Triton server", not reason, reason or "")
     server = triton_server.start(tmp_path_factory.mktemp("triton"), receiver.http_traces_url)
     yield server
     server.stop()
