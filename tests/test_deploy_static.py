@@ -27,6 +27,7 @@ import sys
 
 import pytest
 import yaml
+from support import tools
 from test_ops_live import _require  # promtool: skip here, fail in CI when missing
 
 from llm_otel._semconv_registry import load_registry
@@ -114,8 +115,7 @@ def _compose_check(path: pathlib.Path) -> subprocess.CompletedProcess:
 
 
 def test_compose_file_matches_the_compose_specification(tmp_path):
-    if not (BIN / "check-jsonschema").exists():
-        pytest.skip("check-jsonschema is not installed (pip install -e '.[test]')")
+    tools.require("check-jsonschema", (BIN / "check-jsonschema").exists(), "pip install -e '.[test]'")
     done = _compose_check(COMPOSE_DIR / "compose.yaml")
     assert done.returncode == 0, done.stdout + done.stderr
     broken = tmp_path / "compose.yaml"  # a misspelt service key must be rejected

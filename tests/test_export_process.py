@@ -181,12 +181,15 @@ def test_a_killed_exporter_process_costs_counted_spans_and_a_new_one_takes_over(
     tracer.start_span("before").end()
     assert tp.force_flush(30_000)
     receiver.wait_for_spans(1, name="before")
-    buffer._proc.kill()  # noqa: SLF001 - the real process, killed as an OOM killer would
-    buffer._proc.wait()  # noqa: SLF001
+    killed = buffer._proc  # noqa: SLF001 - the real process, killed as an OOM killer would
+    killed.kill()
+    killed.wait()
     for _ in range(5):
         tracer.start_span("after").end()  # never raises into the caller
     assert tp.force_flush(30_000)
     receiver.wait_for_spans(5, name="after")  # a new exporter process delivered them
+    successor = buffer._proc  # noqa: SLF001
+    assert successor is not None and successor.pid != killed.pid and successor.poll() is None  # restarted, alive
     assert any("exporter process" in r.getMessage() for r in caplog.records)
     tp.shutdown()
 
@@ -615,7 +618,9 @@ def test_genai_metrics_are_the_same_and_their_exemplars_point_at_exported_reques
         assert tp.force_flush(30_000) and mp.force_flush(30_000)
         points = {}
         for name in GENAI_REQUEST_METRICS:
-            for p in receiver.wait_for_metric(name, timeout=10):
+            # this process's series: other processes (the session's servers) export these instruments
+            # here too; a point the exporter process sent under its own identity would never match
+            for p in receiver.wait_for_metric(name, timeout=10, resource={"process.pid": os.getpid()}):
                 key = (name, tuple(sorted(p["attributes"].items())))
                 points[key] = (
                     p.get("count"),

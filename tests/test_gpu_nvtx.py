@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from support import tools
 
 from llm_otel.gpu.nvtx import (
     DOMAIN,
@@ -210,9 +211,10 @@ TOOL_SCRIPT = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def nvtx_tool(tmp_path_factory):
     """tests/nvtx_tool/recorder.c built as an NVTX injection library (what Nsight attaches)."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None or not NVTX_HEADERS:
-        pytest.skip("needs a C compiler and the NVTX 3 headers (CUDA toolkit include/nvtx3) to build the tool")
+    cc = tools.require("a C compiler", shutil.which("cc") or shutil.which("gcc"), "apt-get install gcc")
+    tools.require(
+        "the NVTX 3 headers", NVTX_HEADERS, "the CUDA toolkit's include/nvtx3 under $CUDA_HOME or /usr/local/cuda"
+    )
     lib = tmp_path_factory.mktemp("nvtx") / "librecorder.so"
     src = os.path.join(os.path.dirname(__file__), "nvtx_tool", "recorder.c")
     proc = subprocess.run(

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from support import tools
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PYPI = os.path.join(os.path.dirname(sys.executable), "..", "lightllm-pypi")
@@ -35,8 +36,11 @@ def free_ports(n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def pypi_run(receiver, tiny_model):
-    if not os.path.isdir(os.path.join(PYPI, "lightllm")):
-        pytest.skip("PyPI lightllm 0.0.1 not installed in .venv/lightllm-pypi (see .ci/install.sh)")
+    tools.require(
+        "PyPI lightllm 0.0.1 in .venv/lightllm-pypi",
+        os.path.isdir(os.path.join(PYPI, "lightllm")),
+        "bash .ci/install.sh",
+    )
     service = f"lightllm-pypi-{os.getpid()}"
     spec = {
         "model_dir": str(tiny_model),
@@ -107,3 +111,106 @@ def test_real_2024_layout_traces_the_request_span_tree_with_the_engines_exact_co
     assert router["attributes"]["gen_ai.response.finish_reasons"] == ["length"]
     assert [e["name"] for e in router["events"]] == ["llm.request.queued", "llm.request.scheduled"]
     assert req["start_ns"] <= router["start_ns"] <= router["end_ns"]
+
+
+# --- the 2024 LightLLM's own processes: router and detokenizer started by LightLLM, model faked ---
+COMPLETE_TRACE, ABORT_TRACE = "0000000000000000000000000000c0de", "0000000000000000000000000000abcd"
+ROUTER_TARGET = "lightllm.server.router.manager:start_router_process"
+
+
+@pytest.fixture(scope="module")
+def pypi_processes(receiver, tiny_model):
+    """tests/lightllm_layouts/pypi_processes_driver.py: LightLLM 0.0.1's HttpServerManager here, its
+    start_submodule_processes starting its router and detokenizer, only the model backend faked;
+    one request completes, one client disconnects after its first token."""
+    tools.require(
+        "PyPI lightllm 0.0.1 in .venv/lightllm-pypi",
+        os.path.isdir(os.path.join(PYPI, "lightllm")),
+        "bash .ci/install.sh",
+    )
+    service = f"lightllm-pypi-processes-{os.getpid()}"
+    spec = {
+        "model_dir": str(tiny_model),
+        "ports": free_ports(6),
+        "requests": {"complete": f"00-{COMPLETE_TRACE}-{PARENT}-01", "abort": f"00-{ABORT_TRACE}-{PARENT}-01"},
+    }
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([os.path.abspath(PYPI)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+        OTEL_SERVICE_NAME=service,
+        OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint,
+        OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+        OTEL_TRACES_EXPORTER="otlp",
+        OTEL_METRICS_EXPORTER="none",
+        OTEL_BSP_SCHEDULE_DELAY="100",
+        LLM_OTEL_ADAPTIVE_SAMPLING="off",
+        LIGHTLLM_START_ARGS=json.dumps({"model_dir": str(tiny_model)}),
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+    )
+    done = subprocess.run(
+        [sys.executable, os.path.join(HERE, "lightllm_layouts", "pypi_processes_driver.py"), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads([x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT ") :])
+    for trace_id in (COMPLETE_TRACE, ABORT_TRACE):  # the router's request spans (flushed at its exit)
+        receiver.wait_for_spans(1, timeout=30, name="llm.router.request", trace_id=trace_id)
+    spans = [s for s in receiver.spans() if s["resource"].get("service.name") == service]
+    return {"result": result, "spans": spans, "stderr": done.stderr}
+
+
+def _one(spans, name, trace_id):
+    (span,) = [s for s in spans if s["name"] == name and s["trace_id"] == trace_id]
+    return span
+
+
+@pytest.mark.case("C06", "C09")
+def test_real_2024_processes_one_trace_per_request_with_lightllms_ids_and_each_process_role(pypi_processes):
+    """The router LightLLM started is labelled by its real start function, its request span joins
+    the HTTP worker's request span (the carrier crossed zmq in LightLLM's own pickling), both carry
+    LightLLM's group id, and the router's steps are its own spans linked to the request."""
+    result, spans = pypi_processes["result"], pypi_processes["spans"]
+    assert os.path.abspath(result["lightllm_file"]).startswith(os.path.abspath(PYPI))
+    assert [t[1] for t in result["complete"]["tokens"]] == [100, 101, 102, 103, 104]
+    req = _one(spans, "text_completion tiny-llama", COMPLETE_TRACE)
+    router = _one(spans, "llm.router.request", COMPLETE_TRACE)
+    assert (req["parent_span_id"], req["kind"]) == (PARENT, "SPAN_KIND_SERVER")
+    assert router["parent_span_id"] == req["span_id"]  # one trace: HTTP worker -> router
+    assert req["attributes"]["llm.request.id"] == router["attributes"]["llm.request.id"] == "8"
+    for span in (req, router):
+        assert span["attributes"]["gen_ai.usage.output_tokens"] == 5
+        assert span["attributes"]["gen_ai.response.finish_reasons"] == ["length"]
+    children = {int(pid) for pid in result["children"]}
+    assert req["resource"]["process.pid"] == result["pid"] and req["resource"]["llm.process.role"] == "frontend"
+    assert router["resource"]["llm.process.role"] == "router"
+    assert router["resource"]["llm.process.name"] == ROUTER_TARGET and router["resource"]["process.pid"] in children
+    assert router["resource"]["service.instance.id"] != req["resource"]["service.instance.id"]
+    steps = [s for s in spans if s["name"] == "llm.engine.step"]
+    assert steps and {s["resource"]["process.pid"] for s in steps} == {router["resource"]["process.pid"]}
+    linked = {(link["trace_id"], link["span_id"]) for s in steps for link in s["links"]}
+    assert (COMPLETE_TRACE, router["span_id"]) in linked or (COMPLETE_TRACE, req["span_id"]) in linked, linked
+    # the detokenizer LightLLM started makes no spans; nothing comes from a process of no role
+    assert {s["resource"]["llm.process.role"] for s in spans} == {"frontend", "router"}
+    # each stage left as a multiprocessing child (its finalizers, llm-otel's flush, ran)
+    assert len(children) == 2 and all(code is not None for code in result["children"].values())
+
+
+@pytest.mark.case("C09")
+def test_real_2024_client_disconnect_aborts_the_request_in_both_processes(pypi_processes):
+    """LightLLM's own disconnect path: generate() sees is_disconnected(), calls abort(), the router
+    marks the request FINISHED_ABORT and releases it - both spans end as aborted, in one trace."""
+    result, spans = pypi_processes["result"], pypi_processes["spans"]
+    assert result["abort"]["error"] == "req_id 16 disconnected" and len(result["abort"]["tokens"]) == 1
+    req = _one(spans, "text_completion tiny-llama", ABORT_TRACE)
+    router = _one(spans, "llm.router.request", ABORT_TRACE)
+    assert router["parent_span_id"] == req["span_id"]
+    for span in (req, router):
+        assert span["status_code"] == "STATUS_CODE_ERROR" and span["attributes"]["error.type"] == "aborted"
+        assert span["attributes"]["llm.request.id"] == "16"
+    assert req["attributes"]["gen_ai.usage.output_tokens"] == 1  # what the client got
+    assert router["attributes"]["gen_ai.usage.output_tokens"] >= 1  # what the router had generated

@@ -123,7 +123,10 @@ def test_relabel_reaches_the_exporter_process_spans_metrics_and_a_forked_childs(
     assert after["process.pid"] == before["process.pid"]
     assert after["service.instance.id"] == before["service.instance.id"]  # a UUID stays (identity.relabel)
     # the per-request GenAI metrics recorded in the exporter process carry the new identity
-    (point,) = receiver.wait_for_metric(M.LLM_SERVER_REQUESTS, timeout=10)
+    # the app's own series (its pid): other processes of the session export this instrument too
+    (point,) = receiver.wait_for_metric(
+        M.LLM_SERVER_REQUESTS, timeout=10, resource={"process.pid": before["process.pid"]}
+    )
     assert point["resource"]["llm.process.role"] == "router"
     assert point["resource"]["service.instance.id"] == after["service.instance.id"]
     child = resource("forked-child")

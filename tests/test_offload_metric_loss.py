@@ -6,6 +6,7 @@ rest when the process dies. Real exporter process, real OTLP/gRPC to the tests' 
 
 from __future__ import annotations
 
+import os
 import time
 
 from opentelemetry.sdk.metrics import MeterProvider
@@ -63,7 +64,9 @@ def _run(receiver, *, flush_before_kill: bool) -> tuple[int, int]:
     assert tp.force_flush(30_000)
     tp.shutdown()
     time.sleep(1)
-    received = max((p["value"] for p in receiver.metrics(name=M.LLM_SERVER_REQUESTS, latest=False)), default=0)
+    # this process's series only: the session's servers count their own requests into this receiver
+    mine = receiver.metrics(name=M.LLM_SERVER_REQUESTS, latest=False, resource={"process.pid": os.getpid()})
+    received = max((p["value"] for p in mine), default=0)
     return received, _metric_drops(reader)
 
 

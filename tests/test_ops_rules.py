@@ -5,21 +5,16 @@ dashboards are wired to a Prometheus data source with exemplars linked to Jaeger
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 
 import pytest
 import yaml
 from support import ops_harness as H
+from support import tools
 
 
 def _promtool() -> str:
-    path = H.which("promtool")
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("promtool is not installed; .ci/install.sh installs Debian's prometheus package")
-        pytest.skip("promtool is not installed (apt-get install prometheus)")
-    return path
+    return tools.binary("promtool", "apt-get install prometheus (.ci/install.sh installs Debian's package)")
 
 
 def test_alert_rules_rule_tests_and_dashboards_are_shipped():

@@ -459,6 +459,36 @@ def test_metrics_keeps_latest_point_per_attributes_and_full_history(rx, make_met
     assert {p["name"] for p in rx.metrics()} == {"requests"}
 
 
+def test_latest_points_are_kept_per_resource_and_can_be_picked_by_resource(rx):
+    """Two processes exporting the same instrument with the same attributes (the session's server
+    and a test's own program) are two series: neither overwrites the other's latest point, and a
+    test picks its own by a resource attribute it set."""
+    providers = [
+        MeterProvider(
+            metric_readers=[PeriodicExportingMetricReader(_metric_exporter(rx, "grpc"), 60_000)],
+            resource=Resource({**RESOURCE_ATTRS, "service.name": name, "process.pid": pid}),
+        )
+        for name, pid in (("session-server", 1), ("the-test", 2))
+    ]
+    try:
+        for provider, value in zip(providers, (7, 3)):
+            provider.get_meter(*SCOPE).create_counter("requests").add(value, {"route": "/a"})
+            assert provider.force_flush()
+        rx.wait_for_metric("requests", timeout=5, resource={"service.name": "the-test"})
+        rx.wait_for_metric("requests", timeout=5, resource={"service.name": "session-server"})
+        assert sorted(p["value"] for p in rx.metrics("requests")) == [3, 7]
+        (mine,) = rx.metrics("requests", resource={"service.name": "the-test"})
+        assert (mine["value"], mine["resource"]["process.pid"]) == (3, 2)
+        (theirs,) = rx.wait_for_metric("requests", resource={"process.pid": 1}, timeout=5)
+        assert theirs["value"] == 7
+        assert rx.metrics("requests", resource={"service.name": "the-test", "process.pid": 1}) == []
+        with pytest.raises(TimeoutError, match="from resource"):
+            rx.wait_for_metric("requests", timeout=0.1, resource={"service.name": "nobody"})
+    finally:
+        for provider in providers:
+            provider.shutdown()
+
+
 def test_wait_for_metric_times_out_naming_the_metrics_that_arrived(rx, make_meter_provider):
     provider = make_meter_provider(_metric_exporter(rx, "grpc"))
     provider.get_meter(*SCOPE).create_counter("seen.counter").add(1)

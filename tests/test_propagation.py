@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
@@ -92,3 +94,26 @@ def test_a_malformed_tracestate_is_one_log_line_not_one_per_request(caplog):
         assert sc.trace_id == 0x0AF7651916CD43DD8448EB211C80319C and not sc.trace_state
     echoes = [r for r in caplog.records if "bbbbbbbbbb" in r.getMessage() and r.levelno >= logging.WARNING]
     assert len(echoes) <= 1, [r.getMessage()[:120] for r in echoes]
+
+
+@pytest.mark.parametrize(
+    "tracestate, why",
+    [
+        (",".join(f"k{i}=v" for i in range(33)), "more than 32 members"),  # 230 characters: not oversized
+        ("a=1,b=2,a=3", "a key appears twice"),
+    ],
+)
+def test_a_tracestate_the_api_would_drop_is_one_llm_otel_line_per_process_not_an_api_warning_per_request(
+    tracestate, why, caplog
+):
+    """Found by tests/test_propagation_properties.py: 33 members made the OpenTelemetry API log a
+    warning on every request that sent them (and drop the header); a duplicate key was dropped
+    without a word. Both now keep the parent without the tracestate, one llm-otel line per process."""
+    caplog.set_level(logging.DEBUG)
+    carrier = extract_carrier({"traceparent": f"00-{TID}-{SID}-01", "tracestate": tracestate})
+    assert carrier["tracestate"] == tracestate  # within the size bound: handed on, judged on use
+    for _ in range(3):
+        sc = trace.get_current_span(context_from_carrier(carrier)).get_span_context()
+        assert (f"{sc.trace_id:032x}", len(sc.trace_state)) == (TID, 0)
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1 and why in lines[0] and lines[0].startswith("llm-otel:"), lines

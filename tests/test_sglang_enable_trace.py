@@ -8,13 +8,12 @@ test_sglang_server.py covers the server with it off.
 
 from __future__ import annotations
 
-import os
 import secrets
 import time
 import urllib.error
 
 import pytest
-from support import sglang_server
+from support import sglang_server, tools
 from support.otlp_receiver import OTLPReceiver
 
 from llm_otel.demo.tiny_model import ensure_tiny_model
@@ -22,7 +21,7 @@ from llm_otel.demo.tiny_model import ensure_tiny_model
 pytestmark = pytest.mark.sglang
 
 _REASON = sglang_server.unavailable_reason()
-if _REASON and not os.environ.get("CI"):
+if _REASON and not tools.in_ci():  # under CI the fixture fails instead (support/tools.py)
     pytest.skip(_REASON, allow_module_level=True)
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import pathlib
 import re
-import shutil
 import subprocess
 
 import pytest
 import yaml
+from support import tools
 
 from llm_otel._semconv_registry import load_registry
 
@@ -19,8 +19,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 RULES = ROOT / "examples" / "prometheus" / "signals.rules.yml"
 RULE_TESTS = ROOT / "examples" / "prometheus" / "tests" / "signals.test.yml"
 DASHBOARD = ROOT / "examples" / "grafana" / "dashboards" / "llm-otel-signals.json"
-PROMTOOL = shutil.which("promtool")
-needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not on PATH (apt-get install prometheus)")
+
+
+@pytest.fixture
+def promtool() -> str:
+    """promtool: skipped where missing, a failure under CI (support/tools.py)."""
+    return tools.binary("promtool", "apt-get install prometheus (.ci/install.sh installs Debian's package)")
+
 
 # OpenTelemetry Prometheus exporter: dots -> "_", unit suffix, "_total" for counters
 _UNIT_SUFFIX = {
@@ -87,23 +92,20 @@ def test_dashboard_panels_have_queries_and_a_datasource_variable():
     assert all(p["targets"] and p["datasource"]["uid"] == "${datasource}" for p in dash["panels"])
 
 
-@needs_promtool
-def test_signal_rules_pass_promtool_check():
-    result = subprocess.run([PROMTOOL, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=120)
+def test_signal_rules_pass_promtool_check(promtool):
+    result = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(rule_exprs())} rules found" in result.stdout
 
 
-@needs_promtool
-def test_signal_alerts_fire_and_stay_silent_per_promtool_unit_tests():
+def test_signal_alerts_fire_and_stay_silent_per_promtool_unit_tests(promtool):
     result = subprocess.run(
-        [PROMTOOL, "test", "rules", str(RULE_TESTS)], capture_output=True, text=True, timeout=300, cwd=RULE_TESTS.parent
+        [promtool, "test", "rules", str(RULE_TESTS)], capture_output=True, text=True, timeout=300, cwd=RULE_TESTS.parent
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@needs_promtool
-def test_every_dashboard_query_parses_as_promql(tmp_path):
+def test_every_dashboard_query_parses_as_promql(tmp_path, promtool):
     # Grafana's $__rate_interval becomes a concrete range; promtool parses each as a recording rule
     rules = {
         "groups": [
@@ -118,5 +120,5 @@ def test_every_dashboard_query_parses_as_promql(tmp_path):
     }
     path = tmp_path / "dashboard-rules.yml"
     path.write_text(yaml.safe_dump(rules))
-    result = subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -65,9 +65,11 @@ def _printed_ms(line: str, label: str) -> tuple[float, float]:
 
 
 def test_console_tree_prints_phases_that_add_up_to_the_ttft(eng):
-    generate(eng)
+    outputs = generate(eng)
     spans = eng.captured.finished()
-    for root in roots(eng):
+    request_roots = roots(eng)
+    assert len(request_roots) == len(outputs) == len(PROMPTS)  # the loop below checks every request
+    for root in request_roots:
         tree = format_tree([s for s in spans if s.context.trace_id == root.context.trace_id])
         lines = tree.splitlines()
         (prompt_line,) = [ln for ln in lines if "llm.prompt" in ln]

@@ -26,6 +26,13 @@ def trees(engine, operation="text_completion"):
     return out
 
 
+def all_trees(engine, n: int, operation="text_completion"):
+    """:func:`trees`, asserting there are ``n`` (a loop over them then checks every request)."""
+    t = trees(engine, operation)
+    assert len(t) == n, sorted(t)
+    return t
+
+
 def by_prompt(engine, outputs, operation="text_completion"):
     """Pair each RequestOutput with its request span via the engine's request id prefix."""
     t = trees(engine, operation)
@@ -106,7 +113,7 @@ def test_timestamps_are_ordered_and_no_span_starts_after_its_children(eng):
     before = time.time_ns()
     generate(eng)
     after = time.time_ns()
-    for root, kids in trees(eng).values():
+    for root, kids in all_trees(eng, len(PROMPTS)).values():
         prompt, stream = kids["llm.prompt"], kids["llm.token_stream"]
         dist = worker_logit_dist(eng, root)
         assert before <= root.start_time <= prompt.start_time <= stream.start_time <= root.end_time <= after
@@ -124,7 +131,7 @@ def test_timestamps_are_ordered_and_no_span_starts_after_its_children(eng):
 @pytest.mark.case("C01")
 def test_request_span_starts_at_arrival_and_phases_cover_it(eng):
     generate(eng)
-    for root, kids in trees(eng).values():
+    for root, kids in all_trees(eng, len(PROMPTS)).values():
         prompt, stream = kids["llm.prompt"], kids["llm.token_stream"]
         covered = (prompt.end_time - prompt.start_time) + (stream.end_time - stream.start_time)
         assert covered / (root.end_time - root.start_time) >= 0.9
@@ -257,10 +264,10 @@ def test_logit_dist_ratio_limits_injected_logprobs_but_not_user_requested_ones(f
     adapter = eng.instrumentor.adapter
     monkeypatch.setattr(adapter, "settings", dataclasses.replace(adapter.settings, logit_dist_ratio=0.0))
     generate(eng, max_tokens=4)
-    assert all(set(kids) == {"llm.prompt", "llm.token_stream"} for _, kids in trees(eng).values())
+    assert all(set(kids) == {"llm.prompt", "llm.token_stream"} for _, kids in all_trees(eng, len(PROMPTS)).values())
     eng.clear()
     generate(eng, max_tokens=4, logprobs=2)
-    assert all("llm.logit_dist" in kids for _, kids in trees(eng).values())
+    assert all("llm.logit_dist" in kids for _, kids in all_trees(eng, len(PROMPTS)).values())
 
 
 def test_logit_dist_matches_the_logprobs_the_user_asked_for(frontend_logprobs):

@@ -175,7 +175,10 @@ def test_rejected_requests_yield_an_error_span_and_the_duration_metric(rx, serve
     assert etype in ("VLLMValidationError", r.json()["error"]["type"])
     assert [e["name"] for e in span["events"]] == ["llm.request.rejected"]
     points = rx.wait_for_metric(
-        "gen_ai.server.request.duration", timeout=20, predicate=lambda p: p["attributes"].get("error.type") == etype
+        "gen_ai.server.request.duration",
+        timeout=20,
+        resource={"service.name": "vllm-server-test"},  # this server's, not another test's process
+        predicate=lambda p: p["attributes"].get("error.type") == etype,
     )
     assert points and all(p["count"] >= 1 and p["unit"] == "s" for p in points)
 

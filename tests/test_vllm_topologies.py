@@ -23,6 +23,7 @@ import collections
 import concurrent.futures
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -261,9 +262,10 @@ def summary(receiver, service: str) -> str:
 
 
 def latest_points(receiver, service: str) -> list[dict]:
-    """The latest point of every series of ``service``, a series being (resource identity, metric,
-    attributes): the receiver's own ``latest`` view keys by metric and attributes only, which is
-    the collision C14 is about."""
+    """The latest point of every series of ``service``, a series being (``service.instance.id``,
+    metric, attributes): a backend that identifies a process by its instance id alone would merge
+    two processes sharing one - the collision C14 is about (the receiver's own ``latest`` view
+    keeps every distinct resource apart, pid included, so it would not show it)."""
     latest = {}
     for m in receiver.metrics(latest=False):
         if m["resource"].get("service.name") == service:
@@ -425,14 +427,28 @@ class TestApiServers:
             assert 0 <= a["llm.request.frontend.duration"] and 0 <= a["llm.request.engine_input_wait.duration"]
 
     def test_healthz_per_api_server_that_served_a_request(self, api2, receiver):
-        servers = {
-            s["resource"]["llm.process.api_server.index"]
-            for s in top_spans(receiver, api2)
-            if s["name"] == f"text_completion {SERVED}"
-        }
-        for index in servers:
+        """Each API server that served a request answers /healthz on its own port (health port minus
+        its index): 200 with no reason, or 503 only for a reason of the health model (a loaded CPU
+        may score latency low), never a failed report or an unreachable exporter."""
+        roots = wait_until(
+            lambda: (lambda r: r if len(r) >= self.N + 3 else None)(
+                [s for s in top_spans(receiver, api2) if s["name"] == f"text_completion {SERVED}"]
+            ),
+            what="request spans",
+        )
+        servers = {s["resource"]["llm.process.api_server.index"] for s in roots}
+        assert servers and servers <= {0, 1}, servers
+        for index in sorted(servers):
             r = httpx.get(f"http://127.0.0.1:{api2.health - index}/healthz", timeout=10)
-            assert r.status_code in (200, 503) and "score" in r.text
+            body = r.json()
+            assert 0.0 <= body["score"] <= 1.0, body
+            if r.status_code == 200:
+                assert body["reasons"] == [] and body["status"] == "ok", body
+            else:
+                assert r.status_code == 503 and body["reasons"], (r.status_code, body)
+                assert all(
+                    re.fullmatch(r"score [0-9.]+ < [0-9.]+ \(dominant factor \w+\)", x) for x in body["reasons"]
+                ), body
 
 
 # --- data parallelism, stopped by a SIGTERM to the launcher ---------------------------------------

@@ -90,30 +90,46 @@ def context_from_carrier(carrier: Mapping[str, str] | None) -> Context | None:
     ts = carrier.get(TRACESTATE)
     if ts:
         try:
-            if not _tracestate_well_formed(ts):
-                # checked here: the API's parser logs a warning echoing the member for every request
-                # that sends it (a client could flood the server's log); the parser would drop the
-                # whole header too
-                raise ValueError("a member is not key=value in W3C tracestate format")
+            problem = _tracestate_problem(ts)
+            if problem is not None:
+                # checked here: the API's parser logs a warning for every request that sends a bad
+                # member or more than 32 (a client could flood the server's log) and drops the
+                # whole header, as it does for a duplicate key (silently): one line per process here
+                raise ValueError(problem)
             sc = SpanContext(sc.trace_id, sc.span_id, True, sc.trace_flags, TraceState.from_header([ts]))
-        except Exception:  # noqa: BLE001 - a caller's header, not our bug
+        except Exception as exc:  # noqa: BLE001 - a caller's header, not our bug
             process_errors().bad_input(
-                "propagation.tracestate", f"malformed tracestate {ts!r:.80}; the parent is kept without it"
+                "propagation.tracestate", f"malformed tracestate ({exc}) {ts!r:.80}; the parent is kept without it"
             )
     return trace.set_span_in_context(trace.NonRecordingSpan(sc))
 
 
-def _tracestate_well_formed(header: str) -> bool:
-    """Every non-empty member of a ``tracestate`` header matches the W3C member grammar (the
-    OpenTelemetry API's own pattern when it has one)."""
+_MAX_TRACESTATE_MEMBERS = 32  # W3C trace-context: a tracestate list has at most 32 members
+
+
+def _tracestate_problem(header: str) -> str | None:
+    """Why a ``tracestate`` header is not W3C's, or None: a non-empty member that does not match the
+    member grammar (the OpenTelemetry API's own pattern when it has one), a key twice, or more than
+    32 members - each of which the API's parser answers by dropping the whole header."""
     pattern = _MEMBER
-    if pattern is None:
-        return True
+    keys: set[str] = set()
     for member in header.split(","):
         member = member.strip(" \t")
-        if member and pattern.fullmatch(member) is None:
-            return False
-    return True
+        if not member:
+            continue
+        if pattern is not None:
+            match = pattern.fullmatch(member)
+            if match is None:
+                return "a member is not key=value in W3C tracestate format"
+            key = match.group(1)
+        else:
+            key = member.partition("=")[0]
+        if key in keys:
+            return "a key appears twice"
+        keys.add(key)
+        if len(keys) > _MAX_TRACESTATE_MEMBERS:
+            return f"more than {_MAX_TRACESTATE_MEMBERS} members"
+    return None
 
 
 _MEMBER: re.Pattern[str] | None

@@ -226,6 +226,10 @@ def _matches(item: dict[str, Any], filters: dict[str, Any]) -> bool:
     return all(item.get(key) == want for key, want in filters.items())
 
 
+def _has_resource(point: dict[str, Any], resource: dict[str, Any] | None) -> bool:
+    return resource is None or all(point["resource"].get(key) == want for key, want in resource.items())
+
+
 def _describe_span(span: dict[str, Any]) -> str:
     parent = span["parent_span_id"] or "-"
     return (
@@ -531,7 +535,9 @@ class OTLPReceiver:
         with self._cond:
             for point in decoded:
                 self._metric_points.append(point)
-                key = (point["name"], _freeze(point["attributes"]))
+                # one series per (resource, instrument, attributes), as a backend keeps them: two
+                # processes (the session server and a test's own) never overwrite each other's point
+                key = (point["name"], _freeze(point["attributes"]), _freeze(point["resource"]))
                 # Re-insert so iteration order follows the most recent update.
                 self._latest_points.pop(key, None)
                 self._latest_points[key] = point
@@ -606,16 +612,23 @@ class OTLPReceiver:
 
     # ---- metrics ---------------------------------------------------------
 
-    def metrics(self, name: str | None = None, *, latest: bool = True) -> list[dict[str, Any]]:
+    def metrics(
+        self, name: str | None = None, *, latest: bool = True, resource: dict[str, Any] | None = None
+    ) -> list[dict[str, Any]]:
         """Decoded metric data points.
 
-        With ``latest=True`` (default) only the most recent point per
-        ``(name, attributes)``; with ``latest=False`` every point ever received,
-        in arrival order. ``name`` restricts to one instrument.
+        With ``latest=True`` (default) only the most recent point per series
+        ``(name, attributes, resource attributes)``; with ``latest=False`` every point
+        ever received, in arrival order. ``name`` restricts to one instrument;
+        ``resource`` to points whose resource has each of the given attributes
+        with the given value (e.g. the ``service.name`` or ``process.pid`` a test
+        set), since other processes - the session's servers - export here too.
         """
         with self._cond:
             source = self._latest_points.values() if latest else self._metric_points
-            return copy.deepcopy([p for p in source if name is None or p["name"] == name])
+            return copy.deepcopy(
+                [p for p in source if (name is None or p["name"] == name) and _has_resource(p, resource)]
+            )
 
     def wait_for_metric(
         self,
@@ -623,17 +636,21 @@ class OTLPReceiver:
         timeout: float = 10.0,
         *,
         predicate: Callable[[dict[str, Any]], bool] | None = None,
+        resource: dict[str, Any] | None = None,
     ) -> list[dict[str, Any]]:
-        """Block until a point for ``name`` (satisfying ``predicate``) has arrived.
+        """Block until a point for ``name`` (from a ``resource`` as in :meth:`metrics`,
+        satisfying ``predicate``) has arrived.
 
-        Returns the latest points for ``name`` that satisfy ``predicate``.
+        Returns the latest points (one per series) for ``name`` that match.
         Raises ``TimeoutError`` listing the metric names that did arrive.
         """
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
                 found = [
-                    p for p in self._latest_points.values() if p["name"] == name and (predicate is None or predicate(p))
+                    p
+                    for p in self._latest_points.values()
+                    if p["name"] == name and _has_resource(p, resource) and (predicate is None or predicate(p))
                 ]
                 if found:
                     return copy.deepcopy(found)
@@ -645,6 +662,7 @@ class OTLPReceiver:
                     detail = f"; latest points for {name!r}: {same_name}" if same_name else ""
                     raise TimeoutError(
                         f"waited {timeout}s for metric {name!r}"
+                        f"{f' from resource {resource}' if resource else ''}"
                         f"{' matching predicate' if predicate else ''}; "
                         f"metrics that arrived: {listing}{detail}"
                     )

@@ -8,7 +8,9 @@ Models (Python backend; ``text_input`` BYTES[1], optional ``max_tokens`` INT32[1
   request parameters as JSON (Triton copies ``traceparent``/``tracestate`` headers into them:
   ``--*-header-forward-pattern``). Input ``fail`` -> an error response; ``slow`` -> answers after 1 s.
 * ``tok_stream`` - decoupled, one response per token (``max_tokens``, default 4, 10 ms apart),
-  the final flag on the last token (vLLM backend style); ``max_tokens < 0`` -> error.
+  the final flag on the last token (vLLM backend style); ``max_tokens < 0`` -> error. The first
+  response of each request also carries ``params_json`` (the parameters, as for ``text_echo``: a
+  stream's ``traceparent`` header reaches every request of the stream).
 * ``tok_stream_empty_final`` - same, the final flag in an extra empty response (PyTriton style).
 * ``tok_err`` - decoupled: one token, then an error response.
 * ``no_output`` - a success response with no output tensor; ``wrong_dtype`` - ``text_output``
@@ -99,8 +101,10 @@ class TritonPythonModel:
                     break
                 last = i == n - 1
                 flags = FINAL if (last and self.mode == "final_on_last") else 0
-                sender.send(pb_utils.InferenceResponse(output_tensors=[_out("text_output", f"tok{i} ")]),
-                            flags=flags)
+                outputs = [_out("text_output", f"tok{i} ")]
+                if i == 0:  # what the server saw, once per request
+                    outputs.append(_out("params_json", request.parameters()))
+                sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
             else:
                 if self.mode in ("empty_final", "err"):
                     sender.send(flags=FINAL)
@@ -158,7 +162,8 @@ def write_repository(root: pathlib.Path) -> pathlib.Path:
     for name, (mode, decoupled) in MODELS.items():
         (repo / name / "1").mkdir(parents=True, exist_ok=True)
         (repo / name / "1" / "model.py").write_text(MODEL_PY)
-        extra = ',\n  { name: "params_json" data_type: TYPE_STRING dims: [ 1 ] }' if mode == "echo" else ""
+        params = mode in ("echo", "final_on_last", "empty_final", "err")  # text_echo and the streams
+        extra = ',\n  { name: "params_json" data_type: TYPE_STRING dims: [ 1 ] }' if params else ""
         (repo / name / "config.pbtxt").write_text(
             CONFIG.format(
                 name=name,
