@@ -51,6 +51,11 @@ DEFAULT_DEADLINE_S: float = Settings().flush_deadline_s
 _BATCH = 512  # records per frame
 _INTERVAL_S = 0.2  # the writer sends at least this often when something is buffered
 _RESPAWN_S = 5.0  # at most one exporter-process start per this many seconds
+# after its final flush was answered, the exporter process gets at most this long (within the flush
+# deadline) to close its exporters and exit before it is killed: 0.5 s was too short on a loaded
+# 2-core machine, where its gRPC channel's close alone took longer (what it held was delivered
+# either way)
+_EXIT_WAIT_S = 2.0
 # this process's pid, refreshed in a forked child: compared on every push (os.getpid() is a system
 # call, and the hot path asks for it a dozen times per request)
 _PID = [os.getpid()]
@@ -554,7 +559,7 @@ class OffloadBuffer:
                     _stdin(proc).close()
                 except OSError:
                     pass
-                proc.wait(max(0.0, min(0.5, deadline - time.monotonic() - 0.05)))
+                proc.wait(max(0.0, min(_EXIT_WAIT_S, deadline - time.monotonic() - 0.05)))
             else:
                 proc.kill()
         except subprocess.TimeoutExpired:
