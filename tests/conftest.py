@@ -51,6 +51,22 @@ def record_received(spans: list[dict]) -> None:
         SPAN_LOG.add(s["scope_name"], s["name"], s["attributes"], [(e["name"], e["attributes"]) for e in s["events"]])
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``last_in_module`` end something their module's fixture shares (the fleet's
+    collector): they run after the module's other tests, whatever order pytest-randomly chose (it
+    shuffles in a wrapper before this hook; modules stay contiguous)."""
+    reordered: list = []
+    group: list = []
+    for item in [*items, None]:
+        if group and (item is None or getattr(item, "module", None) is not getattr(group[0], "module", None)):
+            reordered += [i for i in group if i.get_closest_marker("last_in_module") is None]
+            reordered += [i for i in group if i.get_closest_marker("last_in_module") is not None]
+            group = []
+        if item is not None:
+            group.append(item)
+    items[:] = reordered
+
+
 def pytest_sessionfinish(session, exitstatus):
     from llm_otel._semconv_registry import load_registry
 

@@ -431,6 +431,7 @@ def test_prometheus_counts_every_request_each_replica_served(fleet):
     assert services == {"a": fleet.a.service, "b": fleet.b.service}
 
 
+@pytest.mark.last_in_module  # the collector stays down
 def test_a_collector_that_stops_costs_spans_not_requests(fleet):
     """Bad input: rotel stops. Requests are served as before; each process that had spans to
     export counts them in llm_otel_spans_dropped_total and logs it once."""
