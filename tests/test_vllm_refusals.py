@@ -46,7 +46,7 @@ def rx(receiver, openai_server):
 @pytest.mark.case("C26")
 def test_every_refusal_is_one_server_span_with_error_type_counted_once(rx, openai_server, capsys):
     """The refusals of the real server, and the telemetry each leaves (the table in docs/vllm.md,
-    "Refused requests"). The first five never reach vLLM's handler (the HTTP edge traces them:
+    "Refused requests"). The first six never reach vLLM's handler (the HTTP edge traces them:
     instrumentation/vllm/edge.py); the rest are refused by the handler. A model the server does
     not serve is ``_OTHER``, in the span name and on the metrics; a body vLLM never parsed names
     no model (``_OTHER``); an omitted model is the served one."""
@@ -79,6 +79,14 @@ def test_every_refusal_is_one_server_span_with_error_type_counted_once(rx, opena
         ),
         Refusal(
             "body not JSON", "/v1/completions", b"{not json", 400, f"text_completion {OTHER}", "RequestValidationError"
+        ),
+        Refusal(  # FastAPI answers a body it cannot decode (or nested too deeply) with HTTPException
+            "body not UTF-8",
+            "/v1/completions",
+            b'{"model": "' + SERVED.encode() + b'", "prompt": "\xff"}',
+            400,
+            f"text_completion {OTHER}",
+            "HTTPException",
         ),
         Refusal(
             "chat body validation: `messages` not a list",
