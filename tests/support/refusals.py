@@ -75,7 +75,16 @@ def check_refusals(
     count of its attribute set grown by exactly the number of refusals that share it. Returns the
     table rows (what, HTTP status, span name, error.type, how many times it was counted)."""
     keys = {tuple(sorted(r.attributes().items())) for r in refusals}
+    # settled: what earlier requests to this server (another test's refusals, in any order) still
+    # had to export has arrived - two snapshots two export intervals apart agree
     before = {k: counted(rx, service, dict(k)) for k in keys}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        time.sleep(2 * export_interval_s + 0.5)
+        now = {k: counted(rx, service, dict(k)) for k in keys}
+        if now == before:
+            break
+        before = now
     expected = {k: sum(tuple(sorted(r.attributes().items())) == k for r in refusals) for k in keys}
     ids = []
     for i, refusal in enumerate(refusals):
