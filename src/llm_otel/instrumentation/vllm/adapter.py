@@ -16,6 +16,7 @@ our own code are counted in ``llm_otel.instrumentation.errors`` and never reach 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import time
@@ -67,9 +68,16 @@ MAX_LORA_NAMES = 32  # distinct LoRA adapter names per process that get their ow
 def _named_error(error_type: str, message: str) -> Exception:
     """An exception whose class name is ``error_type`` (what ``Telemetry.reject`` records as
     ``error.type``) for a refusal that vLLM answered without one reaching us."""
+    return _error_class(error_type)(message)
+
+
+@functools.lru_cache(maxsize=64)
+def _error_class(error_type: str) -> type[Exception]:
+    """One class per ``error.type`` (exception class names and HTTP statuses: a handful), not one
+    per refused request."""
     named = type(error_type, (Exception,), {})
     named.__qualname__ = error_type
-    return named(message)
+    return named
 
 
 class VLLMAdapter(InFlight, PoolingRequests, BeamSearch, ProcessHooks):
