@@ -34,21 +34,9 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-@pytest.fixture(scope="module")
-def pypi_run(receiver, tiny_model):
-    tools.require(
-        "PyPI lightllm 0.0.1 in .venv/lightllm-pypi",
-        os.path.isdir(os.path.join(PYPI, "lightllm")),
-        "bash .ci/install.sh",
-    )
-    service = f"lightllm-pypi-{os.getpid()}"
-    spec = {
-        "model_dir": str(tiny_model),
-        "prompt": "def main(): return 42",
-        "max_new_tokens": 5,
-        "traceparent": f"00-{TRACE_ID}-{PARENT}-01",
-        "ports": free_ports(2),
-    }
+def _run_driver(receiver, tiny_model, service: str, driver: str, spec: dict, timeout: float):
+    """Run ``tests/lightllm_layouts/<driver>`` with ``spec`` (JSON argument), PyPI LightLLM on the
+    path and OTLP to ``receiver`` under ``service``; (the finished process, its ``RESULT`` dict)."""
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join([os.path.abspath(PYPI)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
@@ -65,14 +53,33 @@ def pypi_run(receiver, tiny_model):
         TRANSFORMERS_OFFLINE="1",
     )
     done = subprocess.run(
-        [sys.executable, os.path.join(HERE, "lightllm_layouts", "pypi_driver.py"), json.dumps(spec)],
+        [sys.executable, os.path.join(HERE, "lightllm_layouts", driver), json.dumps(spec)],
         capture_output=True,
         text=True,
         env=env,
-        timeout=400,
+        timeout=timeout,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads([x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT ") :])
+    return done, result
+
+
+@pytest.fixture(scope="module")
+def pypi_run(receiver, tiny_model):
+    tools.require(
+        "PyPI lightllm 0.0.1 in .venv/lightllm-pypi",
+        os.path.isdir(os.path.join(PYPI, "lightllm")),
+        "bash .ci/install.sh",
+    )
+    service = f"lightllm-pypi-{os.getpid()}"
+    spec = {
+        "model_dir": str(tiny_model),
+        "prompt": "def main(): return 42",
+        "max_new_tokens": 5,
+        "traceparent": f"00-{TRACE_ID}-{PARENT}-01",
+        "ports": free_ports(2),
+    }
+    done, result = _run_driver(receiver, tiny_model, service, "pypi_driver.py", spec, timeout=400)
     assert result["router_exitcode"] == 0, done.stderr[-4000:]
     spans = [s for s in receiver.spans() if s["resource"].get("service.name") == service]
     return {"result": result, "spans": spans, "stderr": done.stderr}
@@ -134,30 +141,7 @@ def pypi_processes(receiver, tiny_model):
         "ports": free_ports(6),
         "requests": {"complete": f"00-{COMPLETE_TRACE}-{PARENT}-01", "abort": f"00-{ABORT_TRACE}-{PARENT}-01"},
     }
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([os.path.abspath(PYPI)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
-        OTEL_SERVICE_NAME=service,
-        OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint,
-        OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
-        OTEL_TRACES_EXPORTER="otlp",
-        OTEL_METRICS_EXPORTER="none",
-        OTEL_BSP_SCHEDULE_DELAY="100",
-        LLM_OTEL_ADAPTIVE_SAMPLING="off",
-        LIGHTLLM_START_ARGS=json.dumps({"model_dir": str(tiny_model)}),
-        TOKENIZERS_PARALLELISM="false",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-    )
-    done = subprocess.run(
-        [sys.executable, os.path.join(HERE, "lightllm_layouts", "pypi_processes_driver.py"), json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads([x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT ") :])
+    done, result = _run_driver(receiver, tiny_model, service, "pypi_processes_driver.py", spec, timeout=300)
     for trace_id in (COMPLETE_TRACE, ABORT_TRACE):  # the router's request spans (flushed at its exit)
         receiver.wait_for_spans(1, timeout=30, name="llm.router.request", trace_id=trace_id)
     spans = [s for s in receiver.spans() if s["resource"].get("service.name") == service]

@@ -17,6 +17,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace._sampling_experimental._trace_state import OtelTraceState
 from opentelemetry.sdk.trace.sampling import Decision
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
+from support.pollers import idle_poller
 
 from llm_otel.config.classes import CLASS_VALUE
 from llm_otel.errors import _reset_for_tests
@@ -175,19 +176,9 @@ def test_a_well_formed_tracestate_round_trips(trace_id, span_id, entries, separa
 
 
 # --- ot=th: the sampling threshold of a remote parent ------------------------------------------
-def _idle_poller():
-    from llm_otel.gpu.nvml import UtilizationPoller
-
-    class Idle:
-        def read(self) -> float:
-            return 0.0
-
-    poller = UtilizationPoller(Idle(), alpha=1.0)
-    poller.sample()
-    return poller
 
 
-SAMPLER = adaptive_sampler(UtilizationPolicy(), poller=_idle_poller())
+SAMPLER = adaptive_sampler(UtilizationPolicy(), poller=idle_poller())
 OT_VALUE = st.one_of(
     st.from_regex(r"th:[0-9a-f]{1,14}", fullmatch=True),
     st.from_regex(r"(th|rv):[\x21-\x2b\x2d-\x3a\x3c\x3e-\x7e]{0,20}(;[a-z]{1,3}:[a-z0-9]{0,5}){0,3}", fullmatch=True),

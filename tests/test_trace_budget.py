@@ -15,6 +15,7 @@ from opentelemetry.sdk.trace._sampling_experimental._util import MAX_THRESHOLD
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.sampling import Decision
 from opentelemetry.trace import SpanContext, TraceFlags, TraceState
+from support.pollers import idle_poller
 
 from llm_otel.config import ConfigError, Settings
 from llm_otel.sampling import (
@@ -54,19 +55,6 @@ class RecordingBudget(TraceBudget):
         threshold, lowered = super().limit(policy_threshold, now)
         self.thresholds.append(threshold)
         return threshold, lowered
-
-
-def idle_poller():
-    """A poller that reads an idle engine (utilisation 0: the policy says p = 1)."""
-    from llm_otel.gpu.nvml import UtilizationPoller
-
-    class Idle:
-        def read(self) -> float:
-            return 0.0
-
-    poller = UtilizationPoller(Idle(), alpha=1.0)
-    poller.sample()
-    return poller
 
 
 def budget_probabilities(times, traces_per_s=10.0, policy_p=1.0):
