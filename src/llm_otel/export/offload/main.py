@@ -14,7 +14,7 @@ from collections import deque
 
 from llm_otel.export.offload.frames import read_frame, span_count, write_frame
 from llm_otel.export.offload.replay import ChildMetrics, expand_trees, readable_spans
-from llm_otel.export.offload.writer import DEFAULT_BUFFER, DEFAULT_DEADLINE_S
+from llm_otel.export.offload.writer import DEFAULT_DEADLINE_S
 
 # spans sent in one export call: span frames waiting together are exported together (the batch
 # span processor's OTEL_BSP_MAX_EXPORT_BATCH_SIZE default), so a collector that answers in
@@ -171,8 +171,7 @@ def main() -> int:
         with write_lock:
             write_frame(stdout, frame)
 
-    # the serving process's buffer size (init frames from before it carried one: the setting)
-    exports = _SpanExports(exporter, SpanLimits(), write, frame[3] if len(frame) > 3 else _queue_limit())
+    exports = _SpanExports(exporter, SpanLimits(), write, frame[3])  # the serving process's buffer size
     # a Resource of its own: a re-label changes the meter provider's in place, and span frames
     # still queued for export keep the resource they were read with
     metrics = ChildMetrics(Resource(frame[1], frame[2] or None), write, lambda: metric_exporter_from_env(os.environ))
@@ -210,17 +209,6 @@ def main() -> int:
         except Exception:  # noqa: BLE001 - silent: exit cleanup of the exporter process
             pass
     return 0
-
-
-def _queue_limit() -> int:
-    """Spans the export queue holds: the serving process's ``LLM_OTEL_EXPORT_PROCESS_BUFFER`` (this
-    process inherits its environment), so what its buffer held while this process started fits."""
-    from llm_otel.config import Settings
-
-    try:
-        return Settings.from_env().export_process_buffer
-    except Exception:  # noqa: BLE001 - silent: the serving process reported the bad setting
-        return DEFAULT_BUFFER
 
 
 def _exit_with_parent(parent: int) -> float:

@@ -475,13 +475,12 @@ class OffloadBuffer:
                 elif kind == "metrics_exported" and proc is self._proc:
                     self._mexported = max(self._mexported, frame[1])
                 elif kind == "status" and proc is self._proc:
-                    exported, failed, error = frame[1:4]
+                    _, exported, failed, error, error_type = frame
                     self._acked += exported + failed
                     if failed:
                         self.last_error = error
                         self.failed += failed
-                        # an older exporter process's frame has no error.type: its drops were exports
-                        self.drops.failed(failed, frame[4] if len(frame) > 4 else "export_failed", error)
+                        self.drops.failed(failed, error_type, error)
                     elif exported:
                         self._death_logged = False
                         self.drops.succeeded()
