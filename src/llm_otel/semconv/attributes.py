@@ -80,6 +80,9 @@ HW_ID = 'hw.id'
 K8S_NODE_NAME = 'k8s.node.name'
 """The name of the Node. Type: string. Origin: official."""
 
+LLM_DISAGGREGATION_ROLE = 'llm.disaggregation.role'
+"""The role of this instance (on step spans) or of this request's hop (on request spans) in prefill/decode disaggregated serving. Type: enum (string). Origin: llm-otel."""
+
 LLM_ENGINE_PHASE = 'llm.engine.phase'
 """What the engine spent most of the last GPU sampling period (1 s) on - `prefill` (steps that scheduled prompt tokens, mixed batches included), `decode` (steps that only generated) or `idle` (no step). Type: string. Origin: llm-otel."""
 
@@ -109,6 +112,15 @@ LLM_ENGINE_STEP_DEVICE_QUEUE_DELAY = 'llm.engine.step.device.queue_delay'
 
 LLM_ENGINE_STEP_DEVICE_START_NS = 'llm.engine.step.device.start_ns'
 """Unix epoch nanoseconds at which the step's begin record executed on the device (before the model's first kernel, same stream). Type: int. Origin: llm-otel."""
+
+LLM_ENGINE_STEP_KV_TRANSFER_RECEIVE_TIME = 'llm.engine.step.kv_transfer.receive_time'
+"""Seconds the worker spent in the KV connector's load calls during the step (start_load_kv, wait_for_layer_load; rank 0's worker). Type: double. Origin: llm-otel."""
+
+LLM_ENGINE_STEP_KV_TRANSFER_REQUESTS = 'llm.engine.step.kv_transfer.requests'
+"""Requests whose KV transfer completed (or failed) in the step, both directions. Type: int. Origin: llm-otel."""
+
+LLM_ENGINE_STEP_KV_TRANSFER_SEND_TIME = 'llm.engine.step.kv_transfer.send_time'
+"""Seconds the worker spent in the KV connector's save calls during the step (save_kv_layer, wait_for_save; rank 0's worker). Type: double. Origin: llm-otel."""
 
 LLM_ENGINE_STEP_PREEMPTED = 'llm.engine.step.preempted'
 """Requests preempted in the step. Type: int. Origin: llm-otel."""
@@ -154,6 +166,30 @@ LLM_INTER_TOKEN_LATENCY_P99 = 'llm.inter_token_latency.p99'
 
 LLM_KV_CACHE_PHASE = 'llm.kv_cache.phase'
 """When a KV-cache footprint was measured. Type: enum (string). Origin: llm-otel."""
+
+LLM_KV_TRANSFER_ASYNCHRONOUS = 'llm.kv_transfer.asynchronous'
+"""Whether the transfer runs beside the engine's steps (vLLM load_kv_async; the request waits in WAITING_FOR_REMOTE_KVS, or the prefill side holds the blocks until the peer read them) rather than inside one step's model execution. Type: boolean. Origin: llm-otel."""
+
+LLM_KV_TRANSFER_BLOCKS = 'llm.kv_transfer.blocks'
+"""KV-cache blocks the transfer covers (its tokens rounded up to the engine's block size). Type: int. Origin: llm-otel."""
+
+LLM_KV_TRANSFER_BYTES = 'llm.kv_transfer.bytes'
+"""Bytes of KV cache the transferred tokens occupy in this engine's paged cache (tokens x the page size of every KV-cache group / block size); a connector's wire bytes can differ. Type: int. Origin: llm-otel."""
+
+LLM_KV_TRANSFER_CONNECTOR = 'llm.kv_transfer.connector'
+"""The KV connector class that moved the KV cache (vLLM `kv_transfer_config.kv_connector`, LightLLM's transfer backend). Type: string. Origin: llm-otel."""
+
+LLM_KV_TRANSFER_DIRECTION = 'llm.kv_transfer.direction'
+"""Which side of the transfer this instance is. Type: enum (string). Origin: llm-otel."""
+
+LLM_KV_TRANSFER_LOAD_FAILURE_POLICY = 'llm.kv_transfer.load_failure_policy'
+"""What the engine does with a request whose KV failed to load (vLLM `kv_transfer_config.kv_load_failure_policy`) - `recompute` (the tokens are computed locally) or `fail` (the request ends with an error). Type: string. Origin: llm-otel."""
+
+LLM_KV_TRANSFER_REMOTE_ENGINE = 'llm.kv_transfer.remote_engine'
+"""The peer instance, as the request's kv_transfer_params name it (`remote_engine_id`, else `remote_host:remote_port`). Type: string. Origin: llm-otel."""
+
+LLM_KV_TRANSFER_TOKENS = 'llm.kv_transfer.tokens'
+"""Prompt tokens whose KV the transfer moved (vLLM `num_external_tokens` on the receive side; the prompt tokens saved on the send side). Type: int. Origin: llm-otel."""
 
 LLM_LOGIT_ENTROPY = 'llm.logit.entropy'
 """Shannon entropy of one step's next-token distribution, nats. Type: double. Origin: llm-otel."""
@@ -381,6 +417,9 @@ LLM_TRITON_MODEL_VERSION = 'llm.triton.model.version'
 LLM_TRITON_STREAM_REQUESTS = 'llm.triton.stream.requests'
 """Number of requests the application sent on a gRPC stream (`async_stream_infer` calls or items of the `stream_infer` input iterator). Type: int. Origin: llm-otel."""
 
+LLM_USAGE_KV_TRANSFER_INPUT_TOKENS = 'llm.usage.kv_transfer.input_tokens'
+"""Prompt tokens whose KV cache came over the KV connector from another instance or an external store (vLLM `PrefillStats.num_external_cached_tokens`); not counted in gen_ai.usage.cache_read.input_tokens. Type: int. Origin: llm-otel."""
+
 LLM_VRAM_PRESSURE_LEVEL = 'llm.vram.pressure.level'
 """VRAM pressure level with hysteresis. Type: enum (string). Origin: llm-otel."""
 
@@ -409,6 +448,13 @@ SERVICE_NAME = 'service.name'
 """Logical name of the service (OTEL_SERVICE_NAME). Type: string. Origin: official."""
 
 
+class LlmDisaggregationRoleValues:
+    """Values of llm.disaggregation.role."""
+    PREFILL = 'prefill'
+    DECODE = 'decode'
+    BOTH = 'both'
+
+
 class LlmEngineStepDeviceClockValues:
     """Values of llm.engine.step.device.clock."""
     GLOBALTIMER = 'globaltimer'
@@ -434,6 +480,12 @@ class LlmKvCachePhaseValues:
     """Values of llm.kv_cache.phase."""
     ADMISSION = 'admission'
     FINISH = 'finish'
+
+
+class LlmKvTransferDirectionValues:
+    """Values of llm.kv_transfer.direction."""
+    SEND = 'send'
+    RECEIVE = 'receive'
 
 
 class LlmLogitSourceValues:
@@ -555,6 +607,7 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'host.name': 'string',
     'hw.id': 'string',
     'k8s.node.name': 'string',
+    'llm.disaggregation.role': 'string',
     'llm.engine.phase': 'string',
     'llm.engine.step.batch_size': 'int',
     'llm.engine.step.cpu_time': 'double',
@@ -565,6 +618,9 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.engine.step.device.end_ns': 'int',
     'llm.engine.step.device.queue_delay': 'double',
     'llm.engine.step.device.start_ns': 'int',
+    'llm.engine.step.kv_transfer.receive_time': 'double',
+    'llm.engine.step.kv_transfer.requests': 'int',
+    'llm.engine.step.kv_transfer.send_time': 'double',
     'llm.engine.step.preempted': 'int',
     'llm.engine.step.prefill_tokens': 'int',
     'llm.engine.step.recompute_tokens': 'int',
@@ -580,6 +636,14 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.inter_token_latency.p90': 'double',
     'llm.inter_token_latency.p99': 'double',
     'llm.kv_cache.phase': 'string',
+    'llm.kv_transfer.asynchronous': 'boolean',
+    'llm.kv_transfer.blocks': 'int',
+    'llm.kv_transfer.bytes': 'int',
+    'llm.kv_transfer.connector': 'string',
+    'llm.kv_transfer.direction': 'string',
+    'llm.kv_transfer.load_failure_policy': 'string',
+    'llm.kv_transfer.remote_engine': 'string',
+    'llm.kv_transfer.tokens': 'int',
     'llm.logit.entropy': 'double',
     'llm.logit.entropy.max': 'double',
     'llm.logit.entropy.mean': 'double',
@@ -655,6 +719,7 @@ ATTRIBUTE_TYPES: dict[str, str] = {
     'llm.triton.client': 'string',
     'llm.triton.model.version': 'string',
     'llm.triton.stream.requests': 'int',
+    'llm.usage.kv_transfer.input_tokens': 'int',
     'llm.vram.pressure.level': 'string',
     'llm.vram.source': 'string',
     'llm.vram.usage': 'double',

@@ -48,6 +48,16 @@ LLM_GPU_UTILIZATION = 'llm.gpu.utilization'
 """Utilisation of one GPU as NVML reports it (`nvmlDeviceGetUtilizationRates().gpu` / 100, over NVML's last sample period) with the engine phase of that period; engine-core process, absent without NVML. Instrument: gauge, unit: 1."""
 LLM_GPU_UTILIZATION_UNIT = '1'
 
+LLM_KV_TRANSFER_DURATION = 'llm.kv_transfer.duration'
+"""Duration of each request's KV transfer on this instance (every request, sampled or not), as the llm.kv_transfer span measures it. Instrument: histogram, unit: s."""
+LLM_KV_TRANSFER_DURATION_UNIT = 's'
+LLM_KV_TRANSFER_DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+LLM_KV_TRANSFER_SIZE = 'llm.kv_transfer.size'
+"""KV-cache bytes of each request's transfer on this instance (llm.kv_transfer.bytes; every request, sampled or not); its sum is the bytes moved. Instrument: histogram, unit: By."""
+LLM_KV_TRANSFER_SIZE_UNIT = 'By'
+LLM_KV_TRANSFER_SIZE_BUCKETS = (65536.0, 262144.0, 1048576.0, 4194304.0, 16777216.0, 67108864.0, 268435456.0, 1073741824.0, 4294967296.0)
+
 LLM_SERVER_HEALTH_SCORE = 'llm.server.health.score'
 """Weighted health score in [0, 1] from latency p95 vs target, error rate, GPU utilisation and uptime. Instrument: gauge, unit: 1."""
 LLM_SERVER_HEALTH_SCORE_UNIT = '1'

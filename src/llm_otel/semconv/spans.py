@@ -11,6 +11,9 @@ LLM_ENGINE_STEP_DEVICE = 'llm.engine.step.device'
 LLM_INFER_REQUEST = 'llm.infer.request'
 """One sub-request in a LightLLM model-infer worker (master rank of its DP group), from admission to release, with per-token timing. Kind: internal."""
 
+LLM_KV_TRANSFER = 'llm.kv_transfer'
+"""One request's KV-cache transfer on one side, child of the request's span on that instance. Receive: from the allocation of its blocks for external tokens until the load finished (the step that loaded it, or the connector's finished_recving); send: from the first save of its KV until the blocks are released to the peer (the step's end for connectors that save in the step, finished_sending for those the peer pulls from). Kind: internal."""
+
 LLM_LOGIT_DIST = 'llm.logit_dist'
 """Next-token distribution statistics over a request's decode steps (sampled requests only). Kind: internal."""
 
