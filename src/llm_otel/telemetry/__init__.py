@@ -38,6 +38,7 @@ from llm_otel.signals import Signals, SignalsConfig
 from llm_otel.telemetry.bounds import bounded_id
 from llm_otel.telemetry.client import ClientCalls
 from llm_otel.telemetry.errors import HookErrors, guard
+from llm_otel.telemetry.kv_transfer import KVTransfer, KVTransfers
 from llm_otel.telemetry.metrics import Instruments
 from llm_otel.telemetry.outlets import RequestOutlets
 from llm_otel.telemetry.record import RequestRecord
@@ -47,7 +48,7 @@ from llm_otel.telemetry.steps import StepContext, StepTracker
 
 logger = logging.getLogger("llm_otel")
 
-__all__ = ["Telemetry", "RequestRecord", "RequestFacts", "StepContext", "StepTracker"]
+__all__ = ["Telemetry", "RequestRecord", "RequestFacts", "StepContext", "StepTracker", "KVTransfer", "KVTransfers"]
 
 
 class _MetricsListener:
@@ -142,6 +143,7 @@ class Telemetry:
         )
         self.signals = signals  # registers it (see the setter)
         self._steps: StepTracker | None = None
+        self._kv_transfers: KVTransfers | None = None
         self._steps_lock = threading.Lock()
 
     # --- request-lifecycle listeners -----------------------------------------------------------
@@ -224,6 +226,16 @@ class Telemetry:
                     st = self.settings
                     self._steps = StepTracker(self, backend=st.gpu_steps, capacity=st.gpu_ring_capacity, nvtx=st.nvtx)
         return self._steps
+
+    @property
+    def kv_transfers(self) -> KVTransfers:
+        """The :class:`~llm_otel.telemetry.kv_transfer.KVTransfers` adapters hand each request's
+        KV transfer to (prefill/decode disaggregation; created on first use)."""
+        if self._kv_transfers is None:
+            with self._steps_lock:
+                if self._kv_transfers is None:
+                    self._kv_transfers = KVTransfers(self.tracer, self.meter)
+        return self._kv_transfers
 
     @property
     def steps_if_started(self) -> StepTracker | None:
