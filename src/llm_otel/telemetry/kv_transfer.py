@@ -11,7 +11,7 @@ Nothing here blocks or raises into the engine: the adapter calls it under its ho
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode
@@ -102,7 +102,7 @@ class KVTransfers:
             self.size.record(t.nbytes, dims)
         if t.parent is None or not t.parent.trace_flags.sampled:
             return
-        attrs: dict = {
+        attrs: dict[str, Any] = {
             A.LLM_KV_TRANSFER_CONNECTOR: t.connector,
             A.LLM_KV_TRANSFER_DIRECTION: t.direction,
             A.LLM_KV_TRANSFER_ASYNCHRONOUS: t.asynchronous,
