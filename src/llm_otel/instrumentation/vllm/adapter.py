@@ -33,6 +33,7 @@ from llm_otel.instrumentation.vllm.engine_core import EngineCoreAdapter
 from llm_otel.instrumentation.vllm.fields import class_fields, kv_spec
 from llm_otel.instrumentation.vllm.in_flight import _REPORTED, InFlight
 from llm_otel.instrumentation.vllm.inbound import ENGINE_CARRIER, INBOUND, OPERATION, Inbound, traced_handler
+from llm_otel.instrumentation.vllm.kv_transfer import add_trace_context, instance_role, request_params, request_role
 from llm_otel.instrumentation.vllm.pooling import PoolingRequests, handler_operation
 from llm_otel.instrumentation.vllm.requests import (
     ERROR_TYPES,
@@ -50,7 +51,7 @@ from llm_otel.instrumentation.vllm.shutdown import ProcessHooks
 from llm_otel.instrumentation.vllm.spec_decode import SpecDecodeAdapter, engine_spec_config, take_figures
 from llm_otel.listeners import RequestFacts
 from llm_otel.process.ports import serving_started
-from llm_otel.propagation import context_from_carrier, extract_carrier
+from llm_otel.propagation import carrier_from_span, context_from_carrier, extract_carrier
 from llm_otel.semconv import attributes as A
 from llm_otel.signals import kv_source_for
 from llm_otel.telemetry import RequestRecord, Telemetry
@@ -126,6 +127,7 @@ class VLLMAdapter(InFlight, PoolingRequests, BeamSearch, ProcessHooks):
         # cache_config.num_gpu_blocks is known once the engine core reported its KV pool
         state.kv = kv_spec(getattr(engine, "vllm_config", None))
         state.spec_tokens, state.spec_public = engine_spec_config(getattr(engine, "vllm_config", None))
+        state.disagg = instance_role(getattr(engine, "vllm_config", None))
         if first and state.kv is not None:
             self.telemetry.attach_kv_source(kv_source_for(state, lambda s: s.kv))
 
@@ -348,6 +350,12 @@ class VLLMAdapter(InFlight, PoolingRequests, BeamSearch, ProcessHooks):
             model = str(lora_name)
             attrs[A.LLM_LORA_NAME] = model
             attrs[A.LLM_LORA_BASE_MODEL] = state.model
+        kv_params = role = None
+        if state.disagg is not None:
+            kv_params = request_params(sp)
+            role = request_role(state.disagg, kv_params)
+            if role is not None:
+                attrs[A.LLM_DISAGGREGATION_ROLE] = role
         inbound = INBOUND.get()
         carrier = ENGINE_CARRIER.get() or (inbound.carrier if inbound is not None else None)
         # the id the client got back: the OpenAI response body's, or the offline RequestOutput.request_id
@@ -375,6 +383,8 @@ class VLLMAdapter(InFlight, PoolingRequests, BeamSearch, ProcessHooks):
             facts=RequestFacts(inbound.headers if inbound is not None else None, class_fields(request), state.kv),
         )
         rec.vocab_size = state.vocab_size
+        if state.disagg is not None:
+            self._disaggregated(state, rid, rec, kv_params, role)
         if lora_name:  # metric dimensions: the adapter name bounded per process, and the base model
             bounded = self._lora_metric_name(model)
             rec.metric_attributes.update(
@@ -413,6 +423,21 @@ class VLLMAdapter(InFlight, PoolingRequests, BeamSearch, ProcessHooks):
         if rec.logprob_cap:
             state.logprob_records[rid] = rec
         rec.on_handed()  # vLLM sends the request to the engine core right after add_request
+
+    @staticmethod
+    def _disaggregated(state: EngineState, rid: str, rec: RequestRecord, params: dict | None, role: str | None) -> None:
+        """A request on an instance with a KV connector: a decode hop with NIXL-style params
+        reports the prefill side's cached tokens as vLLM's usage does (``remote_prefill_cached_tokens``
+        with ``do_remote_prefill``, vllm/v1/engine/output_processor.py); a prefill hop's finished
+        output will carry its trace context (sampled or not: the decode side follows the decision)."""
+        if params and params.get("do_remote_prefill"):
+            cached = params.get("remote_prefill_cached_tokens")
+            if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
+                rec.cached_tokens = cached
+        if role == "prefill" and rec.span is not None:
+            carrier = carrier_from_span(rec.span)
+            if carrier:
+                state.handoff[rid] = carrier
 
     def _lora_metric_name(self, name: str) -> str:
         """``name`` while at most :data:`MAX_LORA_NAMES` adapters were seen here, else ``_OTHER``
@@ -461,6 +486,12 @@ class VLLMAdapter(InFlight, PoolingRequests, BeamSearch, ProcessHooks):
             ts = time.monotonic()
         else:
             state.clock.observe_output(ts, time.monotonic())
+        if state.handoff:  # before vLLM copies a finished prefill's kv_transfer_params into the response
+            for out in outputs:
+                if out.finish_reason is not None:
+                    carrier = state.handoff.pop(out.request_id, None)
+                    if carrier is not None:
+                        add_trace_context(out, carrier)
         if state.spec_records:  # before vLLM copies a final output's spec_decode_metrics into the response
             take_figures(outputs, state.spec_records, state.spec_public)
         keep = state.logprob_records
@@ -494,8 +525,13 @@ class VLLMAdapter(InFlight, PoolingRequests, BeamSearch, ProcessHooks):
                             state.clock.observe_queued(rec.handed_mono, ev.timestamp)
                         rec.on_event(kind, ev.timestamp)
             stats = out.prefill_stats  # the prefill's step only
-            if stats is not None and rec.cached_tokens is None:
-                rec.cached_tokens = stats.num_cached_tokens
+            if stats is not None:
+                # local prefix-cache hits; KV that came over a connector is counted apart
+                external = getattr(stats, "num_external_cached_tokens", 0)
+                if rec.cached_tokens is None:
+                    rec.cached_tokens = getattr(stats, "num_local_cached_tokens", stats.num_cached_tokens)
+                if external and rec.recording and rec.span is not None:
+                    rec.span.set_attribute(A.LLM_USAGE_KV_TRANSFER_INPUT_TOKENS, int(external))
             ids = out.new_token_ids
             if ids:
                 produced += rec.on_tokens(ids, ts)  # after vLLM trimmed tokens past a stop string

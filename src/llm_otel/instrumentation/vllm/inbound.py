@@ -14,6 +14,7 @@ from typing import Any
 
 from llm_otel.errors import guard
 from llm_otel.instrumentation.vllm.edge import EXCHANGE
+from llm_otel.instrumentation.vllm.kv_transfer import trace_context_of
 from llm_otel.propagation import extract_carrier
 
 # Operation of the LLM entry point on this thread/task ("chat" inside LLM.chat).
@@ -85,8 +86,11 @@ def traced_handler(errors, hook: str, rejected, operation_of=None):
             if operation_of is not None:
                 operation = operation_of(instance)
             raw = kwargs.get("raw_request", args[1] if len(args) > 1 else None)
+            carrier = extract_carrier(raw.headers) if raw is not None else None
+            if carrier is None:  # a decode hop whose proxy forwarded no traceparent: the prefill's context
+                carrier = trace_context_of(args[0] if args else kwargs.get("request"))
             inbound = Inbound(
-                extract_carrier(raw.headers) if raw is not None else None,
+                carrier,
                 operation,
                 raw.headers if raw is not None else None,
                 raw,

@@ -49,6 +49,8 @@ class EngineState:
         "spec_tokens",
         "spec_public",
         "spec_records",
+        "disagg",
+        "handoff",
         "__weakref__",
     )
 
@@ -68,11 +70,17 @@ class EngineState:
         self.spec_tokens = 0
         self.spec_public = False
         self.spec_records: dict[str, RequestRecord] = {}
+        # prefill/decode disaggregation: the instance's role (None: no KV connector) and, per live
+        # prefill request, the trace context its finished output hands on in kv_transfer_params
+        self.disagg: str | None = None
+        self.handoff: dict[str, dict[str, str]] = {}
 
     def pop(self, request_id: str) -> RequestRecord | None:
         """Stop tracking ``request_id``; its record, or None when it was not tracked."""
         self.logprob_records.pop(request_id, None)
         self.spec_records.pop(request_id, None)
+        if self.handoff:
+            self.handoff.pop(request_id, None)
         return self.records.pop(request_id, None)
 
     def read_model_config(self, model_config: Any) -> None:

@@ -76,6 +76,7 @@ from llm_otel.instrumentation.vllm.carrier import (
     step_phase,
     step_tokens,
 )
+from llm_otel.instrumentation.vllm.kv_transfer import WorkerKV
 from llm_otel.instrumentation.vllm.logit_rows import Chosen as _Chosen
 from llm_otel.instrumentation.vllm.logit_rows import Plan as _Plan
 from llm_otel.instrumentation.vllm.logit_rows import Slots as _Slots
@@ -130,6 +131,7 @@ class WorkerAdapter:
         self._logits = _Streams(self._emit, _parent_of)
         self._flusher: threading.Thread | None = None
         self._open_steps: dict[int, Any] = {}  # id(model runner) -> StepContext awaiting sample_tokens
+        self.kv = WorkerKV(telemetry)  # the KV connector's load/save time per step (disaggregation)
         self._torch_cuda: Any = False  # torch.cuda once known to be usable, None when not
         self._owns_result: bool | None = None  # this rank returns the step's output (read once)
         # MRv2: Sampler -> {request-state slot: _Chosen}; weak, so a discarded runner takes its map
@@ -141,39 +143,55 @@ class WorkerAdapter:
         (V1) and MRv2's ``execute_model(scheduler_output, intermediate_tensors=None, dummy_run=False,
         ...)``; MRv2 dummy runs (profiling, CUDA-graph capture, DP padding) are passed through."""
 
+        kv = self.kv
+
         def wrapper(wrapped, instance, args, kwargs):
-            ctx = None
             if kwargs.get("dummy_run"):  # MRv2 passes it by keyword (_dummy_run); no step of a request
                 return wrapped(*args, **kwargs)
-            try:  # per step: inline, not errors.guard (0.3-0.7 us more)
-                stale = self._open_steps.pop(id(instance), None) if self._open_steps else None
-                if stale is not None:  # sample_tokens never came (the step failed in between)
-                    self._end_step(stale, hook)
-                so = args[0] if args else kwargs.get("scheduler_output")
-                ctx = self._begin_step(so)
-            except Exception as exc:  # noqa: BLE001
-                self.telemetry.errors.report(hook, exc)
-            if ctx is None:
-                return wrapped(*args, **kwargs)
-            try:
-                output = wrapped(*args, **kwargs)
-            except BaseException:
-                self._end_step(ctx, hook)
-                raise
-            if output is None:  # two-phase step: sample_tokens() follows and ends it
-                self._open_steps[id(instance)] = ctx
-            else:
-                self._end_step(ctx, hook)
+            if kv.active is False:  # no KV connector here
+                return self._execute_step(wrapped, instance, args, kwargs, hook)
+            kv.begin_step()  # guarded inside; times the connector's calls (disaggregation)
+            output = self._execute_step(wrapped, instance, args, kwargs, hook)
+            kv.stamp(output)
             return output
 
         return wrapper
 
+    def _execute_step(self, wrapped, instance, args, kwargs, hook: str):
+        """One ``execute_model`` call with its device timing (begin; end now or in sample_tokens)."""
+        ctx = None
+        try:  # per step: inline, not errors.guard (0.3-0.7 us more)
+            stale = self._open_steps.pop(id(instance), None) if self._open_steps else None
+            if stale is not None:  # sample_tokens never came (the step failed in between)
+                self._end_step(stale, hook)
+            so = args[0] if args else kwargs.get("scheduler_output")
+            ctx = self._begin_step(so)
+        except Exception as exc:  # noqa: BLE001
+            self.telemetry.errors.report(hook, exc)
+        if ctx is None:
+            return wrapped(*args, **kwargs)
+        try:
+            output = wrapped(*args, **kwargs)
+        except BaseException:
+            self._end_step(ctx, hook)
+            raise
+        if output is None:  # two-phase step: sample_tokens() follows and ends it
+            self._open_steps[id(instance)] = ctx
+        else:
+            self._end_step(ctx, hook)
+        return output
+
     def sample_tokens(self, hook: str):
         """Wrapper for ``GPUModelRunner.sample_tokens(grammar_output)``: ends the open step."""
 
+        kv = self.kv
+
         def wrapper(wrapped, instance, args, kwargs):
             try:
-                return wrapped(*args, **kwargs)
+                output = wrapped(*args, **kwargs)
+                if kv.active:
+                    kv.stamp(output)
+                return output
             finally:
                 ctx = self._open_steps.pop(id(instance), None) if self._open_steps else None
                 if ctx is not None:
