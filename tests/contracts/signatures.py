@@ -50,6 +50,7 @@ class Source:
     def __init__(self, path: str):
         self.path = os.fspath(path)
         self._zip = zipfile.ZipFile(self.path) if zipfile.is_zipfile(self.path) else None
+        self._trees: dict[str, ast.Module] = {}
         if self._zip is None and not os.path.isdir(self.path):
             raise FileNotFoundError(f"{self.path}: neither a directory nor a wheel/zip")
 
@@ -76,6 +77,12 @@ class Source:
             rel = os.path.relpath(root, self.path).replace(os.sep, "/")
             found.extend(f"{rel}/{name}" for name in names)
         return sorted(found)
+
+    def tree(self, relpath: str, text: str) -> ast.Module:
+        """``ast`` of ``text`` (the file ``relpath``), parsed once per source."""
+        if relpath not in self._trees:
+            self._trees[relpath] = ast.parse(text, filename=relpath)
+        return self._trees[relpath]
 
     def module_file(self, module: str) -> tuple[str, str] | None:
         """``(relpath, text)`` of ``module``'s source (``a/b.py`` or ``a/b/__init__.py``)."""
@@ -288,7 +295,7 @@ def resolve_class(source: Source, module: str, name: str, _depth: int = 0) -> tu
     if located is None or _depth > 20:
         return None
     relpath, text = located
-    body = ast.parse(text, filename=relpath).body
+    body = source.tree(relpath, text).body
     node = _definitions(body).get(name)
     if isinstance(node, ast.ClassDef):
         return f"{module}:{name}", node, relpath
