@@ -50,6 +50,7 @@ class Source:
     def __init__(self, path: str):
         self.path = os.fspath(path)
         self._zip = zipfile.ZipFile(self.path) if zipfile.is_zipfile(self.path) else None
+        self._trees: dict[str, ast.Module] = {}
         if self._zip is None and not os.path.isdir(self.path):
             raise FileNotFoundError(f"{self.path}: neither a directory nor a wheel/zip")
 
@@ -65,6 +66,23 @@ class Source:
             return None
         with open(full, encoding="utf-8") as fh:
             return fh.read()
+
+    def files(self, prefix: str) -> list[str]:
+        """Relpaths (``/``-separated) of the files under directory ``prefix``, sorted."""
+        prefix = prefix.rstrip("/") + "/"
+        if self._zip is not None:
+            return sorted(n for n in self._zip.namelist() if n.startswith(prefix) and not n.endswith("/"))
+        found = []
+        for root, _dirs, names in os.walk(os.path.join(self.path, *prefix.split("/"))):
+            rel = os.path.relpath(root, self.path).replace(os.sep, "/")
+            found.extend(f"{rel}/{name}" for name in names)
+        return sorted(found)
+
+    def tree(self, relpath: str, text: str) -> ast.Module:
+        """``ast`` of ``text`` (the file ``relpath``), parsed once per source."""
+        if relpath not in self._trees:
+            self._trees[relpath] = ast.parse(text, filename=relpath)
+        return self._trees[relpath]
 
     def module_file(self, module: str) -> tuple[str, str] | None:
         """``(relpath, text)`` of ``module``'s source (``a/b.py`` or ``a/b/__init__.py``)."""
@@ -241,6 +259,119 @@ def signature(source: Source, module: str, qualname: str) -> dict[str, Any]:
         entry["decorators"] = []
         entry["params"] = None
     return entry
+
+
+def _import_origin(body: list[ast.stmt], name: str, module: str, is_package: bool) -> tuple[str, str] | None:
+    """``(module, original name)`` a module-level ``from ... import`` binds ``name`` from (``as``
+    renames and relative imports resolved; imports under ``if``/``try`` included, the last wins)."""
+    found = None
+    for stmt in body:
+        if isinstance(stmt, ast.ImportFrom):
+            if stmt.level:
+                parts = module.split(".") if is_package else module.split(".")[:-1]
+                parts = parts[: len(parts) - (stmt.level - 1)]
+                origin = ".".join(parts + ([stmt.module] if stmt.module else []))
+            else:
+                origin = stmt.module or ""
+            for alias in stmt.names:
+                if (alias.asname or alias.name) == name:
+                    found = (origin, alias.name)
+        elif isinstance(stmt, ast.If):
+            found = _import_origin(stmt.body + stmt.orelse, name, module, is_package) or found
+        elif isinstance(stmt, (ast.Try, getattr(ast, "TryStar", ast.Try))):
+            blocks = stmt.body + [s for h in stmt.handlers for s in h.body] + stmt.orelse + stmt.finalbody
+            found = _import_origin(blocks, name, module, is_package) or found
+    return found
+
+
+def resolve_class(source: Source, module: str, name: str, _depth: int = 0) -> tuple[str, ast.ClassDef, str] | None:
+    """Where the class bound to ``module.name`` is defined: ``("module:Class", node, relpath)``.
+
+    Follows module-level aliases (``NixlConnector = NixlPullConnector``) and ``from x import
+    name [as other]`` re-exports (absolute or relative, package ``__init__`` files included).
+    Returns None when the name is not bound to a class in ``source`` (absent, or from a package
+    outside it, such as ``abc.ABC``)."""
+    located = source.module_file(module)
+    if located is None or _depth > 20:
+        return None
+    relpath, text = located
+    body = source.tree(relpath, text).body
+    node = _definitions(body).get(name)
+    if isinstance(node, ast.ClassDef):
+        return f"{module}:{name}", node, relpath
+    if isinstance(node, ast.Assign) and isinstance(node.value, ast.Name):
+        return resolve_class(source, module, node.value.id, _depth + 1)
+    if node is None:
+        origin = _import_origin(body, name, module, relpath.endswith("/__init__.py"))
+        if origin is not None:
+            return resolve_class(source, origin[0], origin[1], _depth + 1)
+    return None
+
+
+def class_mro(source: Source, module: str, name: str) -> list[tuple[str, ast.ClassDef | None, str | None]]:
+    """Method resolution order of the class bound to ``module.name``, read from source: C3
+    linearisation over its bases as :func:`resolve_class` finds them. A base outside ``source``
+    (``ABC``, ``Generic[T]``) is a leaf ``("<outside>:ABC", None, None)``. ``[]`` when the class
+    itself is not found.
+
+    Raises:
+        TypeError: the bases admit no consistent order (Python would refuse the class too).
+    """
+    start = resolve_class(source, module, name)
+    if start is None:
+        return []
+    memo: dict[str, list[tuple[str, ast.ClassDef | None, str | None]]] = {}
+
+    def linearize(ref: tuple[str, ast.ClassDef | None, str | None]) -> list:
+        key, node, _relpath = ref
+        if key in memo:
+            return memo[key]
+        if node is None:
+            return [ref]
+        owner = key.split(":", 1)[0]
+        bases = []
+        for base in node.bases:
+            expr = base.value if isinstance(base, ast.Subscript) else base
+            found = resolve_class(source, owner, expr.id) if isinstance(expr, ast.Name) else None
+            bases.append(found or (f"<outside>:{ast.unparse(expr)}", None, None))
+        sequences = [linearize(b) for b in bases] + [bases]
+        result = [ref]
+        while any(sequences):
+            sequences = [s for s in sequences if s]
+            for seq in sequences:
+                head = seq[0]
+                if not any(head[0] in [r[0] for r in s[1:]] for s in sequences):
+                    break
+            else:
+                raise TypeError(f"{key}: inconsistent bases")
+            result.append(head)
+            sequences = [s[1:] if s[0][0] == head[0] else s for s in sequences]
+        memo[key] = result
+        return result
+
+    return linearize(start)
+
+
+def method_as_seen(source: Source, module: str, name: str, method: str) -> dict[str, Any]:
+    """Signature data of ``method`` as the class bound to ``module.name`` resolves it: the first
+    class of :func:`class_mro` whose body binds the name. Returns ``found`` and, when found,
+    ``defined_in`` (``"module:Class"``), ``file``, ``kind``, ``decorators`` and ``params`` as
+    :func:`signature` gives them (``params`` None for a non-function binding)."""
+    for key, node, relpath in class_mro(source, module, name):
+        if node is None:
+            continue
+        bound = _definitions(node.body).get(method)
+        if bound is None:
+            continue
+        entry: dict[str, Any] = {"found": True, "defined_in": key, "file": relpath}
+        if isinstance(bound, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            entry["kind"] = "async_function" if isinstance(bound, ast.AsyncFunctionDef) else "function"
+            entry["decorators"] = [_decorator_name(d) for d in bound.decorator_list]
+            entry["params"] = _parameters(bound.args)
+        else:
+            entry.update(kind="class" if isinstance(bound, ast.ClassDef) else "assignment", decorators=[], params=None)
+        return entry
+    return {"found": False}
 
 
 def extract(source: Source | str, targets: Sequence[Target]) -> dict[str, dict[str, Any]]:

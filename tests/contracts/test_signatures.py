@@ -249,3 +249,111 @@ def test_parse_target_rejects_text_without_a_module():
     assert signatures.parse_target(" a.b:C.d ") == ("a.b", "C.d")
     with pytest.raises(ValueError):
         signatures.parse_target("a.b.C.d")
+
+
+# Classes as a subclass sees them: bases walked across modules, aliases and re-exports followed.
+BASES = {
+    "pkg/kv/__init__.py": "from .base import Base as PublicBase\n",
+    "pkg/kv/base.py": textwrap.dedent("""
+        from abc import ABC
+        from typing import Generic, TypeVar
+        T = TypeVar("T")
+
+        class Mixin(ABC):
+            def finished_all(self, request, block_ids):
+                pass
+
+        class Base(Generic[T]):
+            def start(self, forward_context, **kwargs):
+                pass
+
+            def finished(self, request, block_ids):
+                pass
+    """),
+    "pkg/kv/impl.py": textwrap.dedent("""
+        from pkg.kv import PublicBase
+        from .base import Mixin
+        if False:
+            from pkg.kv.base import Nowhere
+
+        class Shared(PublicBase, Mixin):
+            def finished(self, request, blocks):
+                pass
+
+        class Pull(Shared):
+            def start(self, forward_context):
+                pass
+
+        class Push(Shared):
+            start = Shared.start
+
+        Connector = Pull
+    """),
+}
+
+
+@pytest.fixture()
+def bases_tree(tmp_path):
+    for relpath, text in BASES.items():
+        (tmp_path / relpath).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relpath).write_text(text)
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    return tmp_path
+
+
+def test_an_alias_resolves_to_its_class_and_bases_are_walked_in_c3_order(bases_tree):
+    source = signatures.Source(str(bases_tree))
+    key, node, relpath = signatures.resolve_class(source, "pkg.kv.impl", "Connector")
+    assert (key, node.name, relpath) == ("pkg.kv.impl:Pull", "Pull", "pkg/kv/impl.py")
+    assert [k for k, _n, _r in signatures.class_mro(source, "pkg.kv.impl", "Connector")] == [
+        "pkg.kv.impl:Pull",
+        "pkg.kv.impl:Shared",
+        "pkg.kv.base:Base",  # `from pkg.kv import PublicBase`: the package re-exports it renamed
+        "<outside>:Generic",
+        "pkg.kv.base:Mixin",  # `from .base import Mixin`: relative
+        "<outside>:ABC",
+    ]
+    assert signatures.resolve_class(source, "pkg.kv.impl", "Nowhere") is None
+    assert signatures.class_mro(source, "pkg.kv.impl", "Gone") == []
+
+
+def test_a_method_is_read_where_the_class_finds_it(bases_tree):
+    source = signatures.Source(str(bases_tree))
+    seen = {
+        (cls, m): signatures.method_as_seen(source, "pkg.kv.impl", cls, m)
+        for cls in ("Connector", "Push")
+        for m in ("start", "finished", "finished_all", "gone")
+    }
+    assert seen["Connector", "start"]["defined_in"] == "pkg.kv.impl:Pull"
+    assert [p["name"] for p in seen["Connector", "start"]["params"]] == ["self", "forward_context"]
+    assert seen["Connector", "finished"]["defined_in"] == "pkg.kv.impl:Shared"
+    assert [p["name"] for p in seen["Connector", "finished"]["params"]] == ["self", "request", "blocks"]
+    assert seen["Connector", "finished_all"] == {
+        "found": True,
+        "defined_in": "pkg.kv.base:Mixin",
+        "file": "pkg/kv/base.py",
+        "kind": "function",
+        "decorators": [],
+        "params": [
+            P("self", "POSITIONAL_OR_KEYWORD"),
+            P("request", "POSITIONAL_OR_KEYWORD"),
+            P("block_ids", "POSITIONAL_OR_KEYWORD"),
+        ],
+    }
+    assert seen["Push", "start"]["kind"] == "assignment" and seen["Push", "start"]["params"] is None
+    assert seen["Connector", "gone"] == {"found": False}
+
+
+def test_files_under_a_folder_are_listed_from_a_tree_and_a_wheel(bases_tree, tmp_path):
+    wheel = tmp_path / "pkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for relpath in BASES:
+            zf.write(bases_tree / relpath, relpath)
+    expected = ["pkg/kv/__init__.py", "pkg/kv/base.py", "pkg/kv/impl.py"]
+    assert signatures.Source(str(bases_tree)).files("pkg/kv") == expected
+    assert signatures.Source(str(wheel)).files("pkg/kv/") == expected
+    wheel_source = signatures.Source(str(wheel))
+    assert [k for k, _n, _r in signatures.class_mro(wheel_source, "pkg.kv.impl", "Push")][:2] == [
+        "pkg.kv.impl:Push",
+        "pkg.kv.impl:Shared",
+    ]

@@ -10,11 +10,20 @@ read (:data:`CLASS_FIELDS`), extracted with ``ast`` from a vLLM source (nothing 
 
 The golden lands in ``tests/contracts/vllm-<version>.json``; ``test_vllm_contract.py`` compares
 the installed vLLM with its golden and checks every golden against what the wrappers read.
+
+Its ``kv`` part (:func:`kv_contract`) holds the KV-connector API of
+``llm_otel.instrumentation.vllm.kv_surface`` (prefill/decode disaggregation): for each connector
+of ``kv_surface.CONNECTORS`` the signature of every method the table wraps *as that class resolves
+it* (its bases walked in the source, aliases such as ``NixlConnector = NixlPullConnector``
+followed), and the ``kv_transfer_params`` keys vLLM writes and reads (NIXL's scheduler side, the
+engine scheduler's ``remote_prefill_cached_tokens``, the output processor);
+``test_vllm_kv_contract.py`` holds the table to it.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.metadata
 import json
 import os
@@ -75,15 +84,204 @@ CLASS_FIELDS: dict[tuple[str, str], list[str]] = {
 }
 
 
+def kv_class_fields() -> dict[tuple[str, str], list[str]]:
+    """Engine classes the KV-transfer hooks read (kv_surface): ``KVConnectorOutput`` (the fields of
+    ``kv_surface.CONNECTOR_OUTPUT_FIELDS``), ``PrefillStats``' per-source cached tokens and the
+    ``EngineCoreOutput`` fields that carry them and the ``kv_transfer_params``."""
+    from llm_otel.instrumentation.vllm import kv_surface
+
+    return {
+        ("vllm.v1.outputs", "KVConnectorOutput"): list(kv_surface.CONNECTOR_OUTPUT_FIELDS),
+        ("vllm.v1.metrics.stats", "PrefillStats"): ["num_external_cached_tokens", "num_local_cached_tokens"],
+        ("vllm.v1.engine", "EngineCoreOutput"): ["kv_transfer_params", "prefill_stats"],
+    }
+
+
+def class_fields() -> dict[tuple[str, str], list[str]]:
+    """:data:`CLASS_FIELDS` and :func:`kv_class_fields` together (field lists merged, sorted)."""
+    merged = {key: sorted(fields) for key, fields in CLASS_FIELDS.items()}
+    for key, fields in kv_class_fields().items():
+        merged[key] = sorted(set(merged.get(key, [])) | set(fields))
+    return merged
+
+
 def targets() -> list[tuple[str, str]]:
-    """Every hooked target, then every class of :data:`CLASS_FIELDS` (order kept, no repeats)."""
+    """Every hooked target, then every class of :func:`class_fields` (order kept, no repeats)."""
     from llm_otel.instrumentation.vllm.hooks import HOOKS
 
     seen: list[tuple[str, str]] = []
-    for item in [(h.module, h.target) for h in HOOKS] + list(CLASS_FIELDS):
+    for item in [(h.module, h.target) for h in HOOKS] + list(class_fields()):
         if item not in seen:
             seen.append(item)
     return seen
+
+
+#: where ``kv_transfer_params`` keys are looked for: group -> files (a trailing ``/`` is a folder,
+#: of which the files whose name holds ``scheduler`` are read)
+PARAMS_FILES: dict[str, list[str]] = {
+    # NIXL's scheduler side: request_finished returns the params (prefill side), the decode side
+    # reads them in get_num_new_matched_tokens / update_state_after_alloc
+    "nixl_scheduler": ["vllm/distributed/kv_transfer/kv_connector/v1/nixl/"],
+    # engine scheduler: adds the prefill side's remote_prefill_cached_tokens when a request ends
+    "engine_scheduler": ["vllm/v1/core/sched/scheduler.py"],
+    # output processor (API server): the decode side reports them as its cached tokens
+    "output_processor": ["vllm/v1/engine/output_processor.py"],
+}
+
+#: names under which the code above holds a kv_transfer_params dict (``x.kv_transfer_params`` too)
+PARAMS_NAMES = ("params", "kv_transfer_params")
+
+
+def _is_params(node: ast.expr) -> bool:
+    return (isinstance(node, ast.Name) and node.id in PARAMS_NAMES) or (
+        isinstance(node, ast.Attribute) and node.attr == "kv_transfer_params"
+    )
+
+
+def _str(node: ast.expr | None) -> str | None:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def _dict_keys(node: ast.expr) -> list[str]:
+    """Keys of a ``{...}`` literal or a ``dict(k=...)`` call (constant keys only)."""
+    if isinstance(node, ast.Dict):
+        return [k for k in (_str(key) for key in node.keys) if k is not None]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict":
+        return [kw.arg for kw in node.keywords if kw.arg is not None]
+    return []
+
+
+class _ParamsKeys(ast.NodeVisitor):
+    """Collects the kv_transfer_params keys one file writes and reads, with the function doing it.
+
+    Written: ``params["k"] = ...``, ``params.update({...}/k=...)``, ``params.setdefault("k", ...)``
+    and the keys of the dicts a ``request_finished*`` function returns. Read: ``params.get("k")``,
+    ``params["k"]`` (loaded), ``"k" in params`` (also over a constant tuple in a comprehension,
+    ``all(p in params for p in ("a", "b"))``)."""
+
+    def __init__(self, stem: str):
+        self.stem = stem
+        self.scope: list[str] = []
+        self.constants: dict[str, list[str]] = {}  # comprehension variable -> constant values
+        self.written: dict[str, set[str]] = {}
+        self.read: dict[str, set[str]] = {}
+
+    def _note(self, table: dict[str, set[str]], key: str | None) -> None:
+        if key is not None:
+            table.setdefault(key, set()).add(f"{self.stem}:{'.'.join(self.scope) or '<module>'}")
+
+    def _scoped(self, node: ast.AST, name: str) -> None:
+        self.scope.append(name)
+        self.generic_visit(node)
+        self.scope.pop()
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        self._scoped(node, node.name)
+
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        self._scoped(node, node.name)
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_Return(self, node: ast.Return) -> None:
+        if node.value is not None and self.scope and self.scope[-1].startswith("request_finished"):
+            for sub in ast.walk(node.value):
+                for key in _dict_keys(sub):
+                    self._note(self.written, key)
+        self.generic_visit(node)
+
+    def visit_Subscript(self, node: ast.Subscript) -> None:
+        if _is_params(node.value):
+            self._note(self.written if isinstance(node.ctx, ast.Store) else self.read, _str(node.slice))
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        func = node.func
+        if isinstance(func, ast.Attribute) and _is_params(func.value):
+            if func.attr == "get" and node.args:
+                self._note(self.read, _str(node.args[0]))
+            elif func.attr == "setdefault" and node.args:
+                self._note(self.written, _str(node.args[0]))
+            elif func.attr == "update":
+                for key in [k for a in node.args for k in _dict_keys(a)] + [kw.arg for kw in node.keywords if kw.arg]:
+                    self._note(self.written, key)
+        self.generic_visit(node)
+
+    def visit_Compare(self, node: ast.Compare) -> None:
+        for op, right in zip(node.ops, node.comparators):
+            if isinstance(op, (ast.In, ast.NotIn)) and _is_params(right):
+                left = node.left
+                if isinstance(left, ast.Name) and left.id in self.constants:
+                    for key in self.constants[left.id]:
+                        self._note(self.read, key)
+                else:
+                    self._note(self.read, _str(left))
+        self.generic_visit(node)
+
+    def _comprehension(self, node: ast.GeneratorExp | ast.ListComp | ast.SetComp | ast.DictComp) -> None:
+        saved = dict(self.constants)
+        for gen in node.generators:
+            if isinstance(gen.target, ast.Name) and isinstance(gen.iter, (ast.Tuple, ast.List)):
+                values = [_str(e) for e in gen.iter.elts]
+                if values and all(v is not None for v in values):
+                    self.constants[gen.target.id] = [v for v in values if v is not None]
+        self.generic_visit(node)
+        self.constants = saved
+
+    visit_GeneratorExp = visit_ListComp = visit_SetComp = visit_DictComp = _comprehension
+
+
+def params_keys(source: signatures.Source, paths: list[str]) -> dict:
+    """The kv_transfer_params keys the files ``paths`` write and read (see :class:`_ParamsKeys`):
+    ``{"files": [...], "written": {key: [file stem:function, ...]}, "read": {...}}``; a path ending
+    in ``/`` stands for the files of that folder whose name holds ``scheduler``."""
+    files: list[str] = []
+    for path in paths:
+        if path.endswith("/"):
+            files += [f for f in source.files(path) if f.endswith(".py") and "scheduler" in f.rsplit("/", 1)[-1]]
+        elif source.read(path) is not None:
+            files.append(path)
+    written: dict[str, set[str]] = {}
+    read: dict[str, set[str]] = {}
+    for relpath in files:
+        visitor = _ParamsKeys(relpath.rsplit("/", 1)[-1].removesuffix(".py"))
+        visitor.visit(ast.parse(source.read(relpath) or "", filename=relpath))
+        for table, found in ((written, visitor.written), (read, visitor.read)):
+            for key, where in found.items():
+                table.setdefault(key, set()).update(where)
+    return {
+        "files": files,
+        "written": {k: sorted(v) for k, v in sorted(written.items())},
+        "read": {k: sorted(v) for k, v in sorted(read.items())},
+    }
+
+
+def kv_contract(path: str) -> dict:
+    """The ``kv`` part of a golden, from the vLLM source at ``path`` (a wheel or a package root):
+    ``connectors`` (per ``kv_surface.CONNECTORS`` name: the class it resolves to, its order of
+    bases, and :func:`signatures.method_as_seen` of every method of SCHEDULER_METHODS,
+    WORKER_LOAD_METHODS and WORKER_SAVE_METHODS) and ``params`` (:func:`params_keys` per group of
+    :data:`PARAMS_FILES`)."""
+    from llm_otel.instrumentation.vllm import kv_surface
+
+    source = signatures.Source(path)
+    methods = [*kv_surface.SCHEDULER_METHODS, *kv_surface.WORKER_LOAD_METHODS, *kv_surface.WORKER_SAVE_METHODS]
+    connectors = {}
+    for name, (module, cls) in kv_surface.CONNECTORS.items():
+        mro = signatures.class_mro(source, module, cls)
+        entry: dict = {"module": module, "name": cls, "found": bool(mro)}
+        if mro:
+            entry.update(
+                resolved=mro[0][0],
+                file=mro[0][2],
+                mro=[key for key, _node, _relpath in mro],
+                methods={m: signatures.method_as_seen(source, module, cls, m) for m in methods},
+            )
+        connectors[name] = entry
+    return {
+        "connectors": connectors,
+        "params": {group: params_keys(source, paths) for group, paths in PARAMS_FILES.items()},
+    }
 
 
 def source_version(path: str) -> str:
@@ -105,11 +303,14 @@ def golden_path(version: str) -> str:
     return os.path.join(HERE, f"vllm-{version.split('+')[0]}.json")
 
 
-def build(path: str, label: str) -> dict:
+def build(path: str, label: str, *, kv: bool = True) -> dict:
+    """The golden of the vLLM source at ``path``; ``kv=False`` leaves out its ``kv`` part."""
     version = source_version(path)
     document = signatures.golden(
         label, signatures.extract(path, targets()), vllm_version=version, generator="tests/contracts/vllm_golden.py"
     )
+    if kv:
+        document["kv"] = kv_contract(path)
     return document
 
 
@@ -133,8 +334,14 @@ def main(argv: list[str] | None = None) -> int:
     with open(out, "w", encoding="utf-8") as fh:
         fh.write(json.dumps(document, indent=1, sort_keys=True) + "\n")
     missing = [key for key, entry in document["targets"].items() if not entry["found"]]
+    missing += [
+        f"{name}.{method}" if method else name
+        for name, entry in document["kv"]["connectors"].items()
+        for method in ([None] if not entry["found"] else [m for m, e in entry["methods"].items() if not e["found"]])
+    ]
     print(
         f"{out}: vLLM {document['vllm_version']}, {len(document['targets'])} targets, "
+        f"{len(document['kv']['connectors'])} KV connectors, "
         f"{len(missing)} not found{': ' + ', '.join(missing) if missing else ''}"
     )
     return 0
