@@ -22,6 +22,13 @@ Regenerate (the goldens in the repo come from ModelTC/lightllm main @ fc72ffab a
     python tests/contracts/lightllm_goldens.py --git-dir /tmp/lightllm/.git \\
         --ref main=fc72ffab --ref v1.0.1=v1.0.1
 
+The ``pr965`` golden is of the PR's head commit 746bf849, which later clones no longer hold; targets
+added to the hook table since are filled in from the commit that merged the PR (538487aab, whose
+files of those targets are the PR's: the merge left them as they were on main), and listed under
+``filled_from`` in the golden::
+
+    python tests/contracts/lightllm_goldens.py --git-dir /tmp/lightllm/.git --fill pr965=538487aab
+
 or from a checkout's working tree (the name becomes the file name, ``lightllm-<name>.json``)::
 
     python tests/contracts/lightllm_goldens.py --checkout /path/to/lightllm --name main
@@ -64,14 +71,21 @@ CALLED = [
     ("lightllm.server.multimodal_params", "MultimodalParams.to_dict"),
     ("lightllm.utils.dist_utils", "get_current_rank_in_dp"),
 ]
+# classes whose fields the adapter reads off instances it is handed (the golden keeps their fields)
+READ = [
+    ("lightllm.server.pd_io_struct", "KVMoveTask"),
+    ("lightllm.server.pd_io_struct", "DecodeNodeInfo"),
+]
 
 
 def hook_targets() -> list[tuple[str, str]]:
-    """Every hooked LightLLM target (hooks.py), the carrier's class, and :data:`CALLED`."""
+    """Every hooked LightLLM target (hooks.py), the carrier's class, :data:`CALLED` and :data:`READ`."""
     from llm_otel.instrumentation.lightllm.hooks import HOOKS, SETSTATE
 
     seen, out = set(), []
-    for module, qualname in [(h.module, h.target) for h in HOOKS] + [(SETSTATE.module, "MultimodalParams")] + CALLED:
+    for module, qualname in (
+        [(h.module, h.target) for h in HOOKS] + [(SETSTATE.module, "MultimodalParams")] + CALLED + READ
+    ):
         if (module, qualname) not in seen:
             seen.add((module, qualname))
             out.append((module, qualname))
@@ -240,6 +254,18 @@ def from_git(git_dir: str, ref: str) -> tuple[str, dict[str, str]]:
     return tmp, {"commit": commit, "commit_date": date, "ref": ref}
 
 
+def fill(git_dir: str, name: str, ref: str) -> str:
+    """Add to golden ``name`` the hook targets it lacks, read from the source at ``ref``."""
+    with open(os.path.join(GOLDENS, f"lightllm-{name}.json"), encoding="utf-8") as fh:
+        document = json.load(fh)
+    root, meta = from_git(git_dir, ref)
+    missing = [(m, q) for m, q in hook_targets() if f"{m}:{q}" not in document["targets"]]
+    document["targets"].update(signatures.extract(signatures.Source(root), missing))
+    filled = document.setdefault("filled_from", {"commit": meta["commit"], "ref": ref, "targets": []})
+    filled["targets"] = sorted(set(filled["targets"]) | {f"{m}:{q}" for m, q in missing})
+    return write(document, name)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     where = parser.add_mutually_exclusive_group(required=True)
@@ -247,7 +273,15 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--checkout", help="a LightLLM working tree (the directory holding lightllm/)")
     parser.add_argument("--ref", action="append", default=[], help="NAME=REF (with --git-dir; repeatable)")
     parser.add_argument("--name", help="golden name (with --checkout)")
+    parser.add_argument(
+        "--fill", action="append", default=[], help="NAME=REF: add the golden's missing targets, read at REF"
+    )
     args = parser.parse_args(argv)
+    for item in args.fill:
+        name, _, ref = item.partition("=")
+        print(fill(args.git_dir, name, ref))
+    if args.fill:
+        return 0
     if args.checkout:
         if not args.name:
             parser.error("--checkout needs --name")

@@ -43,6 +43,9 @@ BY_NAME = {
     "router.add_req": ["group_req_indexes"],
     "worker.add_reqs": ["requests"],
     "worker.filter": ["finished_request_ids"],
+    "kv.pd_master": ["sampling_params", "multimodal_params", "request"],
+    "kv.send": ["move_tasks"],
+    "kv.receive": ["move_tasks"],
 }
 BY_POSITION = {
     "worker.token": {1: "next_token_id", 2: "logprob"},
@@ -113,6 +116,30 @@ def test_the_types_the_adapter_relies_on(version):
     assert {"req_id", "shm_req", "finish_status"} <= set(types["InferReq.self"])
     assert "requests_mapping" in types["InferenceContext.self"]
     assert "running_batch" in types["RouterManager.self"]
+
+
+@pytest.mark.parametrize("version", sorted(VERSIONS.values()))
+def test_the_pd_move_task_fields_the_kv_adapter_reads(version):
+    """P/D (kv.py): the fields read off a ``KVMoveTask`` and its ``DecodeNodeInfo`` exist; the task
+    is a plain ``@dataclass`` (no slots, not frozen), so the carrier set on it in the prefill worker
+    travels with its pickled ``__dict__``; ``__post_init__`` takes no argument but self."""
+    targets = golden(version)["targets"]
+    task = targets["lightllm.server.pd_io_struct:KVMoveTask"]
+    assert task["found"] and task["decorators"] == ["dataclass"], task
+    assert {"group_request_id", "move_kv_len", "decode_node", "prefill_node_id"} <= set(task["fields"])
+    assert "node_id" in targets["lightllm.server.pd_io_struct:DecodeNodeInfo"]["fields"]
+    post = targets["lightllm.server.pd_io_struct:KVMoveTask.__post_init__"]
+    assert [p["name"] for p in post["params"]] == ["self"]
+    # the PD master hands sampling_params (with group_request_id) and multimodal_params to both nodes
+    fetch = targets["lightllm.server.httpserver_for_pd_master.manager:HttpServerManagerForPDMaster.fetch_stream"]
+    assert fetch["kind"] == "async_function", fetch["kind"]
+
+
+def test_the_pr965_golden_says_where_its_later_targets_were_read():
+    """Targets added after the PR #965 head (746bf849) was read come from its merge commit."""
+    filled = golden("pr965").get("filled_from")
+    assert filled is not None and filled["commit"].startswith("538487aab")
+    assert any(t.endswith("KVTransConnectObj._transfer_kv") for t in filled["targets"])
 
 
 def test_the_id_field_width_differs_between_versions():

@@ -9,6 +9,8 @@ sub-adapter per LightLLM process kind, each in its own module.
 * model-infer worker (:mod:`.worker`, ``InferenceContext``, ``InferReq``; master rank of its DP
   group only): ``llm.infer.request`` per sub-request and ``llm.logit_dist`` from the logits around
   LightLLM's sampler (:mod:`llm_otel.telemetry.logit_capture`).
+* P/D mode (:mod:`.kv`, PD master, ``KVMoveTask``, the kv-move managers' ``_transfer_kv``): the
+  carrier from the PD master to both nodes and ``llm.kv_transfer`` per request and side.
 
 Router and worker spans are children of the request span of their choice, found through the
 carrier (:mod:`.carrier`); both are built by the core (:mod:`llm_otel.telemetry.stages`) from one
@@ -24,19 +26,21 @@ failures are counted in ``llm_otel.instrumentation.errors`` and never reach Ligh
 from __future__ import annotations
 
 from llm_otel.instrumentation.lightllm.httpserver import HttpAdapter
+from llm_otel.instrumentation.lightllm.kv import KVAdapter
 from llm_otel.instrumentation.lightllm.router import RouterAdapter
 from llm_otel.instrumentation.lightllm.worker import WorkerAdapter
 from llm_otel.telemetry import Telemetry
 
-__all__ = ["LightLLMAdapter", "HttpAdapter", "RouterAdapter", "WorkerAdapter"]
+__all__ = ["LightLLMAdapter", "HttpAdapter", "KVAdapter", "RouterAdapter", "WorkerAdapter"]
 
 
 class LightLLMAdapter:
     """Wrapper factories for the hooks in :mod:`.hooks`, one sub-adapter per LightLLM process kind
-    (factory names ``http.*``, ``router.*``, ``worker.*``)."""
+    (factory names ``http.*``, ``router.*``, ``worker.*``; ``kv.*`` for P/D mode)."""
 
     def __init__(self, telemetry: Telemetry) -> None:
         self.telemetry = telemetry
         self.http = HttpAdapter(telemetry)
         self.router = RouterAdapter(telemetry)
         self.worker = WorkerAdapter(telemetry)
+        self.kv = KVAdapter(telemetry)

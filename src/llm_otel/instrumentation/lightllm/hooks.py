@@ -26,6 +26,13 @@ ROUTER = "lightllm.server.router.manager"
 QUEUE = "lightllm.server.router.req_queue"
 INFER = "lightllm.server.router.model_infer.infer_batch"
 MULTIMODAL = "lightllm.server.multimodal_params"
+PD_MASTER = "lightllm.server.httpserver_for_pd_master.manager"
+PD_IO = "lightllm.server.pd_io_struct"
+_PD = "lightllm.server.router.model_infer.mode_backend.continues_batch.pd_mode"
+P_TRANS = f"{_PD}.prefill_node_impl.prefill_trans_obj"
+D_TRANS = f"{_PD}.decode_node_impl.decode_trans_obj"
+P_MOVE = f"{_PD}.prefill_node_impl.prefill_kv_move_manager"
+D_MOVE = f"{_PD}.decode_node_impl.decode_kv_move_manager"
 
 # not a wrapper: a __setstate__ added to the class (it has none), see carrier.py
 SETSTATE = Hook(
@@ -191,6 +198,44 @@ HOOKS: list[Hook] = [
         "the same in v1.0.x (every backend imports it from here)",
         group="worker.sample",
     ),
+    # --- P/D mode (kv.py): PD master, prefill/decode nodes' kv-move managers --------------------
+    Hook(
+        PD_MASTER,
+        "HttpServerManagerForPDMaster.fetch_stream",
+        "kv.pd_master",
+        SHM,
+        "request.headers (W3C context) and sampling_params.group_request_id -> the carrier on the "
+        "multimodal_params pickled to the prefill and decode nodes",
+    ),
+    Hook(
+        PD_IO,
+        "KVMoveTask.__post_init__",
+        "kv.task",
+        SHM,
+        "prefill worker builds the move task (a dataclass: its generated __init__ ends with this "
+        "call, group_request_id set): this process's carrier goes on it, "
+        "pickled with it to the kv-move manager and the decode node",
+    ),
+    Hook(
+        P_TRANS,
+        "KVTransConnectObj._transfer_kv",
+        "kv.send",
+        "main, pr965",
+        "prefill kv-move manager: one group of KVMoveTask sent to one decode node (returns on the "
+        "transfer process's 'ok'; raises on another answer or a 60 s timeout): "
+        "task.{group_request_id, move_kv_len, decode_node.node_id}",
+        group="kv.send",
+    ),
+    Hook(P_MOVE, "TransProcessObj._transfer_kv", "kv.send", "v1.0", "the same in v1.0.x", group="kv.send"),
+    Hook(
+        D_TRANS,
+        "KVTransConnectObj._transfer_kv",
+        "kv.receive",
+        "main, pr965",
+        "decode kv-move manager: the same group received: task.{group_request_id, move_kv_len, prefill_node_id}",
+        group="kv.receive",
+    ),
+    Hook(D_MOVE, "TransProcessObj._transfer_kv", "kv.receive", "v1.0", "the same in v1.0.x", group="kv.receive"),
 ]
 
 MODULES = sorted({h.module for h in HOOKS} | {MULTIMODAL})
@@ -225,6 +270,10 @@ def detect_layout(module_name: str, module) -> str | None:
         if "group_req_indexes" in params:
             return "v1.0" if "batch" in _params(cls, "_decode_batch") else "main"
         return "2024" if "prompt_ids" in params else None
+    if module_name in (P_MOVE, D_MOVE):  # v1.0.x: the transfer object lives here
+        return "v1.0" if hasattr(module, "TransProcessObj") else "main"
+    if module_name in (P_TRANS, D_TRANS):  # main / PR #965 only
+        return "main" if hasattr(module, "KVTransConnectObj") else None
     if module_name == INFER:
         cls = getattr(module, "InferReq", None)
         if not hasattr(module, "InferenceContext"):
