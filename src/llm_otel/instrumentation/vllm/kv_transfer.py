@@ -10,15 +10,17 @@ every connector by tests/contracts):
   ``update_state_after_alloc(request, blocks, num_external_tokens)`` allocates blocks for
   external tokens (``get_num_new_matched_tokens`` said whether the load is asynchronous); it ends
   with the step that loaded it (a synchronous load runs inside that step's model execution - the
-  span is the worker's window of load calls in it), or when the connector reports the request in
+  span starts at the worker's first load call of that step and lasts as long as its load calls
+  took in all), or when the connector reports the request in
   ``KVConnectorOutput.finished_recving`` (asynchronous; the request waited in
   WAITING_FOR_REMOTE_KVS). ``failed_recving`` or one of its blocks in ``invalid_block_ids`` ends it
   with ``error.type`` ``kv_load_failed`` / ``kv_invalid_blocks`` (and vLLM's
   ``kv_load_failure_policy``); a request gone before its KV arrived ends it with ``aborted``. A send
   is the prefill side's: with ``request_finished`` returning ``delay_free_blocks`` the peer pulls
   (NIXL) and the span runs until ``finished_sending``; otherwise the connector saved the KV inside
-  the request's prefill steps (``ExampleConnector``) and the span is the worker's window of save
-  calls in those steps.
+  the request's prefill steps (``ExampleConnector``) and the span starts at the worker's first save
+  call in them and lasts as long as its save calls took in all (``save_kv_layer`` runs layer by
+  layer inside the forward: the span is the connector's own time, not the forward's).
 * **Worker** (:class:`WorkerKV`): the worker's connector (``get_kv_transfer_group()``) gets its
   load and save methods timed; each step's totals and windows ride back on the step's
   ``ModelRunnerOutput`` (attribute :data:`OUTPUT_ATTR`, rank 0's worker; not under async
@@ -152,7 +154,9 @@ class SchedulerKV:
         self._async: dict[str, bool] = {}  # req id -> get_num_new_matched_tokens said "asynchronous"
         self._receiving: dict[str, _Pending] = {}
         self._sending: dict[str, _Pending] = {}  # pulled by the peer: until finished_sending
-        self._saved: dict[str, tuple[int, int]] = {}  # req id -> worker save window of its prefill steps
+        self._saved: dict[
+            str, tuple[int, int]
+        ] = {}  # req id -> (first save call, + time in save calls) of its prefill steps
         self._finishing = False  # request_finished inside request_finished_all_groups: once
         for name in kv_surface.SCHEDULER_METHODS:
             method = getattr(connector, name, None)
@@ -240,15 +244,17 @@ class SchedulerKV:
         load_window = save_window = None
         if worker is not None:
             load_ns, load_first, load_last, save_ns, save_first, save_last = worker
-            load_window = (load_first, load_last) if load_ns else None
-            save_window = (save_first, save_last) if save_ns else None
+            # a window starts at the step's first call and lasts as long as the calls took in all:
+            # per-layer calls (save_kv_layer, wait_for_layer_load) interleave with the forward
+            load_window = (load_first, load_first + load_ns) if load_ns else None
+            save_window = (save_first, save_first + save_ns) if save_ns else None
         new_ids = [r.req_id for r in getattr(scheduler_output, "scheduled_new_reqs", ()) or ()]
         if save_window is not None and self.role in ("prefill", "both"):
             for rid in new_ids + list(getattr(scheduler_output.scheduled_cached_reqs, "req_ids", ()) or ()):
                 old = self._saved.get(rid)
                 if old is None and len(self._saved) >= MAX_PENDING:
                     continue
-                self._saved[rid] = save_window if old is None else (old[0], save_window[1])
+                self._saved[rid] = save_window if old is None else (old[0], old[1] + save_ns)
         if self._receiving:
             invalid = set(getattr(kv_out, "invalid_block_ids", None) or ())
             failed = set(getattr(kv_out, "failed_recving", None) or ())
