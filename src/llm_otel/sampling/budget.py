@@ -162,8 +162,9 @@ class SharedTraceBudget(TraceBudget):
     decision reads, updates and writes it under ``flock``. Never blocks: the lock is tried without
     waiting a few times (a decision holds it for microseconds); when it stays busy, or the file
     cannot be used, the decision is made on this process's own copy of the state (the last one it
-    saw), i.e. as a per-process budget - the kept rate is then at most N times the budget, never
-    unbounded. Crash-safe: the kernel releases a ``flock`` when its holder dies. Times are
+    saw) and what it spent is added to the shared state at this process's next locked decision
+    (an outlier is not kept without the shared bucket); with the file unusable the budget is this
+    process's own (at most N times the budget, never unbounded). Crash-safe: the kernel releases a ``flock`` when its holder dies. Times are
     ``time.monotonic()`` (``CLOCK_MONOTONIC``, one clock for every process of a host), or the
     injected ``clock``. A forked child opens the file again (a lock is per open file).
 
@@ -191,6 +192,8 @@ class SharedTraceBudget(TraceBudget):
         self._fd = -1
         self._map: mmap.mmap | None = None
         self.path: str | None = None
+        self._fallback = False  # the last update ran on this process's copy (lock busy / unshared)
+        self._pending: tuple[float, int] = (0.0, 0)  # (expected kept, decisions) owed to the file
 
     def _segment(self) -> mmap.mmap | None:
         """The mapped state file of this process (opened on first use and after a fork), or None
@@ -252,15 +255,35 @@ class SharedTraceBudget(TraceBudget):
             result = None
             if step is not None:
                 result, state = step(state)
+                debit, count = self._pending
+                if count:  # decisions made while the lock was busy: their rate and credit
+                    self._pending = (0.0, 0)
+                    state = (state[0], state[1] + count / self.tau, state[2] - debit, *state[3:])
                 self._LAYOUT.pack_into(segment, 0, self._MAGIC, *state)
             self._state = state  # this process's copy, for a decision the lock cannot wait for
             return True, result
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
+    def limit(self, policy_threshold: int, now: float | None = None) -> tuple[int, bool]:
+        self._fallback = False
+        threshold, lowered = super().limit(policy_threshold, now)
+        if self._fallback:  # decided on this process's copy: owed to the shared state
+            debit, count = self._pending
+            self._pending = (debit + (MAX_THRESHOLD - threshold) / MAX_THRESHOLD, count + 1)
+        return threshold, lowered
+
+    def take_outlier(self, now: float | None = None) -> bool:
+        self._fallback = False
+        kept = super().take_outlier(now)
+        return kept and not self._fallback  # without the shared bucket: not kept
+
     def _update(self, step: Callable[[_State], tuple[_R, _State]]) -> _R:
         done, result = self._locked(step)
-        return cast(_R, result) if done else super()._update(step)
+        if done:
+            return cast(_R, result)
+        self._fallback = True
+        return super()._update(step)
 
     def _read(self) -> _State:
         self._locked(None)
