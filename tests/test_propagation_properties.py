@@ -109,7 +109,7 @@ def test_a_future_version_with_extra_fields_keeps_the_ids(version, trace_id, spa
     extra = "".join(c for c in extra if c.isprintable() and c.isascii())
     sc = parse_traceparent(f"{version:02x}-{trace_id}-{span_id}-{flags}-{extra}")
     assert (sc.trace_id, sc.span_id) == (int(trace_id, 16), int(span_id, 16))
-    assert int(sc.trace_flags) == int(flags, 16) & 1
+    assert int(sc.trace_flags) == int(flags, 16) & 0x03  # W3C Level 2: sampled and random-trace-id
 
 
 # --- tracestate ----------------------------------------------------------------------------------
@@ -193,12 +193,14 @@ OT_VALUE = st.one_of(
     st.booleans(),
     OT_VALUE,
     st.dictionaries(KEY, VALUE, max_size=4),
+    st.booleans(),
 )
 def test_any_ot_value_of_a_remote_parent_gives_a_decision_and_a_bounded_well_formed_ot(
-    trace_id, span_id, sampled, ot, others
+    trace_id, span_id, sampled, ot, others, random_flag
 ):
     entries = [("ot", ot)] + [(k, v) for k, v in others.items() if k != "ot"]
-    parent = SpanContext(trace_id, span_id, True, TraceFlags(int(sampled)), TraceState(entries))
+    flags = TraceFlags(int(sampled) | (0x02 if random_flag else 0))
+    parent = SpanContext(trace_id, span_id, True, flags, TraceState(entries))
     ctx = trace.set_span_in_context(NonRecordingSpan(parent))
     with log_records() as records:
         result = SAMPLER.should_sample(ctx, trace_id, "text_completion m")
@@ -212,12 +214,13 @@ def test_any_ot_value_of_a_remote_parent_gives_a_decision_and_a_bounded_well_for
         for member in out.split(";"):  # what the sampler writes is well-formed
             if member.startswith("th:"):
                 assert re.fullmatch(r"[0-9a-f]{1,14}", member[3:]), out
+    # the child follows its parent's sampled flag, whatever the ot value (OTEP 235 parent-based)
+    assert (result.decision == Decision.RECORD_AND_SAMPLE) == sampled
     th = re.fullmatch(r"th:([0-9a-f]{1,14})", ot)
-    if sampled and th:  # a valid parent threshold decides the child: kept iff randomness >= threshold
+    if sampled and th:  # the parent's threshold is kept iff checkable randomness passes it
         threshold = int(th.group(1), 16) << (4 * (14 - len(th.group(1))))
-        assert (result.decision == Decision.RECORD_AND_SAMPLE) == ((trace_id & (2**56 - 1)) >= threshold)
-        if result.decision == Decision.RECORD_AND_SAMPLE:
-            assert OtelTraceState.parse(state).threshold == threshold
+        passes = threshold == 0 or (random_flag and (trace_id & (2**56 - 1)) >= threshold)  # no rv here
+        assert OtelTraceState.parse(state).threshold == (threshold if passes else -1), (ot, state)
 
 
 # --- request-class headers ----------------------------------------------------------------------

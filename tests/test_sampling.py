@@ -128,13 +128,21 @@ def test_children_in_another_process_reuse_the_parents_threshold():
     for _ in range(300):
         tid = random.getrandbits(128)
         root = decide(frontend, tid)
-        flags = TraceFlags(1 if root.decision == Decision.RECORD_AND_SAMPLE else 0)
+        # the frontend's root trace id is random (the SDK's RandomIdGenerator): its traceparent
+        # carries the W3C random flag 0x02 next to the sampled flag
+        flags = TraceFlags((1 if root.decision == Decision.RECORD_AND_SAMPLE else 0) | 0x02)
         parent_sc = SpanContext(tid, random.getrandbits(64) | 1, True, flags, root.trace_state or TraceState())
         parent = trace.set_span_in_context(trace.NonRecordingSpan(parent_sc))
         child = decide(engine_process, tid, parent=parent, trace_state=root.trace_state)
         assert child.decision == root.decision
+        # the same parent without the random flag: the same decision, but its th cannot be checked
+        # against a trace id nobody said was random, so the child carries none
+        plain_sc = SpanContext(tid, parent_sc.span_id, True, TraceFlags(flags & 1), parent_sc.trace_state)
+        plain = decide(engine_process, tid, parent=trace.set_span_in_context(trace.NonRecordingSpan(plain_sc)))
+        assert plain.decision == root.decision
         if root.decision == Decision.RECORD_AND_SAMPLE:
             assert OtelTraceState.parse(child.trace_state).threshold == OtelTraceState.parse(root.trace_state).threshold
+            assert OtelTraceState.parse(plain.trace_state).threshold == -1
             agree += 1
     assert agree > 30
 
@@ -279,7 +287,7 @@ def test_utilization_gauge_and_providers_use_the_sampler_when_forced(monkeypatch
     from llm_otel.process.providers import build_providers, register_utilization_gauge
 
     tp, mp = build_providers(Settings(adaptive_sampling="on", console="off"), env={})
-    assert tp.sampler.get_description().startswith("ComposableParentThreshold")
+    assert tp.sampler.get_description().startswith("LlmOtelParentThreshold{root=LlmOtelAdaptive")
     tp2, _ = build_providers(Settings(adaptive_sampling="on", console="off"), env={"OTEL_TRACES_SAMPLER": "always_on"})
     assert not hasattr(tp2.sampler, "root")
     from opentelemetry.sdk.metrics import MeterProvider

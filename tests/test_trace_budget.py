@@ -364,7 +364,7 @@ def test_the_budgets_threshold_is_quantize_threshold_of_its_probability():
     probes += [k / 4096 for k in range(1, 4096)] + [k / 4096 + 1e-12 for k in range(1, 4095)] + [1e-30]
     for p in probes:
         rate = 1.0 / budget.tau
-        budget._state = (0.0, rate - 1.0 / budget.tau, p * rate * budget.horizon)  # makes budget p = p
+        budget._state = (0.0, rate - 1.0 / budget.tau, p * rate * budget.horizon, *budget._state[3:])  # budget p = p
         threshold, lowered = budget.limit(0, now=0.0)
         assert threshold == quantize_threshold(p) and lowered == (threshold > 0), p
 

@@ -29,6 +29,9 @@ TRACESTATE = "tracestate"
 MAX_TRACESTATE_CHARS = 512  # W3C: 32 list members; vendors cap the header around 512 bytes
 _TRACEPARENT_RE = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
 _PROPAGATOR = TraceContextTextMapPropagator()
+SAMPLED_FLAG = 0x01  # W3C trace-flags: sampled
+RANDOM_FLAG = 0x02  # W3C Trace Context Level 2 trace-flags: random-trace-id (low 56 bits random)
+_KNOWN_FLAGS = SAMPLED_FLAG | RANDOM_FLAG
 
 
 def _get(headers: Any, name: str) -> str | None:
@@ -48,7 +51,11 @@ def parse_traceparent(value: Any) -> SpanContext | None:
     """A remote SpanContext from a ``traceparent`` value, or None (with a debug log) if invalid.
 
     Accepts version 00 exactly and future versions with extra fields (W3C forward compatibility);
-    rejects version ff, all-zero ids, upper-case hex and values over 512 characters.
+    rejects version ff, all-zero ids, upper-case hex and values over 512 characters. Of the
+    trace-flags byte it keeps the two W3C Trace Context Level 2 flags, ``sampled`` (0x01) and
+    ``random-trace-id`` (0x02: the trace id's low 56 bits are random, :data:`RANDOM_FLAG`), and
+    clears the bits W3C leaves undefined, so that a child or an outbound ``traceparent`` of this
+    trace carries the random flag exactly when the inbound one did.
     """
     if not isinstance(value, str) or len(value) > 512:
         logger.debug("llm-otel: ignoring malformed traceparent %.80r", value)
@@ -61,7 +68,7 @@ def parse_traceparent(value: Any) -> SpanContext | None:
     if not trace_id or not span_id:
         logger.debug("llm-otel: ignoring traceparent with zero ids %.80r", value)
         return None
-    return SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(int(m.group(4), 16) & 0x01))
+    return SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(int(m.group(4), 16) & _KNOWN_FLAGS))
 
 
 def extract_carrier(headers: Any) -> dict[str, str] | None:
@@ -144,7 +151,10 @@ except ImportError:  # silent: an API version without it falls back to its own p
 def carrier_from_span(span: trace.Span) -> dict[str, str]:
     """``traceparent``/``tracestate`` of a span, for engine request carriers: what W3C
     ``TraceContextTextMapPropagator.inject`` writes, formatted directly (once per request on the
-    serving path, without building a context for the propagator)."""
+    serving path, without building a context for the propagator). The trace-flags byte is the
+    span's own: the SDK (1.42+) sets ``random-trace-id`` (0x02) on roots whose trace id its
+    ``IdGenerator`` made at random and keeps the parent's on children; llm-otel's own tracer
+    (:mod:`llm_otel.export.offload.recorder`) does the same."""
     sc = span.get_span_context()
     if sc == trace.INVALID_SPAN_CONTEXT:
         return {}

@@ -105,13 +105,17 @@ class Settings:
         outlier_ttft_s / outlier_e2e_s: ``LLM_OTEL_OUTLIER_TTFT_S`` / ``LLM_OTEL_OUTLIER_E2E_S``
             (unset). A request the head sampler dropped is still recorded, as its own root with a
             link to its trace and ``llm.sampling.reason=outlier``, when it ended in error or its
-            TTFT / end-to-end seconds exceed these (with llm-otel's adaptive sampler).
+            TTFT / end-to-end seconds exceed these (with llm-otel's adaptive sampler), within a
+            bound of their own: a token bucket at ``traces_per_s`` (capacity ``max(1, traces_per_s)``),
+            apart from the root decisions' (none when ``traces_per_s`` is 0).
         adaptive_sampling: ``LLM_OTEL_ADAPTIVE_SAMPLING`` (auto). Providers llm-otel creates use the
             adaptive sampler (``auto`` and ``on``; never with ``off``), following NVML GPU
             utilisation, or engine occupancy (:class:`llm_otel.sampling.EngineOccupancy`) where NVML
             sees no GPU; ``OTEL_TRACES_SAMPLER``, when set, wins.
         traces_per_s: ``LLM_OTEL_TRACES_PER_S`` (10). Budget of the adaptive sampler in kept root
-            traces per second and process (:class:`llm_otel.sampling.TraceBudget`): the root
+            traces per second and server (:class:`llm_otel.sampling.SharedTraceBudget`: the API
+            servers of one ``vllm serve --api-server-count N`` share it; other processes keep their
+            own :class:`llm_otel.sampling.TraceBudget`): the root
             probability is the lower of the utilisation policy's and the budget's, per decision, so
             a burst or an offline batch reaching an idle engine is not traced at 100 % (expected
             kept roots over any W seconds <= max(1, budget) + budget x W). The probability used is

@@ -325,3 +325,33 @@ def current_process_identity(role: str | None = None, env: Mapping[str, str] | N
             "process.identity.generic", exc, "process identity incomplete; only role and pid are set"
         )
         return process_identity(role or "frontend", env=env)
+
+
+def server_budget_key() -> str | None:
+    """The key under which the API servers of one serving launcher share their trace budget
+    (:class:`llm_otel.sampling.SharedTraceBudget`), or None for a process that is not one of
+    several API servers (it keeps its own budget).
+
+    A process is an API server of a launcher when its identity (the resource of the providers
+    llm-otel built here, :func:`tracked_identity`) has ``llm.process.api_server.index`` - vLLM's
+    ``ApiServer_<i>`` of ``vllm serve --api-server-count N``, spawned by the launcher. The key is
+    the launcher's pid (``os.getppid()``) and its start time in clock ticks since boot (field 22 of
+    ``/proc/<ppid>/stat``, where readable), so that a later process that reuses the pid does not
+    inherit the budget. Never raises."""
+    try:
+        ident = tracked_identity()
+        if not ident or ident.get(A.LLM_PROCESS_API_SERVER_INDEX) is None:
+            return None
+        ppid = os.getppid()
+        if ppid <= 1:  # orphaned: its launcher is gone
+            return None
+        try:
+            with open(f"/proc/{ppid}/stat", "rb") as f:
+                # the command name (field 2) may hold spaces and parentheses: split after its end
+                start = f.read().rsplit(b")", 1)[1].split()[19].decode()
+        except (OSError, IndexError, UnicodeDecodeError):
+            start = "0"
+        return f"launcher-{ppid}-{start}"
+    except Exception as exc:  # noqa: BLE001 - the budget then stays per process
+        process_errors().report("sampling.shared_budget", exc, "no shared trace budget key; per process")
+        return None

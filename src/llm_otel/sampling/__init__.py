@@ -10,9 +10,12 @@ randomness, so traces stay whole across processes and adjusted counts (1/p) stay
 :class:`TraceBudget` lowers the root probability further, per decision, so that the kept-trace rate
 stays within ``LLM_OTEL_TRACES_PER_S`` even for a burst that reaches an idle engine (where the
 utilisation policy still says 1); the probability used is the one recorded in ``ot=th``.
-Children reuse the parent's threshold. Spans started with ``llm.sampling.reason=outlier`` (a
-request the head decision dropped that ended in error or breached an SLO) are kept without a
-threshold, so they do not bias adjusted counts.
+Children follow their parent's sampled flag (:class:`ParentThreshold`) and keep its threshold when
+it can be checked (explicit ``rv``, or a trace id flagged random, W3C trace-flags 0x02) and
+passes. The budget is shared by the API servers of one launcher (:class:`SharedTraceBudget`).
+Spans started with ``llm.sampling.reason=outlier`` (a request the head decision dropped that ended
+in error or breached an SLO) are kept without a threshold, so they do not bias adjusted counts,
+within the budget's outlier bound (a token bucket of their own).
 
 Usage: ``TracerProvider(sampler=adaptive_sampler())`` or ``OTEL_TRACES_SAMPLER=llm_otel_adaptive``.
 
@@ -23,7 +26,7 @@ wrapper, factories, and :class:`Sampling`: the parts a sampler was built with, w
 providers return to ``instrument()`` for ``Telemetry``).
 """
 
-from llm_otel.sampling.budget import TraceBudget, trace_budget
+from llm_otel.sampling.budget import SharedTraceBudget, TraceBudget, trace_budget
 from llm_otel.sampling.drift import DriftDetector
 from llm_otel.sampling.occupancy import (
     EngineOccupancy,
@@ -33,6 +36,7 @@ from llm_otel.sampling.occupancy import (
 from llm_otel.sampling.policy import QUANT_BITS, UtilizationPolicy, quantize_threshold
 from llm_otel.sampling.sampler import (
     AdaptiveRootSampler,
+    ParentThreshold,
     Sampling,
     adaptive_sampler,
     decides_children_by_parent,
@@ -44,8 +48,10 @@ __all__ = [
     "UtilizationPolicy",
     "DriftDetector",
     "AdaptiveRootSampler",
+    "ParentThreshold",
     "EngineOccupancy",
     "TraceBudget",
+    "SharedTraceBudget",
     "adaptive_sampler",
     "trace_budget",
     "traces_sampler_factory",

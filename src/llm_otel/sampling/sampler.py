@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import threading
 import time
 from collections.abc import Sequence
@@ -14,10 +15,17 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.trace._sampling_experimental import (
     ComposableSampler,
     SamplingIntent,
-    composable_parent_threshold,
     composite_sampler,
 )
-from opentelemetry.sdk.trace._sampling_experimental._util import MAX_THRESHOLD
+from opentelemetry.sdk.trace._sampling_experimental._trace_state import OtelTraceState
+from opentelemetry.sdk.trace._sampling_experimental._util import (
+    INVALID_THRESHOLD,
+    MAX_RANDOM_VALUE,
+    MAX_THRESHOLD,
+    MIN_THRESHOLD,
+    is_valid_random_value,
+    is_valid_threshold,
+)
 from opentelemetry.sdk.trace.sampling import Sampler, SamplingResult
 from opentelemetry.trace import Link, SpanKind, TraceState
 from opentelemetry.util.types import Attributes
@@ -34,6 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AdaptiveRootSampler",
+    "ParentThreshold",
     "Sampling",
     "adaptive_sampler",
     "decides_children_by_parent",
@@ -144,7 +153,10 @@ class AdaptiveRootSampler(ComposableSampler):
         trace_state: TraceState | None = None,
     ) -> SamplingIntent:
         if attributes and attributes.get(A.LLM_SAMPLING_REASON) == "outlier":
-            return SamplingIntent(threshold=0, threshold_reliable=False)  # kept, no `th`: no count bias
+            # kept, no `th` (no count bias), within the outlier bound of the trace budget
+            if self.budget is not None and not self.budget.take_outlier():
+                return _DROP
+            return SamplingIntent(threshold=0, threshold_reliable=False)
         self._policy_now()
         threshold, attrs = self._state
         if self.budget is not None:
@@ -159,6 +171,79 @@ class AdaptiveRootSampler(ComposableSampler):
 
 
 _BUDGET_REASON = {A.LLM_SAMPLING_REASON: A.LlmSamplingReasonValues.BUDGET}
+_PARENT_REASON = {A.LLM_SAMPLING_REASON: A.LlmSamplingReasonValues.PARENT}
+_DROP = SamplingIntent(threshold=INVALID_THRESHOLD, threshold_reliable=False)
+_RANDOM_FLAG = 0x02  # W3C Trace Context Level 2 trace-flags: random-trace-id
+_LOW_56 = MAX_RANDOM_VALUE  # the trace id's bits that W3C's random flag promises random
+
+
+def _without_lone_th(trace_state: TraceState) -> TraceState:
+    """``trace_state`` without its ``ot`` entry when that entry is a threshold alone (``th:..``);
+    an entry with more (``rv``, other sub-keys) is rewritten whole by the composite sampler."""
+    ot = trace_state.get("ot")
+    if ot is not None and ";" not in ot and ot.startswith("th:"):
+        return trace_state.delete("ot")
+    return trace_state
+
+
+class ParentThreshold(ComposableSampler):
+    """Composable sampler: the parent's decision for children, ``root`` for roots (OTEP 235).
+
+    A child (a span with a valid parent, local or remote) is kept exactly when its parent is
+    sampled (trace-flags 0x01): the decision never differs along a trace. Its ``ot=th`` threshold
+    is the parent's when that threshold can be checked and passes, i.e. when there is a randomness
+    value - explicit ``rv`` in the parent's ``ot=`` tracestate, else the trace id's low 56 bits
+    *only if* the parent carries the W3C random-trace-id flag (0x02) - and ``randomness >= th``
+    (the specification's consistency check for parent-based samplers). Otherwise the child is kept
+    without ``th`` (unknown probability: no adjusted count), as the specification requires of a
+    parent-based sampler whose parent's threshold is absent or apparently inconsistent; a trace id
+    that nobody flagged random is never read as randomness. A SERVER span under a sampled remote
+    parent (a request a router or proxy traced) carries ``llm.sampling.reason=parent``.
+
+    The SDK's ``composable_parent_threshold`` differs in two ways this class exists for: it reads
+    the trace id as randomness whatever the flags say, and it decides a child by comparing the
+    parent's ``th`` with that randomness, so a child could be dropped under a sampled parent.
+    """
+
+    def __init__(self, root: ComposableSampler) -> None:
+        self.root = root
+        self._description = f"LlmOtelParentThreshold{{root={root.get_description()}}}"
+
+    def sampling_intent(
+        self,
+        parent_ctx: Context | None,
+        name: str,
+        span_kind: SpanKind | None,
+        attributes: Attributes,
+        links: Sequence[Link] | None,
+        trace_state: TraceState | None = None,
+    ) -> SamplingIntent:
+        parent = trace.get_current_span(parent_ctx).get_span_context()
+        if not parent.is_valid:
+            return self.root.sampling_intent(parent_ctx, name, span_kind, attributes, links, trace_state)
+        if not parent.trace_flags.sampled:
+            return _DROP
+        reason = _PARENT_REASON if parent.is_remote and span_kind is SpanKind.SERVER else None
+        ot = OtelTraceState.parse(trace_state)
+        threshold = ot.threshold
+        if is_valid_threshold(threshold) and threshold != MAX_THRESHOLD:
+            if is_valid_random_value(ot.random_value):
+                randomness: int | None = ot.random_value
+            elif parent.trace_flags & _RANDOM_FLAG:
+                randomness = parent.trace_id & _LOW_56
+            else:
+                randomness = None
+            if threshold == MIN_THRESHOLD or (randomness is not None and randomness >= threshold):
+                # th:0 (probability 1) holds for any randomness; otherwise the composite sampler
+                # compares the same randomness (rv, else the trace id) and keeps the span
+                return SamplingIntent(threshold=threshold, threshold_reliable=True, attributes=reason)
+            # erase the parent's th: the composite sampler leaves an `ot` entry it has nothing
+            # to write into untouched, so the th-only entry goes here
+            return SamplingIntent(MIN_THRESHOLD, False, reason, _without_lone_th)
+        return SamplingIntent(threshold=MIN_THRESHOLD, threshold_reliable=False, attributes=reason)
+
+    def get_description(self) -> str:
+        return self._description
 
 
 def adaptive_sampler(
@@ -166,8 +251,15 @@ def adaptive_sampler(
     poller: UtilizationReader | SignalSource | None = None,
     drift: DriftDetector | None = None,
     budget: TraceBudget | None = None,
+    random_trace_ids: bool = True,
 ) -> Sampler:
-    """A complete SDK sampler: parent threshold for children, :class:`AdaptiveRootSampler` for roots.
+    """A complete SDK sampler: the parent's decision for children (:class:`ParentThreshold`),
+    :class:`AdaptiveRootSampler` for roots.
+
+    ``random_trace_ids``: whether the tracer provider's ``IdGenerator`` makes trace ids whose low
+    56 bits are random (the SDK's default ``RandomIdGenerator``: True, and the SDK then sets the
+    W3C random-trace-id flag on roots). With False, each root gets explicit randomness (a random
+    ``rv`` in its ``ot=`` tracestate, OTEP 235) and the decision uses it, not the trace id.
 
     ``budget`` (a :class:`TraceBudget`, or None for none) limits the kept-root rate; it applies to
     root decisions only - a child of a sampled parent (e.g. a request a router already traced)
@@ -184,7 +276,7 @@ def adaptive_sampler(
     root = AdaptiveRootSampler(policy, poller, drift, budget)
     # a poller reading engine occupancy (the default where NVML sees no GPU): engines attach to it
     source = getattr(root.poller, "source", None)
-    return _AdaptiveSampler(root, source if isinstance(source, EngineOccupancy) else None)
+    return _AdaptiveSampler(root, source if isinstance(source, EngineOccupancy) else None, random_trace_ids)
 
 
 class _AdaptiveSampler(Sampler):
@@ -193,11 +285,14 @@ class _AdaptiveSampler(Sampler):
     attributes: the SDK uses the sampler's result attributes as the span's attributes, and the
     experimental composite sampler returns only the intent's."""
 
-    def __init__(self, root: AdaptiveRootSampler, occupancy: EngineOccupancy | None = None) -> None:
+    def __init__(
+        self, root: AdaptiveRootSampler, occupancy: EngineOccupancy | None = None, random_trace_ids: bool = True
+    ) -> None:
         self.root = root
+        self.random_trace_ids = random_trace_ids
         # what this sampler was built with, for the telemetry core (drift listener, engine load)
         self.sampling = Sampling(root, occupancy)
-        self._inner = composite_sampler(composable_parent_threshold(root))
+        self._inner = composite_sampler(ParentThreshold(root))
 
     def should_sample(
         self,
@@ -213,6 +308,10 @@ class _AdaptiveSampler(Sampler):
             parent = trace.get_current_span(parent_context).get_span_context()
             if parent.is_valid:
                 trace_state = parent.trace_state
+            elif not self.random_trace_ids:
+                # a root whose trace id is not random: explicit randomness (OTEP 235 `rv`), which
+                # the composite sampler prefers to the trace id and writes to the span's tracestate
+                trace_state = TraceState([("ot", f"rv:{random.getrandbits(56):014x}")])
         result = self._inner.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
         if attributes:
             merged = dict(attributes)

@@ -533,6 +533,7 @@ class LlmSamplingReasonValues:
     DRIFT_BOOST = 'drift_boost'
     BUDGET = 'budget'
     OUTLIER = 'outlier'
+    PARENT = 'parent'
 
 
 class LlmSloObjectiveValues:

@@ -17,6 +17,21 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode,
 from llm_otel.errors import guard
 from llm_otel.export.offload.frames import CHILDREN, PROMPT_ONLY, settings_fields
 from llm_otel.export.offload.writer import DEFAULT_BUFFER, DEFAULT_DEADLINE_S, OffloadBuffer
+from llm_otel.propagation import RANDOM_FLAG
+
+
+def _ids_random(id_generator: object) -> bool:
+    """Whether ``id_generator`` makes random trace ids: its ``is_trace_id_random()`` (SDK 1.42+),
+    else whether it is the SDK's ``RandomIdGenerator``; False when the question cannot be asked."""
+    try:
+        probe = getattr(id_generator, "is_trace_id_random", None)
+        if probe is not None:
+            return bool(probe())
+        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+        return isinstance(id_generator, RandomIdGenerator)
+    except Exception:  # noqa: BLE001 - silent: an application's id generator failing: not random
+        return False
 
 
 class RecordSink(Protocol):
@@ -201,6 +216,13 @@ class OffloadTracer(trace_api.Tracer):
             trace_id = parent.trace_id
         result = provider.sampler.should_sample(context, trace_id, name, kind, attributes, links)
         flags = TraceFlags.SAMPLED if result.decision.is_sampled() else TraceFlags.DEFAULT
+        # W3C random-trace-id (0x02), as the SDK's tracer sets it: a root's from its id generator,
+        # a child's from its parent (never claimed for a trace id someone else made non-random)
+        if parent is None:
+            if _ids_random(ids):
+                flags |= RANDOM_FLAG
+        else:
+            flags |= parent.trace_flags & RANDOM_FLAG
         span_context = SpanContext(
             trace_id,
             ids.generate_span_id(),

@@ -101,7 +101,7 @@ class _ChildTracer:
             parent.trace_id,
             span_id,
             is_remote=False,
-            trace_flags=TraceFlags(TraceFlags.SAMPLED),
+            trace_flags=TraceFlags(TraceFlags.SAMPLED | (parent.trace_flags & TraceFlags.RANDOM_TRACE_ID)),
             trace_state=TraceState(list(state)),
         )
         return OffloadSpan(
