@@ -19,7 +19,7 @@ import types
 import pytest
 
 from llm_otel.instrumentation.vllm.carrier import CARRIER_KEY
-from llm_otel.instrumentation.vllm.kv_transfer import OUTPUT_ATTR, SchedulerKV, trace_context_of
+from llm_otel.instrumentation.vllm.kv_transfer import OUTPUT_ATTR, SchedulerKV, request_role, trace_context_of
 
 outputs = pytest.importorskip("vllm.v1.outputs")
 
@@ -207,3 +207,19 @@ def test_a_valid_trace_context_in_kv_transfer_params_is_joined():
     tp = f"00-{'cd' * 16}-{'34' * 8}-01"
     carrier = trace_context_of(types.SimpleNamespace(kv_transfer_params={"trace_context": {"traceparent": tp}}))
     assert carrier is not None and carrier["traceparent"] == tp
+
+
+@pytest.mark.parametrize(
+    ("role", "params", "expected"),
+    [
+        ("prefill", {"do_remote_prefill": True}, "prefill"),  # a client cannot turn a kv_producer's hop into decode
+        ("decode", {"do_remote_decode": True}, "decode"),
+        ("both", {"do_remote_decode": True}, "prefill"),
+        ("both", {"do_remote_prefill": True}, "decode"),
+        ("both", {"do_remote_prefill": "yes", "do_remote_decode": [1]}, "both"),  # booleans only
+        ("both", None, "both"),
+        (None, {"do_remote_decode": True}, None),  # no KV connector: no role
+    ],
+)
+def test_the_request_role_is_the_instance_role_unless_it_can_take_both(role, params, expected):
+    assert request_role(role, params) == expected

@@ -9,7 +9,9 @@ client gets.
 ``--nixl-params``: the proxy does what NIXL-style proxies do with ``kv_transfer_params``: it asks
 the prefill instance for ``{"do_remote_decode": true}``, copies the ``kv_transfer_params`` of the
 prefill response into the decode request with ``do_remote_prefill: true`` and the prefill side's
-cached prompt tokens (``remote_prefill_cached_tokens``), as vLLM's NIXL scheduler does. llm-otel on
+cached prompt tokens (``remote_prefill_cached_tokens``), as vLLM's NIXL scheduler does - read from
+the prefill response's ``usage.prompt_tokens_details.cached_tokens``, which vLLM fills only when
+the prefill server runs with ``--enable-prompt-tokens-details`` (otherwise 0 is passed on). llm-otel on
 the prefill instance puts the request's trace context into those parameters, so the decode
 instance joins the trace even when the proxy forwards no ``traceparent`` to it
 (``--traceparent-to prefill``: only the prefill instance gets the client's trace headers;

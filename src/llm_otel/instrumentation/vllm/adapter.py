@@ -430,7 +430,7 @@ class VLLMAdapter(InFlight, PoolingRequests, BeamSearch, ProcessHooks):
         reports the prefill side's cached tokens as vLLM's usage does (``remote_prefill_cached_tokens``
         with ``do_remote_prefill``, vllm/v1/engine/output_processor.py); a prefill hop's finished
         output will carry its trace context (sampled or not: the decode side follows the decision)."""
-        if params and params.get("do_remote_prefill"):
+        if params and params.get("do_remote_prefill") and role == "decode":
             cached = params.get("remote_prefill_cached_tokens")
             if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
                 rec.cached_tokens = cached

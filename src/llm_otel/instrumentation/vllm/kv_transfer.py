@@ -79,13 +79,16 @@ def request_params(sampling_params: Any) -> dict | None:
 
 
 def request_role(role: str | None, params: dict | None) -> str | None:
-    """The request's role on an instance of ``role``: ``prefill`` when its params ask for
-    ``do_remote_decode``, ``decode`` for ``do_remote_prefill``, else the instance's."""
-    if params:
-        if params.get("do_remote_decode"):
-            return "prefill"
-        if params.get("do_remote_prefill"):
-            return "decode"
+    """The request's role on an instance of ``role``: a ``kv_producer`` / ``kv_consumer``
+    instance's own (client-sent params cannot change it); on a ``kv_both`` instance ``prefill``
+    when its params say ``"do_remote_decode": true``, ``decode`` for ``"do_remote_prefill": true``
+    (booleans only, as vLLM's connectors write them), else ``both``."""
+    if role != "both" or not params:
+        return role
+    if params.get("do_remote_decode") is True:
+        return "prefill"
+    if params.get("do_remote_prefill") is True:
+        return "decode"
     return role
 
 
