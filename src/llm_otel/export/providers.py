@@ -69,6 +69,11 @@ class SystemRandomIdGenerator(IdGenerator):
             value = self._rng.getrandbits(64)
         return value
 
+    def is_trace_id_random(self) -> bool:
+        """True: every bit of a trace id is random, so roots carry the W3C random flag (0x02) and
+        consistent samplers may read the threshold's randomness from the id (OTEP 235)."""
+        return True
+
     def generate_trace_id(self) -> int:
         value = self._rng.getrandbits(128)
         while not value:
