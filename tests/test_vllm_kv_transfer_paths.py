@@ -164,7 +164,7 @@ def test_a_synchronous_load_takes_the_worker_window_of_its_step(captured):
     assert kv.on_output(sched, _step(scheduled=["r1"], new=["r1"]), mro) == (0.005, 0.0, 1)
     (span,) = _spans(captured)
     assert span.attributes["llm.kv_transfer.asynchronous"] is False
-    assert span.end_time == 1_000_000_000_005_000_000
+    assert (span.start_time, span.end_time) == (1_000_000_000_000_000_000, 1_000_000_000_005_000_000)
 
 
 def test_a_send_the_peer_pulls_lasts_until_finished_sending(captured):

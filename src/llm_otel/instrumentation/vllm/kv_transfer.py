@@ -285,8 +285,7 @@ class SchedulerKV:
                 del self._receiving[rid]
                 end = now
                 if not p.asynchronous and load_window is not None and error is None:
-                    p.start_ns = min(p.start_ns, load_window[0])
-                    end = load_window[1]
+                    p.start_ns, end = load_window  # the worker's load calls of the step that loaded it
                 self._emit(rid, p, RECEIVE, end, error)
                 completed += 1
         if self._sending:
