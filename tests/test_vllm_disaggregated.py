@@ -296,6 +296,15 @@ def test_step_spans_carry_the_connector_time_and_role(pd):
     assert any(s["attributes"].get("llm.engine.step.kv_transfer.send_time", 0) > 0 for s in steps["prefill"])
     assert any(s["attributes"].get("llm.engine.step.kv_transfer.receive_time", 0) > 0 for s in steps["decode"])
     assert any(s["attributes"].get("llm.engine.step.kv_transfer.requests", 0) >= 1 for s in steps["decode"])
+    # every process of an instance says its role on its resource: frontend, engine core, worker
+    for svc in ("prefill", "decode"):
+        served = [
+            s
+            for s in _spans(rx, svc)
+            if s["name"] in ("text_completion tiny", "llm.kv_transfer", "llm.engine.step", "llm.engine.step.device")
+        ]
+        labels = {(s["resource"].get("llm.process.role"), s["resource"].get("llm.disaggregation.role")) for s in served}
+        assert labels == {("frontend", svc), ("engine_core", svc), ("worker", svc)}, labels
 
 
 def test_transfer_metrics_count_every_transfer_sampled_or_not(pd):

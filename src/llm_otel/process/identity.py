@@ -266,6 +266,25 @@ def relabel(
         return None
 
 
+def annotate(attributes: Mapping[str, Any]) -> bool:
+    """Add ``attributes`` to every tracked resource of this process (:func:`track`), e.g. the
+    instance's disaggregation role once the engine's configuration is known; they survive
+    :func:`relabel`. Spans made earlier keep the old resource only in what they already exported.
+    Returns whether any resource was changed. Never raises."""
+    try:
+        resources = _tracked()
+        for resource in resources:
+            _set_attributes(resource, {**resource.attributes, **attributes})
+        for ref in _TRACKED:
+            changed = getattr(ref(), "resource_changed", None)
+            if changed is not None:
+                changed()
+        return bool(resources)
+    except Exception as exc:  # noqa: BLE001 - identity must never stop the engine process
+        process_errors().report("process.identity.annotate", exc, "could not annotate this process's resource")
+        return False
+
+
 def _relabel_after_fork() -> None:
     """In a forked child: the tracked resources get this pid and its own instance id, same role and
     indices (gunicorn workers forked from their master, Celery prefork, vLLM under ``fork``)."""

@@ -33,7 +33,13 @@ from llm_otel.instrumentation.vllm.engine_core import EngineCoreAdapter
 from llm_otel.instrumentation.vllm.fields import class_fields, kv_spec
 from llm_otel.instrumentation.vllm.in_flight import _REPORTED, InFlight
 from llm_otel.instrumentation.vllm.inbound import ENGINE_CARRIER, INBOUND, OPERATION, Inbound, traced_handler
-from llm_otel.instrumentation.vllm.kv_transfer import add_trace_context, instance_role, request_params, request_role
+from llm_otel.instrumentation.vllm.kv_transfer import (
+    add_trace_context,
+    annotate_process,
+    instance_role,
+    request_params,
+    request_role,
+)
 from llm_otel.instrumentation.vllm.pooling import PoolingRequests, handler_operation
 from llm_otel.instrumentation.vllm.requests import (
     ERROR_TYPES,
@@ -128,6 +134,8 @@ class VLLMAdapter(InFlight, PoolingRequests, BeamSearch, ProcessHooks):
         state.kv = kv_spec(getattr(engine, "vllm_config", None))
         state.spec_tokens, state.spec_public = engine_spec_config(getattr(engine, "vllm_config", None))
         state.disagg = instance_role(getattr(engine, "vllm_config", None))
+        if first:
+            annotate_process(state.disagg)
         if first and state.kv is not None:
             self.telemetry.attach_kv_source(kv_source_for(state, lambda s: s.kv))
 

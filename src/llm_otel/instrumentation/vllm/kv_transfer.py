@@ -70,6 +70,16 @@ def instance_role(vllm_config: Any) -> str | None:
     return ROLES.get(str(getattr(cfg, "kv_role", "")), "both")
 
 
+def annotate_process(role: str | None) -> None:
+    """Put the instance's disaggregation role on this process's resource (every vLLM process
+    that learns it: frontend at engine registration, engine core at its first schedule, worker at
+    its first step with a connector); no connector: nothing."""
+    if role is not None:
+        from llm_otel.process.identity import annotate
+
+        annotate({A.LLM_DISAGGREGATION_ROLE: role})
+
+
 def request_params(sampling_params: Any) -> dict | None:
     """A request's ``kv_transfer_params`` (``SamplingParams.extra_args["kv_transfer_params"]``,
     where vLLM's OpenAI server puts the body's field); None when absent or not a dict."""
@@ -150,6 +160,7 @@ class SchedulerKV:
         self.connector_name = type(connector).__name__
         vllm_config = getattr(scheduler, "vllm_config", None)
         self.role = instance_role(vllm_config)
+        annotate_process(self.role)
         cfg = getattr(vllm_config, "kv_transfer_config", None)
         self.policy = getattr(cfg, "kv_load_failure_policy", None)
         self.block_size = int(getattr(scheduler, "block_size", 0) or getattr(scheduler.cache_config, "block_size", 16))
@@ -371,6 +382,8 @@ class WorkerKV:
             if not has_kv_transfer_group():
                 return
             connector = get_kv_transfer_group()
+            # KVConnectorBase_V1.__init__ keeps the engine's VllmConfig as _vllm_config
+            annotate_process(instance_role(getattr(connector, "_vllm_config", None)))
         except Exception as exc:  # noqa: BLE001
             self.telemetry.errors.report("vllm.kv.worker_attach", exc)
             return
