@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 from llm_otel.errors import process_errors
 from llm_otel.export.resources import resource_of as _untyped_resource_of
 from llm_otel.export.resources import set_attributes as _set_attributes
+from llm_otel.sampling.budget import set_default_budget_key
 from llm_otel.semconv import attributes as A
 
 if TYPE_CHECKING:
@@ -374,3 +375,6 @@ def server_budget_key() -> str | None:
     except Exception as exc:  # noqa: BLE001 - the budget then stays per process
         process_errors().report("sampling.shared_budget", exc, "no shared trace budget key; per process")
         return None
+
+
+set_default_budget_key(server_budget_key)  # the API servers of one launcher share one trace budget

@@ -300,14 +300,28 @@ def trace_budget(
 ) -> TraceBudget | None:
     """The trace budget for ``LLM_OTEL_TRACES_PER_S``: None (no budget) for 0 or infinity; a
     :class:`SharedTraceBudget` shared by the processes that agree on ``key`` (default:
-    :func:`llm_otel.process.identity.server_budget_key`, the API servers of one launcher);
+    :func:`llm_otel.process.identity.server_budget_key`, registered by the process runtime with
+    :func:`set_default_budget_key`: the API servers of one launcher);
     ``key=""``: this process's own :class:`TraceBudget`."""
     if traces_per_s <= 0 or math.isinf(traces_per_s):
         return None
     if key == "":
         return TraceBudget(traces_per_s)
     if key is None:
-        from llm_otel.process.identity import server_budget_key
-
-        key = server_budget_key
+        key = _registered_key
     return SharedTraceBudget(traces_per_s, key, directory)
+
+
+# The process runtime registers how a process finds its server's budget key
+# (llm_otel.process.identity.server_budget_key): sampling sits below the process runtime and
+# never imports it (docs/architecture.md, "Parts and imports"). Read at each decision until known.
+_DEFAULT_KEY: list[Callable[[], str | None]] = []
+
+
+def set_default_budget_key(key: Callable[[], str | None]) -> None:
+    """Register the function that names the budget a process shares (None: its own)."""
+    _DEFAULT_KEY[:] = [key]
+
+
+def _registered_key() -> str | None:
+    return _DEFAULT_KEY[0]() if _DEFAULT_KEY else None
