@@ -139,7 +139,10 @@ def test_stream_requests_parent_on_the_caller_else_the_stream_and_always_link_it
     for s in (a, b):
         assert [link.context.span_id for link in s.links] == [stream_span.context.span_id]
         assert s.attributes["llm.stream.end"] == "stream_end" and s.attributes["llm.stream.responses"] == 0
-    assert carrier["traceparent"] == f"00-{b.context.trace_id:032x}-{b.context.span_id:016x}-01"
+    assert (
+        carrier["traceparent"]
+        == f"00-{b.context.trace_id:032x}-{b.context.span_id:016x}-{int(b.context.trace_flags):02x}"
+    )
     assert stream_span.status.status_code is StatusCode.ERROR and stream_span.attributes["error.type"] == "UNAVAILABLE"
     (point,) = [
         p for p in cap.metric_points("gen_ai.client.operation.duration") if p.attributes["gen_ai.request.model"] == "a"

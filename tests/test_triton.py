@@ -107,7 +107,9 @@ def unique_id(prefix: str) -> str:
 
 
 def traceparent(span) -> str:
-    return f"00-{hexid(span.context.trace_id, 32)}-{hexid(span.context.span_id, 16)}-01"
+    return (
+        f"00-{hexid(span.context.trace_id, 32)}-{hexid(span.context.span_id, 16)}-{int(span.context.trace_flags):02x}"
+    )
 
 
 def seen_params(result) -> dict:
