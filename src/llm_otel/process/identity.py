@@ -191,6 +191,17 @@ def _tracked() -> list[Resource]:
     return out
 
 
+_ANNOTATED: list[weakref.ref[object]] = []  # providers :func:`annotate` reaches besides the tracked ones
+
+
+def annotated(*providers: object) -> None:
+    """Register providers whose resource :func:`annotate` extends but that are never re-labelled
+    (vLLM's engine-core and worker providers: their identity is fixed when they are built)."""
+    for provider in providers:
+        if provider is not None and all(r() is not provider for r in _ANNOTATED):
+            _ANNOTATED.append(weakref.ref(provider))
+
+
 def track(*providers: object) -> None:
     """Register tracer / meter providers llm-otel built for this process from
     :func:`process_identity` so that :func:`relabel` and ``fork`` re-label their resource."""
@@ -268,12 +279,17 @@ def relabel(
 
 
 def annotate(attributes: Mapping[str, Any]) -> bool:
-    """Add ``attributes`` to every tracked resource of this process (:func:`track`), e.g. the
+    """Add ``attributes`` to every tracked resource of this process (:func:`track`,
+    :func:`annotated`), e.g. the
     instance's disaggregation role once the engine's configuration is known; they survive
     :func:`relabel`. Spans made earlier keep the old resource only in what they already exported.
     Returns whether any resource was changed. Never raises."""
     try:
         resources = _tracked()
+        for ref in _ANNOTATED:
+            resource = _resource_of(ref()) if ref() is not None else None
+            if resource is not None and all(resource is not seen for seen in resources):
+                resources.append(resource)
         for resource in resources:
             _set_attributes(resource, {**resource.attributes, **attributes})
         for ref in _TRACKED:

@@ -51,7 +51,7 @@ from llm_otel.export.providers import (
     metric_exporter_from_env,
     span_exporter_from_env,
 )
-from llm_otel.process.identity import current_process_identity, track
+from llm_otel.process.identity import annotated, current_process_identity, track
 from llm_otel.process.lifecycle import ProcessLifecycle, lifecycle
 from llm_otel.process.ports import prometheus_reader_from_env
 from llm_otel.sampling import Sampling, adaptive_sampler, trace_budget, traces_sampler_factory
@@ -371,6 +371,7 @@ def engine_process_providers(
     meter_provider = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False)
     if exporter is not None:
         exporter.bind(meter_provider)  # its lost spans count in llm_otel.spans.dropped
+    annotated(tracer_provider, meter_provider)  # e.g. the instance's disaggregation role, once known
     life = lifecycle(role)
     life.add(tracer_provider, meter_provider, exporters=(exporter, metric_exporter))
     # the engine's own start-up spans (vLLM's "EngineCoreProc init", "Executor init", "Load model",

@@ -14,7 +14,8 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
-from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode
+from opentelemetry.context import Context
+from opentelemetry.trace import NonRecordingSpan, Span, SpanContext, SpanKind, Status, StatusCode
 
 from llm_otel.semconv import attributes as A
 from llm_otel.semconv import metrics as M
@@ -38,8 +39,8 @@ class KVTransfer:
         direction: :data:`SEND` (prefill side) or :data:`RECEIVE` (decode side).
         start_ns / end_ns: epoch nanoseconds (``time.time_ns()``) the transfer began / ended.
         request_id: the engine's request id (cut to 256 characters on the span).
-        parent: the SpanContext of the request's span on this instance (None or unsampled:
-            metrics only).
+        parent: the SpanContext of the request's span on this instance, or a Context whose
+            current span it is (None or unsampled: metrics only).
         tokens: prompt tokens whose KV moved (None: unknown).
         blocks: KV-cache blocks they cover (None: unknown).
         nbytes: bytes those tokens occupy in this engine's paged KV cache (None: unknown).
@@ -56,7 +57,7 @@ class KVTransfer:
     start_ns: int
     end_ns: int
     request_id: str | None = None
-    parent: SpanContext | None = None
+    parent: SpanContext | Context | None = None
     tokens: int | None = None
     blocks: int | None = None
     nbytes: int | None = None
@@ -91,8 +92,24 @@ class KVTransfers:
             explicit_bucket_boundaries_advisory=list(M.LLM_KV_TRANSFER_SIZE_BUCKETS),
         )
 
+    @staticmethod
+    def on_step(span: Span, role: str | None, receive_s: float, send_s: float, completed: int) -> None:
+        """The step span's disaggregation part: the instance's ``role`` and, when non-zero, the
+        seconds the worker spent in the connector's load / save calls during the step and the
+        transfers completed in it (``llm.engine.step.kv_transfer.*``)."""
+        if role is not None:
+            span.set_attribute(A.LLM_DISAGGREGATION_ROLE, role)
+        if receive_s:
+            span.set_attribute(A.LLM_ENGINE_STEP_KV_TRANSFER_RECEIVE_TIME, receive_s)
+        if send_s:
+            span.set_attribute(A.LLM_ENGINE_STEP_KV_TRANSFER_SEND_TIME, send_s)
+        if completed:
+            span.set_attribute(A.LLM_ENGINE_STEP_KV_TRANSFER_REQUESTS, completed)
+
     def record(self, t: KVTransfer) -> None:
         """Record one transfer: metrics always; the span when ``t.parent`` is sampled."""
+        if isinstance(t.parent, Context):  # an adapter's parent context: its current span's
+            t.parent = trace.get_current_span(t.parent).get_span_context()
         end_ns = max(t.end_ns, t.start_ns)
         dims: dict[str, str] = {A.LLM_KV_TRANSFER_CONNECTOR: t.connector, A.LLM_KV_TRANSFER_DIRECTION: t.direction}
         if t.error_type is not None:

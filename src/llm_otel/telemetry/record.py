@@ -76,6 +76,7 @@ class RequestRecord:
         "head_cap",
         "input_tokens",
         "cached_tokens",
+        "kv_transfer_tokens",
         "finish_reason",
         "error_type",
         "error_message",
@@ -131,6 +132,8 @@ class RequestRecord:
         self.head_cap = head_cap
         self.input_tokens = input_tokens
         self.cached_tokens: int | None = None
+        # prompt tokens whose KV came over a KV connector (prefill/decode disaggregation), or None
+        self.kv_transfer_tokens: int | None = None
         self.finish_reason: str | None = None
         self.error_type: str | None = None
         self.error_message: str | None = None

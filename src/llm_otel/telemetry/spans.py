@@ -277,6 +277,8 @@ class SpanBuilder:
             attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] = [rec.finish_reason]
         if rec.cached_tokens is not None:
             attrs[A.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = rec.cached_tokens
+        if rec.kv_transfer_tokens:
+            attrs[A.LLM_USAGE_KV_TRANSFER_INPUT_TOKENS] = rec.kv_transfer_tokens
         ttft = rec.time_to_first_token_s()
         if ttft is not None:
             attrs[A.LLM_TIME_TO_FIRST_TOKEN] = ttft

@@ -43,8 +43,6 @@ import queue
 import time
 from typing import Any
 
-from opentelemetry import trace
-
 from llm_otel.errors import guard
 from llm_otel.instrumentation.lightllm import carrier as C
 from llm_otel.instrumentation.lightllm.requests import bind, request_id
@@ -151,8 +149,7 @@ class KVAdapter:
         carrier = getattr(task, C.CARRIER_ATTR, None)
         if gid is not None and C.valid(carrier):
             ctx, _sampled = C.parent_for(carrier, gid)
-            if ctx is not None:
-                parent = trace.get_current_span(ctx).get_span_context()
+            parent = ctx  # the core reads the context's current span
         if direction == SEND:
             node = getattr(getattr(task, "decode_node", None), "node_id", None)
         else:

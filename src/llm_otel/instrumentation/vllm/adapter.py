@@ -538,8 +538,8 @@ class VLLMAdapter(InFlight, PoolingRequests, BeamSearch, ProcessHooks):
                 external = getattr(stats, "num_external_cached_tokens", 0)
                 if rec.cached_tokens is None:
                     rec.cached_tokens = getattr(stats, "num_local_cached_tokens", stats.num_cached_tokens)
-                if external and rec.recording and rec.span is not None:
-                    rec.span.set_attribute(A.LLM_USAGE_KV_TRANSFER_INPUT_TOKENS, int(external))
+                if external:
+                    rec.kv_transfer_tokens = int(external)
             ids = out.new_token_ids
             if ids:
                 produced += rec.on_tokens(ids, ts)  # after vLLM trimmed tokens past a stop string

@@ -313,18 +313,9 @@ class SchedulerKV:
         )
 
     def on_step_span(self, span: Any, figures: tuple | None) -> None:
-        """The step span's disaggregation role and connector figures (``on_output``'s result)."""
-        if self.role is not None:
-            span.set_attribute(A.LLM_DISAGGREGATION_ROLE, self.role)
-        if figures is None:
-            return
-        receive_s, send_s, completed = figures
-        if receive_s:
-            span.set_attribute(A.LLM_ENGINE_STEP_KV_TRANSFER_RECEIVE_TIME, receive_s)
-        if send_s:
-            span.set_attribute(A.LLM_ENGINE_STEP_KV_TRANSFER_SEND_TIME, send_s)
-        if completed:
-            span.set_attribute(A.LLM_ENGINE_STEP_KV_TRANSFER_REQUESTS, completed)
+        """The step span's role and connector figures (``on_output``'s result), set by the core."""
+        receive_s, send_s, completed = figures if figures is not None else (0.0, 0.0, 0)
+        self.telemetry.kv_transfers.on_step(span, self.role, receive_s, send_s, completed)
 
     def _emit(self, rid: str, p: _Pending, direction: str, end_ns: int, error: str | None = None) -> None:
         self.telemetry.kv_transfers.record(
