@@ -9,8 +9,15 @@ Checked per golden: every wrapped method exists on every connector *as that clas
 ``self`` in that order; every ``KVConnectorOutput`` field the hook reads exists; every
 ``kv_transfer_params`` key llm-otel reads is one vLLM's prefill side writes or its decode side
 reads; the prefill side still writes ``remote_prefill_cached_tokens`` and the output processor
-still reads it; ``PrefillStats`` keeps its per-source cached tokens and ``EngineCoreOutput`` carries
-them and the params."""
+still reads it; every engine field the prefill/decode code reads exists on the class that declares
+it (``vllm_golden.kv_class_fields``: the scheduler's connector, config, block size, KV-cache config
+and requests; ``KVTransferConfig``, ``Request``, the KV-cache specs, ``KVConnectorBase_V1._vllm_config``,
+the OpenAI bodies' ``kv_transfer_params``, ``EngineCoreOutput.finish_reason``, ``PrefillStats``...);
+every function it calls (``vllm_golden.KV_CALLS``: ``get_kv_transfer_group``,
+``has_kv_transfer_group``, ``KVCacheBlocks.get_block_ids``) takes the arguments it passes; and
+``KVTransferConfig.kv_role`` allows exactly the roles ``kv_transfer.ROLES`` maps. Fields set in
+``__init__`` and properties are read by the extractor (signatures._class_fields); each check has a
+test that fails it on a mutated golden."""
 
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ from contracts import signatures, vllm_golden
 from support import tools
 
 from llm_otel.instrumentation.vllm import kv_surface
+from llm_otel.instrumentation.vllm.kv_transfer import ROLES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOLDENS = sorted(glob.glob(os.path.join(HERE, "vllm-*.json")))
@@ -51,10 +59,12 @@ POSITIONAL_RENAMES: dict[tuple[str, str], dict[str, str]] = {
     ("MultiConnector", "request_finished"): {"block_ids": "blocks"},
 }
 
-#: classes besides KVConnectorOutput whose fields the KV hooks read (vllm_golden.kv_class_fields)
+#: classes whose fields the KV hooks read (all of them: vllm_golden.kv_class_fields)
 PREFILL_STATS = "vllm.v1.metrics.stats:PrefillStats"
 ENGINE_CORE_OUTPUT = "vllm.v1.engine:EngineCoreOutput"
 CONNECTOR_OUTPUT = "vllm.v1.outputs:KVConnectorOutput"
+KV_FIELDS = [(f"{m}:{c}", f) for (m, c), fields in vllm_golden.kv_class_fields().items() for f in fields]
+KV_CALLS = [f"{m}:{q}" for m, q in vllm_golden.KV_CALLS]
 
 
 def load(path: str) -> dict:
@@ -92,6 +102,32 @@ def method_problems(connector: str, entry: dict) -> list[str]:
     return problems
 
 
+def call_problems(targets: dict) -> list[str]:
+    """What the calls of ``vllm_golden.KV_CALLS`` (that many positional arguments after ``self``,
+    no other) need that the golden's ``targets`` do not offer."""
+    problems = []
+    for (module, qualname), passed in vllm_golden.KV_CALLS.items():
+        key = f"{module}:{qualname}"
+        entry = targets.get(key, {"found": False, "missing": "not in the golden"})
+        if not entry["found"]:
+            problems.append(f"{key}: not found ({entry['missing']})")
+            continue
+        if entry["params"] is None:
+            problems.append(f"{key}: not a function ({entry['kind']})")
+            continue
+        params = entry["params"][1:] if entry["classes"] else entry["params"]
+        by_position = (signatures.POSITIONAL_ONLY, signatures.POSITIONAL_OR_KEYWORD)
+        positional = [p for p in params if p["kind"] in by_position]
+        variadic = any(p["kind"] == signatures.VAR_POSITIONAL for p in params)
+        if len(positional) < passed and not variadic:
+            problems.append(f"{key}: takes {len(positional)} positional argument(s), called with {passed}")
+        unfilled = [p["name"] for p in positional[passed:] if not p["has_default"]]
+        unfilled += [p["name"] for p in params if p["kind"] == signatures.KEYWORD_ONLY and not p["has_default"]]
+        if unfilled:
+            problems.append(f"{key}: called with {passed} argument(s), also needs {', '.join(unfilled)}")
+    return problems
+
+
 def kv_problems(document: dict) -> list[str]:
     """Everything of kv_surface that the vLLM source in ``document`` (a golden) does not offer."""
     kv = document["kv"]
@@ -102,11 +138,8 @@ def kv_problems(document: dict) -> list[str]:
             continue
         problems += method_problems(connector, kv["connectors"][connector])
     targets = document["targets"]
-    for key, wanted in (
-        (CONNECTOR_OUTPUT, kv_surface.CONNECTOR_OUTPUT_FIELDS),
-        (PREFILL_STATS, ("num_local_cached_tokens", "num_external_cached_tokens")),
-        (ENGINE_CORE_OUTPUT, ("prefill_stats", "kv_transfer_params")),
-    ):
+    for (module, cls), wanted in vllm_golden.kv_class_fields().items():
+        key = f"{module}:{cls}"
         entry = targets.get(key, {"found": False, "missing": "not in the golden"})
         if not entry["found"]:
             problems.append(f"{key}: not found ({entry['missing']})")
@@ -114,6 +147,17 @@ def kv_problems(document: dict) -> list[str]:
         gone = [f for f in wanted if f not in entry["fields"]]
         if gone:
             problems.append(f"{key}: no field(s) {', '.join(gone)}")
+    problems += call_problems(targets)
+    roles = kv.get("literals", {}).get("kv_role")
+    if roles is None:
+        problems.append("KVTransferConfig.kv_role: no Literal values found")
+    else:
+        if set(ROLES) - set(roles):
+            problems.append(f"KVTransferConfig.kv_role: no longer allows {sorted(set(ROLES) - set(roles))}")
+        if set(roles) - set(ROLES):
+            problems.append(
+                f"KVTransferConfig.kv_role: {sorted(set(roles) - set(ROLES))} not mapped by kv_transfer.ROLES"
+            )
     params = kv["params"]
     prefill_writes = set(params["nixl_scheduler"]["written"]) | set(params["engine_scheduler"]["written"])
     decode_reads = set(params["nixl_scheduler"]["read"]) | set(params["output_processor"]["read"])
@@ -286,3 +330,101 @@ def test_params_keys_finds_each_way_of_writing_and_reading(tmp_path):
             "tp_size": [finished],
         },
     }
+
+
+def _with_target(document: dict, key: str, entry: dict) -> dict:
+    """``document`` with ``targets[key]`` replaced (the rest shared, not copied)."""
+    return {**document, "targets": {**document["targets"], key: entry}}
+
+
+@pytest.mark.parametrize("path", GOLDENS, ids=[os.path.basename(p) for p in GOLDENS])
+@pytest.mark.parametrize("key,field", KV_FIELDS, ids=[f"{k.rsplit(':', 1)[1]}.{f}" for k, f in KV_FIELDS])
+def test_each_field_the_kv_code_reads_is_checked(path, key, field):
+    """Every field of kv_class_fields: a golden whose class lost it, or lost the class, says so."""
+    document = load(path)
+    assert kv_problems(document) == []
+    entry = document["targets"][key]
+    assert field in entry["fields"]
+    lost = _with_target(document, key, {**entry, "fields": [f for f in entry["fields"] if f != field]})
+    assert kv_problems(lost) == [f"{key}: no field(s) {field}"]
+    gone = _with_target(document, key, {**entry, "found": False, "missing": key.rsplit(":", 1)[1]})
+    assert kv_problems(gone) == [f"{key}: not found ({key.rsplit(':', 1)[1]})"]
+
+
+@pytest.mark.parametrize("key", KV_CALLS)
+def test_each_call_the_kv_code_makes_is_checked(key):
+    """Every call of KV_CALLS (no arguments): a golden where the function is gone, is no longer a
+    function, or needs an argument (positional or keyword-only) says so."""
+    document = load(vllm_golden.golden_path("0.33.0"))
+    entry = document["targets"][key]
+    assert entry["found"] and entry["params"] is not None
+    head = entry["params"][:1] if entry["classes"] else []
+    tail = entry["params"][len(head) :]
+    needed = {"name": "needed", "kind": signatures.POSITIONAL_OR_KEYWORD, "has_default": False}
+    keyword = {"name": "needed", "kind": signatures.KEYWORD_ONLY, "has_default": False}
+    cases = {
+        "gone": ({**entry, "found": False, "missing": "module"}, f"{key}: not found (module)"),
+        "assignment": ({**entry, "kind": "assignment", "params": None}, f"{key}: not a function (assignment)"),
+        "positional": (
+            {**entry, "params": [*head, needed, *tail]},
+            f"{key}: called with 0 argument(s), also needs needed",
+        ),
+        "keyword": (
+            {**entry, "params": [*head, *tail, keyword]},
+            f"{key}: called with 0 argument(s), also needs needed",
+        ),
+    }
+    for case, (mutated, message) in cases.items():
+        assert kv_problems(_with_target(document, key, mutated)) == [message], case
+
+
+def test_the_kv_roles_are_checked():
+    """KVTransferConfig.kv_role allows exactly the roles kv_transfer.ROLES maps: a golden that lost
+    one, gained one, or whose annotation cannot be read says so."""
+    document = load(vllm_golden.golden_path("0.33.0"))
+    assert document["kv"]["literals"]["kv_role"] == sorted(ROLES) == ["kv_both", "kv_consumer", "kv_producer"]
+
+    def with_roles(roles):
+        return {**document, "kv": {**document["kv"], "literals": {"kv_role": roles}}}
+
+    assert kv_problems(with_roles(["kv_consumer", "kv_producer"])) == [
+        "KVTransferConfig.kv_role: no longer allows ['kv_both']"
+    ]
+    assert kv_problems(with_roles([*ROLES, "kv_relay"])) == [
+        "KVTransferConfig.kv_role: ['kv_relay'] not mapped by kv_transfer.ROLES"
+    ]
+    assert kv_problems(with_roles(None)) == ["KVTransferConfig.kv_role: no Literal values found"]
+
+
+def test_literal_values_follow_aliases_and_unions(tmp_path):
+    folder = tmp_path / "vllm" / "config"
+    folder.mkdir(parents=True)
+    (folder / "kv.py").write_text(
+        "from typing import Literal\n"
+        "import typing\n"
+        "Producer = Literal['kv_producer', 'kv_both']\n"
+        "Consumer = Literal['kv_consumer', 'kv_both']\n"
+        "Role = Literal[Producer, Consumer]\n"
+        "class Config:\n"
+        "    role: Role | None = None\n"
+        "    policy: typing.Literal['recompute'] | Literal['fail'] = 'fail'\n"
+        "    name: str | None = None\n"
+        "    plain = 'x'\n"
+    )
+    source = signatures.Source(str(tmp_path))
+    values = {f: vllm_golden.literal_values(source, "vllm.config.kv", "Config", f) for f in ("role", "policy", "name")}
+    assert values == {"role": ["kv_both", "kv_consumer", "kv_producer"], "policy": ["fail", "recompute"], "name": None}
+    assert vllm_golden.literal_values(source, "vllm.config.kv", "Config", "plain") is None
+    assert vllm_golden.literal_values(source, "vllm.config.kv", "Missing", "role") is None
+
+
+def test_the_installed_kv_role_values_agree_with_the_golden():
+    """Live: ``typing.get_args`` of the imported ``KVRole`` (what KVTransferConfig validates
+    ``kv_role`` against) is the set the golden read from source."""
+    tools.require("vLLM", importlib.util.find_spec("vllm"), "install the dev environment (.ci/install.sh)")
+    import typing
+
+    from vllm.config import kv_transfer
+
+    golden = load(vllm_golden.golden_path(vllm_golden.source_version(signatures.installed_root("vllm"))))
+    assert set(typing.get_args(kv_transfer.KVRole)) == set(golden["kv"]["literals"]["kv_role"])

@@ -16,7 +16,9 @@ Its ``kv`` part (:func:`kv_contract`) holds the KV-connector API of
 of ``kv_surface.CONNECTORS`` the signature of every method the table wraps *as that class resolves
 it* (its bases walked in the source, aliases such as ``NixlConnector = NixlPullConnector``
 followed), and the ``kv_transfer_params`` keys vLLM writes and reads (NIXL's scheduler side, the
-engine scheduler's ``remote_prefill_cached_tokens``, the output processor);
+engine scheduler's ``remote_prefill_cached_tokens``, the output processor), and the values
+``KVTransferConfig.kv_role`` allows (``literals``); the engine fields and functions the P/D code
+reads and calls (:func:`kv_class_fields`, :data:`KV_CALLS`) are targets like the others;
 ``test_vllm_kv_contract.py`` holds the table to it.
 """
 
@@ -85,16 +87,69 @@ CLASS_FIELDS: dict[tuple[str, str], list[str]] = {
 
 
 def kv_class_fields() -> dict[tuple[str, str], list[str]]:
-    """Engine classes the KV-transfer hooks read (kv_surface): ``KVConnectorOutput`` (the fields of
-    ``kv_surface.CONNECTOR_OUTPUT_FIELDS``), ``PrefillStats``' per-source cached tokens and the
-    ``EngineCoreOutput`` fields that carry them and the ``kv_transfer_params``."""
+    """Engine classes the prefill/decode code reads (instrumentation/vllm/kv_transfer.py, the P/D
+    parts of adapter.py and inbound.py), with the fields read - each as the class itself declares
+    it (dataclass/msgspec fields, class-level assignments, properties, ``self.<name> = ...`` in
+    ``__init__``: :func:`signatures._class_fields`; a field a subclass inherits is listed on the
+    class that declares it, e.g. ``KVConnectorBase_V1._vllm_config``, ``KVCacheSpec.page_size_bytes``)."""
     from llm_otel.instrumentation.vllm import kv_surface
 
     return {
         ("vllm.v1.outputs", "KVConnectorOutput"): list(kv_surface.CONNECTOR_OUTPUT_FIELDS),
         ("vllm.v1.metrics.stats", "PrefillStats"): ["num_external_cached_tokens", "num_local_cached_tokens"],
-        ("vllm.v1.engine", "EngineCoreOutput"): ["kv_transfer_params", "prefill_stats"],
+        # frontend: the decode side's cached tokens, a finished prefill's trace context (adapter.py
+        # _before_step / add_trace_context: finish_reason, request_id, kv_transfer_params)
+        ("vllm.v1.engine", "EngineCoreOutput"): ["finish_reason", "kv_transfer_params", "prefill_stats", "request_id"],
+        # engine core: SchedulerKV(scheduler) at the first schedule, on_output per step
+        ("vllm.v1.core.sched.scheduler", "Scheduler"): [
+            "block_size",
+            "cache_config",
+            "connector",
+            "kv_cache_config",
+            "requests",
+            "vllm_config",
+        ],
+        ("vllm.config.cache", "CacheConfig"): ["block_size"],  # Scheduler.cache_config.block_size (fallback)
+        # instance_role, the load-failure policy (SchedulerKV, adapter._register_engine, WorkerKV)
+        ("vllm.config.vllm", "VllmConfig"): ["kv_transfer_config"],
+        ("vllm.config.kv_transfer", "KVTransferConfig"): ["kv_connector", "kv_load_failure_policy", "kv_role"],
+        # the scheduler connector's request argument (update_state_after_alloc, request_finished)
+        ("vllm.v1.request", "Request"): ["kv_transfer_params", "num_prompt_tokens", "request_id", "sampling_params"],
+        # request_params: the body's kv_transfer_params as vLLM's OpenAI server hands them on
+        ("vllm.sampling_params", "SamplingParams"): ["extra_args"],
+        ("vllm.v1.outputs", "ModelRunnerOutput"): ["kv_connector_output"],
+        ("vllm.v1.core.sched.output", "SchedulerOutput"): [
+            "num_scheduled_tokens",
+            "scheduled_cached_reqs",
+            "scheduled_new_reqs",
+        ],
+        ("vllm.v1.core.sched.output", "NewRequestData"): ["req_id"],
+        ("vllm.v1.core.sched.output", "CachedRequestData"): ["req_ids"],
+        # _bytes_per_token: Scheduler.kv_cache_config.kv_cache_groups[i].{kv_cache_spec, layer_names}
+        ("vllm.v1.kv_cache_interface", "KVCacheConfig"): ["kv_cache_groups"],
+        ("vllm.v1.kv_cache_interface", "KVCacheGroupSpec"): ["kv_cache_spec", "layer_names"],
+        ("vllm.v1.kv_cache_interface", "KVCacheSpec"): ["block_size", "page_size_bytes"],
+        # WorkerKV.attach: the worker connector's VllmConfig (set by the base class's __init__)
+        ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorBase_V1"): ["_vllm_config"],
+        # inbound.traced_handler -> trace_context_of(body): a decode hop's prefill trace context
+        ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"): ["kv_transfer_params"],
+        ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"): ["kv_transfer_params"],
     }
+
+
+#: functions and methods the prefill/decode code calls -> how many positional arguments it passes
+#: (after ``self``); every other parameter must have a default (kv_transfer.py)
+KV_CALLS: dict[tuple[str, str], int] = {
+    ("vllm.distributed.kv_transfer", "get_kv_transfer_group"): 0,  # WorkerKV.attach
+    ("vllm.distributed.kv_transfer", "has_kv_transfer_group"): 0,  # WorkerKV.attach
+    ("vllm.v1.core.kv_cache_manager", "KVCacheBlocks.get_block_ids"): 0,  # update_state_after_alloc's blocks
+}
+
+#: annotated fields whose ``Literal`` values a golden records (``kv["literals"]``): the values
+#: kv_transfer.ROLES maps (``KVTransferConfig.kv_role``: ``KVRole = Literal[KVProducer, KVConsumer]``)
+KV_LITERALS: dict[str, tuple[str, str, str]] = {
+    "kv_role": ("vllm.config.kv_transfer", "KVTransferConfig", "kv_role"),
+}
 
 
 def class_fields() -> dict[tuple[str, str], list[str]]:
@@ -106,11 +161,12 @@ def class_fields() -> dict[tuple[str, str], list[str]]:
 
 
 def targets() -> list[tuple[str, str]]:
-    """Every hooked target, then every class of :func:`class_fields` (order kept, no repeats)."""
+    """Every hooked target, then every class of :func:`class_fields`, then :data:`KV_CALLS`
+    (order kept, no repeats)."""
     from llm_otel.instrumentation.vllm.hooks import HOOKS
 
     seen: list[tuple[str, str]] = []
-    for item in [(h.module, h.target) for h in HOOKS] + list(class_fields()):
+    for item in [(h.module, h.target) for h in HOOKS] + list(class_fields()) + list(KV_CALLS):
         if item not in seen:
             seen.append(item)
     return seen
@@ -256,12 +312,55 @@ def params_keys(source: signatures.Source, paths: list[str]) -> dict:
     }
 
 
+def _literals(expr: ast.expr, aliases: dict[str, ast.AST], depth: int = 0) -> set[str] | None:
+    """String values of a ``Literal[...]`` annotation, through module-level aliases
+    (``KVRole = Literal[KVProducer, KVConsumer]``) and ``X | None`` unions; None when some part is
+    neither (an annotation this reader cannot enumerate)."""
+    if depth > 20:
+        return None
+    if isinstance(expr, ast.Constant):
+        return {expr.value} if isinstance(expr.value, str) else (set() if expr.value is None else None)
+    if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.BitOr):
+        left, right = _literals(expr.left, aliases, depth + 1), _literals(expr.right, aliases, depth + 1)
+        return None if left is None or right is None else left | right
+    if isinstance(expr, ast.Subscript) and ast.unparse(expr.value).split(".")[-1] == "Literal":
+        items = expr.slice.elts if isinstance(expr.slice, ast.Tuple) else [expr.slice]
+        found: set[str] = set()
+        for item in items:
+            sub = _literals(item, aliases, depth + 1)
+            if sub is None:
+                return None
+            found |= sub
+        return found
+    if isinstance(expr, ast.Name):
+        bound = aliases.get(expr.id)
+        if isinstance(bound, (ast.Assign, ast.AnnAssign)) and bound.value is not None:
+            return _literals(bound.value, aliases, depth + 1)
+    return None
+
+
+def literal_values(source: signatures.Source, module: str, cls: str, field: str) -> list[str] | None:
+    """The string values the annotation of ``cls.field`` allows (sorted; see :func:`_literals`;
+    aliases are looked up in the module defining the class); None when the class, the annotated
+    field or an enumerable annotation is not found."""
+    found = signatures.resolve_class(source, module, cls)
+    if found is None:
+        return None
+    _key, node, relpath = found
+    bound = signatures._definitions(node.body).get(field)
+    if not isinstance(bound, ast.AnnAssign):
+        return None
+    text = source.read(relpath) or ""
+    values = _literals(bound.annotation, signatures._definitions(source.tree(relpath, text).body))
+    return sorted(values) if values is not None else None
+
+
 def kv_contract(path: str) -> dict:
     """The ``kv`` part of a golden, from the vLLM source at ``path`` (a wheel or a package root):
     ``connectors`` (per ``kv_surface.CONNECTORS`` name: the class it resolves to, its order of
     bases, and :func:`signatures.method_as_seen` of every method of SCHEDULER_METHODS,
-    WORKER_LOAD_METHODS and WORKER_SAVE_METHODS) and ``params`` (:func:`params_keys` per group of
-    :data:`PARAMS_FILES`)."""
+    WORKER_LOAD_METHODS and WORKER_SAVE_METHODS), ``literals`` (:func:`literal_values` per entry of
+    :data:`KV_LITERALS`) and ``params`` (:func:`params_keys` per group of :data:`PARAMS_FILES`)."""
     from llm_otel.instrumentation.vllm import kv_surface
 
     source = signatures.Source(path)
@@ -280,6 +379,7 @@ def kv_contract(path: str) -> dict:
         connectors[name] = entry
     return {
         "connectors": connectors,
+        "literals": {name: literal_values(source, *where) for name, where in KV_LITERALS.items()},
         "params": {group: params_keys(source, paths) for group, paths in PARAMS_FILES.items()},
     }
 
