@@ -187,6 +187,9 @@ _LIGHTLLM_ALLOWED = {
     # the request span's kind (SERVER with an HTTP request, else INTERNAL), a value passed to
     # Telemetry.start_request
     ("lightllm/httpserver.py", "from opentelemetry.trace import SpanKind"): 1,
+    # the P/D master's span kind (SERVER with an HTTP request), a value passed to
+    # Telemetry.start_forwarded, and the span it returns as a type
+    ("lightllm/kv.py", "from opentelemetry.trace import Span, SpanKind"): 1,
     # the HTTP worker hands its tracer provider to the exporter process's prewarm (export setup)
     ("lightllm/process.py", "from opentelemetry import trace"): 1,
     ("lightllm/process.py", "get_tracer_provider()"): 1,

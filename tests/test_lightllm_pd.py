@@ -165,17 +165,17 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _tree(tmp_path) -> str | None:
+def _tree(tmp_path, real=(), standins=None) -> str | None:
     if not os.path.isdir(GIT_DIR):
         return None
     root = tmp_path / "src"
-    for rel in REAL:
+    for rel in REAL + list(real):
         text = subprocess.run(
             ["git", "--git-dir", GIT_DIR, "show", f"{COMMIT}:{rel}"], capture_output=True, check=True
         ).stdout
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_bytes(text)
-    for rel, text in STANDINS.items():
+    for rel, text in {**STANDINS, **(standins or {})}.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
     # package __init__s: empty stand-ins (the real pd_mode ones import the GPU transfer processes)
@@ -243,8 +243,9 @@ def test_a_failed_move_is_an_error_in_the_metrics_and_raises_unchanged(pd_run):
 
 
 def test_the_pd_master_puts_the_clients_context_on_what_both_nodes_receive():
-    """KVAdapter.pd_master around a function with the real ``fetch_stream`` parameters (golden:
-    main, v1.0.1, pr965); the PD master itself (websockets to the nodes) is not run here."""
+    """The fallback of KVAdapter.pd_master when the PD master has no span of its own (its
+    ``generate`` not traced): the client's context, around a function with the real ``fetch_stream``
+    parameters (golden: main, v1.0.1, pr965). The real PD master runs in ``master_run`` below."""
     import pickle
     from types import SimpleNamespace
 
@@ -278,3 +279,351 @@ def test_the_pd_master_puts_the_clients_context_on_what_both_nodes_receive():
     }
     assert C.valid(getattr(seen[0], C.CARRIER_ATTR))
     assert not hasattr(seen[1], C.CARRIER_ATTR) and not hasattr(seen[2], C.CARRIER_ATTR)
+
+
+# --- the PD master's own request span, against LightLLM's REAL PD master -----------------------
+# Real, read at fc72ffab like the rest of this file: ``server/httpserver_for_pd_master/manager.py``
+# (HttpServerManagerForPDMaster: generate, _wait_to_token_package, fetch_stream, update_req_status,
+# abort, handle_loop; ReqStatus) and ``pd_io_struct.py`` (PD_Client_Obj, UpKVStatus, ObjType),
+# plus the real prefill/decode ``_transfer_kv`` above. Stand-ins (MASTER_STANDINS): what the PD
+# master imports around that code (ujson, SamplingParams/FinishStatus, MultimodalParams, tokenizer,
+# metrics client, MovingAverage, ServerBusyError, ReqIDGenerator, AsyncQueue), and the two nodes:
+# each node's HTTP worker is a small ``HttpServerManager`` (main layout: generate ->
+# transfer_to_next_module -> one item per token) that llm-otel's real HTTP hooks wrap, fed by a fake
+# websocket that unpickles what the real master sends (llm-otel's real ``__setstate__`` runs there).
+# The client's request is a stand-in (headers, url.path, is_disconnected); the root sampler is a
+# switch (ParentBased) that can drop the PD master's roots only, so that the nodes dropping their
+# spans shows they follow the master's decision.
+MASTER_REAL = ["lightllm/server/httpserver_for_pd_master/manager.py"]
+MASTER_STANDINS = {
+    "ujson/__init__.py": "from json import *  # noqa\n",
+    "lightllm/server/req_id_generator.py": textwrap.dedent("""
+        import numpy as np
+        def convert_sub_id_to_group_id(i):
+            return (i // 8) * 8
+        class ReqIDGenerator:
+            def __init__(self):
+                self.arr = np.zeros(1, dtype=np.int64)
+            def generate_id(self):
+                self.arr[0] += 8
+                return self.arr[0]
+    """),
+    "lightllm/server/core/objs/__init__.py": textwrap.dedent("""
+        class FinishStatus:
+            NO_FINISH, FINISHED_STOP, FINISHED_LENGTH, FINISHED_ABORTED = 0, 1, 2, 3
+            def __init__(self, status=0):
+                self.status = status
+            def is_finished(self):
+                return self.status != 0
+            def is_aborted(self):
+                return self.status == 3
+            def get_finish_reason(self):
+                return {1: "stop", 2: "length"}.get(self.status)
+        class _MoveKV:
+            exists = False
+            def initialize(self, d):
+                self.exists, self.d = d is not None, d
+        class SamplingParams:
+            def __init__(self, max_new_tokens):
+                self.max_new_tokens, self.n, self.best_of = max_new_tokens, 1, 1
+                self.temperature, self.top_p, self.top_k = 0.5, 0.9, -1
+                self.group_request_id, self.suggested_dp_index = None, -1
+                self.move_kv_to_decode_node = _MoveKV()
+            def to_origin_dict(self):
+                return {}
+    """),
+    "lightllm/server/multimodal_params.py": textwrap.dedent("""
+        class MultimodalParams:
+            def __init__(self):
+                self.images, self.audios = [], []
+            def to_dict(self):
+                return {}
+    """),
+    "lightllm/server/tokenizer.py": "def get_tokenizer(*a, **k):\n    return None\n",
+    "lightllm/server/metrics/__init__.py": "",
+    "lightllm/server/metrics/manager.py": textwrap.dedent("""
+        class MetricClient:
+            def __init__(self, port): pass
+            def counter_inc(self, *a): pass
+            def histogram_observe(self, *a): pass
+    """),
+    "lightllm/utils/statics_utils.py": textwrap.dedent("""
+        class MovingAverage:
+            def add(self, v): pass
+            def print_log(self, s): pass
+    """),
+    "lightllm/utils/error_utils.py": "class ServerBusyError(Exception):\n    pass\n",
+    "lightllm/server/httpserver/manager.py": textwrap.dedent("""
+        import asyncio
+        from types import SimpleNamespace
+        from lightllm.server.core.objs import FinishStatus
+        class AsyncQueue:
+            def __init__(self):
+                self.datas, self.event = [], asyncio.Event()
+            async def put(self, obj):
+                self.datas.append(obj)
+                self.event.set()
+            async def wait_to_get_all_data(self):
+                while not self.datas:
+                    await self.event.wait()
+                    self.event.clear()
+                out, self.datas = self.datas, []
+                return out
+        class HttpServerManager:  # a P/D node's HTTP worker, main layout
+            def __init__(self, args):
+                self.args = args
+            async def generate(self, prompt, sampling_params, multimodal_params, request, is_health_req=False):
+                gid = sampling_params.group_request_id  # P/D nodes keep the master's group id
+                n_in = len(prompt) if isinstance(prompt, list) else 4
+                self.transfer_to_next_module(SimpleNamespace(
+                    group_req_id=gid, multimodal_params=multimodal_params,
+                    shm_req_objs=[SimpleNamespace(input_len=n_in, prompt_cache_len=0)]))
+                for i in range(sampling_params.max_new_tokens):
+                    await asyncio.sleep(0.002)
+                    last = i == sampling_params.max_new_tokens - 1
+                    meta = {"id": 7 + i, "prompt_tokens": n_in, "count_output_tokens": i + 1, "prompt_cache_len": 0}
+                    if i == 0:  # the prefill node's first item carries the prompt ids (pd mode)
+                        meta["prompt_ids"] = list(prompt) if isinstance(prompt, list) else [1]
+                    yield gid, "t", meta, FinishStatus(FinishStatus.FINISHED_LENGTH if last else FinishStatus.NO_FINISH)
+            def transfer_to_next_module(self, group_req_objs):
+                pass
+            async def abort(self, group_req_id):
+                pass
+    """),
+}
+
+MASTER_SCRIPT = textwrap.dedent("""
+    import asyncio, importlib, json, pickle, queue, threading, time
+    from types import SimpleNamespace
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.sdk.trace.sampling import ParentBased, Sampler, SamplingResult, Decision
+    from opentelemetry.trace import SpanKind
+    from starlette.datastructures import Headers
+    from llm_otel.config import Settings
+    from llm_otel.instrumentation.lightllm import LightLLMInstrumentor
+
+    class Switch(Sampler):
+        # the root decision: off drops the PD master's roots (SERVER) only; a node's request span
+        # that started a root of its own would be sampled, so only following the master drops it
+        on = True
+        def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, *a, **k):
+            drop = not Switch.on and kind == SpanKind.SERVER
+            return SamplingResult(Decision.DROP if drop else Decision.RECORD_AND_SAMPLE, attributes)
+        def get_description(self):
+            return "switch"
+
+    exporter, reader = InMemorySpanExporter(), InMemoryMetricReader()
+    tp = TracerProvider(sampler=ParentBased(Switch())); tp.add_span_processor(SimpleSpanProcessor(exporter))
+    inst = LightLLMInstrumentor()
+    inst.instrument(tracer_provider=tp, meter_provider=MeterProvider(metric_readers=[reader]), settings=Settings())
+    from lightllm.server.httpserver_for_pd_master.manager import HttpServerManagerForPDMaster
+    from lightllm.server.httpserver.manager import HttpServerManager
+    from lightllm.server.pd_io_struct import PD_Client_Obj, UpKVStatus, ObjType, KVMoveTask, DecodeNodeInfo
+    from lightllm.server.core.objs import SamplingParams
+    from lightllm.server.multimodal_params import MultimodalParams
+    PD = "lightllm.server.router.model_infer.mode_backend.continues_batch.pd_mode"
+    P = importlib.import_module(PD + ".prefill_node_impl.prefill_trans_obj")
+    D = importlib.import_module(PD + ".decode_node_impl.decode_trans_obj")
+    from lightllm.server.router.model_infer.mode_backend.continues_batch.pd_mode.task_queue import TaskQueue
+
+    class Manager:
+        def put_to_release_task_queue(self, ts): pass
+        put_to_fail_release_task_queue = put_to_release_task_queue
+
+    def conn(mod, **fields):  # a kv-move connection whose transfer process answers "ok" to every group
+        obj = mod.KVTransConnectObj(connect_id="c", device_index=0, manager=Manager(), **fields)
+        obj.kv_trans_process = mod.KVTransProcess(device_lock=threading.Lock(), task_in_queue=queue.Queue(),
+                                                  task_out_queue=queue.Queue(), device_id=0)
+        def run(p=obj.kv_trans_process):
+            while True:
+                p.task_in_queue.get(); time.sleep(0.005); p.task_out_queue.put("ok")
+        threading.Thread(target=run, daemon=True).start()
+        return obj
+    sender, receiver = conn(P, decode_node_id=2), conn(D, prefill_node_id=1)
+    receiver.move_finished_queue = TaskQueue(get_func=lambda d: d, fail_func=None)
+
+    args = SimpleNamespace(model_name="m", model_dir="/x/m", tokenizer_mode="fast", trust_remote_code=False,
+                           pd_node_id=0, config_server_host=None, config_server_port=None)
+    master = HttpServerManagerForPDMaster(args, metric_port=0)
+    aborts = []
+
+    class NodeSocket:  # the node end of the master's websocket
+        def __init__(self, role):
+            self.role, self.node = role, HttpServerManager(args)
+        async def send_bytes(self, data):
+            kind, payload = pickle.loads(data)  # llm-otel's MultimodalParams.__setstate__ runs here
+            if kind == ObjType.REQ:
+                asyncio.ensure_future(self.serve(*payload))
+            else:
+                aborts.append((self.role, int(payload)))
+        async def serve(self, prompt, sp, mm):
+            async for item in self.node.generate(prompt, sp, mm, None):
+                await master.put_to_handle_queue((ObjType.TOKEN_PACKS, [item]))
+            if self.role == "prefill" and sp.move_kv_to_decode_node.exists:
+                gid = int(sp.group_request_id)
+                pickle.loads(pickle.dumps(mm))  # router -> model-infer worker: the node's carrier arrives
+                task = KVMoveTask(group_request_id=gid, input_tokens=[1, 2, 3, 4], prefill_token_indexes=[0, 1, 2, 3],
+                                  decode_token_indexes=None, prefill_node_id=1,
+                                  decode_node=DecodeNodeInfo(node_id=2, ip="d", rpyc_port="1", max_new_tokens=3,
+                                                             pd_master_node_id=0),
+                                  move_kv_len=4, prefill_dp_index=0, decode_dp_index=0, mark_start_time=time.time())
+                task = pickle.loads(pickle.dumps(task))  # info_queue to the kv-move manager
+                sender._transfer_kv([task])
+                receiver._transfer_kv([pickle.loads(pickle.dumps(task))])  # rpyc obtain on the decode node
+                await master.update_req_status(UpKVStatus(group_request_id=gid, dp_index=0, pd_master_node_id=0))
+
+    p_node = PD_Client_Obj(node_id=1, client_ip_port="p:1", mode="prefill", start_args={}, websocket=NodeSocket("prefill"))
+    d_node = PD_Client_Obj(node_id=2, client_ip_port="d:1", mode="decode",
+                           start_args={"pd_node_id": 2, "host": "d", "pd_decode_rpyc_port": 1}, websocket=NodeSocket("decode"))
+    master.prefill_nodes, master.decode_nodes = [p_node], [d_node]
+
+    class Request:  # the client's HTTP request (fastapi Request's parts the master reads)
+        def __init__(self, headers):
+            self.headers, self.url = Headers(headers), SimpleNamespace(path="/generate")
+            self.gone = False
+        async def is_disconnected(self):
+            return self.gone
+
+    def counts():
+        out = {}
+        for rm in reader.get_metrics_data().resource_metrics:
+            for sm in rm.scope_metrics:
+                for m in sm.metrics:
+                    if m.name in ("gen_ai.server.request.duration", "llm.kv_transfer.duration"):
+                        out[m.name] = sum(p.count for p in m.data.data_points)
+        return out
+
+    def spans():
+        out = [{"name": s.name, "kind": s.kind.name, "trace": format(s.context.trace_id, "032x"),
+                "span": format(s.context.span_id, "016x"),
+                "parent": format(s.parent.span_id, "016x") if s.parent else None,
+                "attrs": {k: (list(v) if isinstance(v, tuple) else v) for k, v in s.attributes.items()},
+                "status": s.status.status_code.name} for s in exporter.get_finished_spans()]
+        exporter.clear()
+        return out
+
+    async def case(headers, tokens=4, disconnect_after=None, close_after=None):
+        request = Request(headers)
+        agen = master.generate([1, 2, 3, 4], SamplingParams(tokens), MultimodalParams(), request)
+        got, error = 0, None
+        try:
+            async for _item in agen:
+                got += 1
+                if disconnect_after is not None and got >= disconnect_after:
+                    request.gone = True
+                if close_after is not None and got >= close_after:
+                    await agen.aclose()
+                    break
+        except Exception as exc:
+            error = type(exc).__name__
+        await asyncio.sleep(0.1)  # let the nodes' streams end
+        return {"items": got, "error": error}
+
+    async def main():
+        loop_task = asyncio.ensure_future(master.handle_loop())
+        out = {}
+        out["root"] = await case({})
+        out["root"]["spans"] = spans()
+        inbound = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+        out["inbound"] = await case({"traceparent": inbound})
+        out["inbound"]["spans"] = spans()
+        before = counts()
+        Switch.on = False
+        out["unsampled"] = await case({})
+        Switch.on = True
+        out["unsampled"]["spans"] = spans()
+        after = counts()
+        out["unsampled"]["metrics"] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        out["disconnect"] = await case({}, disconnect_after=1)
+        out["disconnect"]["spans"] = spans()
+        out["closed"] = await case({}, close_after=1)
+        out["closed"]["spans"] = spans()
+        out["aborts"] = aborts
+        out["live"] = inst.adapter.kv.live if getattr(inst, "adapter", None) else None
+        out["left"] = len(master.req_id_to_out_inf)
+        loop_task.cancel()
+        return out
+
+    print("RESULT " + json.dumps(asyncio.run(main())))
+""")
+
+
+@pytest.fixture(scope="module")
+def master_run(tmp_path_factory):
+    root = _tree(tmp_path_factory.mktemp("lightllm_pd_master"), MASTER_REAL, MASTER_STANDINS)
+    if root is None:
+        pytest.skip(f"no LightLLM git directory at {GIT_DIR} (LIGHTLLM_GIT_DIR)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(HERE, "..", "src")]))
+    env.pop("OTEL_TRACES_SAMPLER", None)
+    done = subprocess.run([sys.executable, "-c", MASTER_SCRIPT], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT ") :]), done.stderr
+
+
+def _by_role(spans):
+    """The PD master's span (SERVER), the two nodes' request spans and the transfer spans."""
+    master = [s for s in spans if s["kind"] == "SERVER"]
+    nodes = [s for s in spans if s["name"] == "text_completion m" and s["kind"] == "INTERNAL"]
+    moves = [s for s in spans if s["name"] == "llm.kv_transfer"]
+    return master, nodes, moves
+
+
+def test_without_traceparent_the_pd_master_span_is_the_root_of_one_trace(master_run):
+    out, stderr = master_run
+    assert out["root"]["error"] is None and out["root"]["items"] == 4  # LightLLM's stream, untouched
+    spans = out["root"]["spans"]
+    master, nodes, moves = _by_role(spans)
+    assert len(master) == 1 and master[0]["parent"] is None, master
+    m = master[0]
+    assert {s["trace"] for s in spans} == {m["trace"]}, spans  # router/worker-less stand-in nodes: all spans
+    assert len(nodes) == 2 and all(s["parent"] == m["span"] for s in nodes), nodes  # prefill and decode
+    prefill = [s for s in nodes if s["attrs"]["gen_ai.usage.output_tokens"] == 1]
+    assert len(prefill) == 1, nodes
+    # the transfer spans are children of the prefill node's request span: in the master's trace
+    assert {s["attrs"]["llm.kv_transfer.direction"] for s in moves} == {"send", "receive"}
+    assert all(s["parent"] == prefill[0]["span"] for s in moves), moves
+    a = m["attrs"]
+    assert a["gen_ai.operation.name"] == "text_completion" and a["gen_ai.provider.name"] == "lightllm"
+    assert a["gen_ai.request.model"] == "m" and a["gen_ai.request.max_tokens"] == 4
+    assert a["llm.request.id"] == nodes[0]["attrs"]["llm.request.id"]  # the group id, as on the nodes
+    assert a["gen_ai.usage.input_tokens"] == 4 and a["gen_ai.usage.output_tokens"] == 4
+    assert a["gen_ai.response.finish_reasons"] == ["length"] and a["llm.time_to_first_token"] > 0
+    assert "error.type" not in a and m["status"] == "UNSET"
+    assert "llm-otel" not in stderr, stderr[-2000:]
+
+
+def test_an_inbound_traceparent_is_the_pd_master_spans_parent(master_run):
+    out, _ = master_run
+    spans = out["inbound"]["spans"]
+    master, nodes, moves = _by_role(spans)
+    assert len(master) == 1 and master[0]["trace"] == "ab" * 16 and master[0]["parent"] == "cd" * 8
+    # the nodes continue under the master's span, not the client's
+    assert len(nodes) == 2 and all(s["parent"] == master[0]["span"] for s in nodes)
+    assert len(moves) == 2 and {s["trace"] for s in spans} == {"ab" * 16}
+
+
+def test_an_unsampled_pd_master_decision_holds_on_both_nodes_and_metrics_still_count(master_run):
+    out, _ = master_run
+    assert out["unsampled"]["error"] is None and out["unsampled"]["items"] == 4
+    assert out["unsampled"]["spans"] == []  # no master, node, or transfer span
+    # the nodes' request metrics (prefill and decode) and both transfer sides are still recorded
+    assert out["unsampled"]["metrics"] == {"gen_ai.server.request.duration": 2, "llm.kv_transfer.duration": 2}
+
+
+def test_a_disconnected_or_closed_client_ends_the_pd_master_span_as_aborted(master_run):
+    out, _ = master_run
+    # LightLLM's own handling is unchanged: its "disconnected" Exception reaches the caller, and the
+    # master sent ABORT to both nodes for it
+    assert out["disconnect"]["error"] == "Exception" and out["disconnect"]["items"] == 1
+    for name in ("disconnect", "closed"):
+        master, _nodes, _ = _by_role(out[name]["spans"])
+        assert len(master) == 1, (name, out[name]["spans"])
+        assert master[0]["attrs"]["error.type"] == "aborted" and master[0]["status"] == "ERROR", master
+        assert master[0]["attrs"]["gen_ai.usage.output_tokens"] == 1
+    assert {role for role, _gid in out["aborts"]} == {"prefill", "decode"}
+    assert out["left"] == 0  # LightLLM freed its request state; llm-otel keeps none either

@@ -11,8 +11,9 @@ copied):
   the shared-memory ``Req`` / ``SamplingParams`` structs, the annotated fields of the
   ``GroupReqIndexes`` / ``GroupReqObjs`` dataclasses, the numpy dtype of ``ReqIDGenerator``'s id
   array (so ids are numpy integers), the expression ``generate_id`` returns, the keys of the
-  per-token ``metadata`` dicts ``HttpServerManager`` yields, and the instance attributes
-  ``InferReq`` / ``InferenceContext`` / ``RouterManager`` set;
+  per-token ``metadata`` dicts ``HttpServerManager`` yields, the instance attributes
+  ``InferReq`` / ``InferenceContext`` / ``RouterManager`` / ``HttpServerManagerForPDMaster`` set,
+  and the exceptions ``HttpServerManagerForPDMaster`` raises;
 * ``modules``: every module under ``lightllm/server`` and ``lightllm/utils`` (the stand-in trees in
   tests/lightllm_layouts may only have modules the real version has).
 
@@ -23,7 +24,7 @@ Regenerate (the goldens in the repo come from ModelTC/lightllm main @ fc72ffab a
         --ref main=fc72ffab --ref v1.0.1=v1.0.1
 
 The ``pr965`` golden is of the PR's head commit 746bf849, which later clones no longer hold; targets
-added to the hook table since are filled in from the commit that merged the PR (538487aab, whose
+(and ``types`` entries) added to the hook table since are filled in from the commit that merged the PR (538487aab, whose
 files of those targets are the PR's: the merge left them as they were on main), and listed under
 ``filled_from`` in the golden::
 
@@ -60,6 +61,7 @@ OBJS = "lightllm.server.core.objs"
 HTTP = "lightllm.server.httpserver.manager"
 INFER = "lightllm.server.router.model_infer.infer_batch"
 ROUTER = "lightllm.server.router.manager"
+PD_MASTER = "lightllm.server.httpserver_for_pd_master.manager"
 
 # engine methods the adapter calls (not wrapped) on objects it is handed
 CALLED = [
@@ -198,6 +200,19 @@ def metadata_keys(source: signatures.Source) -> list[str] | None:
     return sorted(keys)
 
 
+def raised(source: signatures.Source, module: str, name: str) -> list[str] | None:
+    """Sorted source text of every exception a class's methods raise (``raise X(...)``; bare
+    re-raises and ``raise e`` of a caught exception left out)."""
+    cls = _class(source, module, name)
+    if cls is None:
+        return None
+    out = set()
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+            out.add(ast.unparse(node.exc))
+    return sorted(out)
+
+
 def modules(root: str) -> list[str]:
     out = []
     for top in ("lightllm/server", "lightllm/utils"):
@@ -212,7 +227,18 @@ def modules(root: str) -> list[str]:
 def build(root: str, **meta: Any) -> dict[str, Any]:
     """The golden document of the LightLLM source tree at ``root`` (the directory holding ``lightllm/``)."""
     source = signatures.Source(root)
-    types = {
+    return signatures.golden(
+        "ModelTC/lightllm",
+        signatures.extract(source, hook_targets()),
+        types=types_of(source),
+        modules=modules(root),
+        **meta,
+    )
+
+
+def types_of(source: signatures.Source) -> dict[str, Any]:
+    """The ``types`` section of a golden (see the module docstring)."""
+    return {
         "Req._fields_": ctypes_fields(source, f"{OBJS}.req", "Req"),
         "FinishStatus._fields_": ctypes_fields(source, f"{OBJS}.req", "FinishStatus"),
         "SamplingParams._fields_": ctypes_fields(source, f"{OBJS}.sampling_params", "SamplingParams"),
@@ -223,10 +249,9 @@ def build(root: str, **meta: Any) -> dict[str, Any]:
         "InferReq.self": self_attributes(source, INFER, "InferReq"),
         "InferenceContext.self": self_attributes(source, INFER, "InferenceContext"),
         "RouterManager.self": self_attributes(source, ROUTER, "RouterManager"),
+        "HttpServerManagerForPDMaster.self": self_attributes(source, PD_MASTER, "HttpServerManagerForPDMaster"),
+        "HttpServerManagerForPDMaster.raises": raised(source, PD_MASTER, "HttpServerManagerForPDMaster"),
     }
-    return signatures.golden(
-        "ModelTC/lightllm", signatures.extract(source, hook_targets()), types=types, modules=modules(root), **meta
-    )
 
 
 def write(document: dict[str, Any], name: str) -> str:
@@ -260,9 +285,14 @@ def fill(git_dir: str, name: str, ref: str) -> str:
         document = json.load(fh)
     root, meta = from_git(git_dir, ref)
     missing = [(m, q) for m, q in hook_targets() if f"{m}:{q}" not in document["targets"]]
-    document["targets"].update(signatures.extract(signatures.Source(root), missing))
+    source = signatures.Source(root)
+    document["targets"].update(signatures.extract(source, missing))
+    new_types = {k: v for k, v in types_of(source).items() if k not in document["types"]}
+    document["types"].update(new_types)
     filled = document.setdefault("filled_from", {"commit": meta["commit"], "ref": ref, "targets": []})
     filled["targets"] = sorted(set(filled["targets"]) | {f"{m}:{q}" for m, q in missing})
+    if new_types:
+        filled["types"] = sorted(set(filled.get("types", [])) | set(new_types))
     return write(document, name)
 
 

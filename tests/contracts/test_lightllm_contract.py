@@ -43,6 +43,7 @@ BY_NAME = {
     "router.add_req": ["group_req_indexes"],
     "worker.add_reqs": ["requests"],
     "worker.filter": ["finished_request_ids"],
+    "kv.pd_generate": ["sampling_params", "request"],
     "kv.pd_master": ["sampling_params", "multimodal_params", "request"],
     "kv.send": ["move_tasks"],
     "kv.receive": ["move_tasks"],
@@ -57,6 +58,10 @@ EXACT = {
     ("router.decode_batch", "v1.0"): ["self", "batch"],
     ("http.generate", "main"): ["self", "prompt", "sampling_params", "multimodal_params", "request", "is_health_req"],
     ("http.generate", "v1.0"): ["self", "prompt", "sampling_params", "multimodal_params", "request"],
+    **{
+        ("kv.pd_generate", layout): ["self", "prompt", "sampling_params", "multimodal_params", "request"]
+        for layout in ("main", "v1.0", "pr965")
+    },
 }
 
 
@@ -133,6 +138,22 @@ def test_the_pd_move_task_fields_the_kv_adapter_reads(version):
     # the PD master hands sampling_params (with group_request_id) and multimodal_params to both nodes
     fetch = targets["lightllm.server.httpserver_for_pd_master.manager:HttpServerManagerForPDMaster.fetch_stream"]
     assert fetch["kind"] == "async_function", fetch["kind"]
+
+
+@pytest.mark.parametrize("version", sorted(VERSIONS.values()))
+def test_the_pd_master_fields_and_exceptions_the_master_span_relies_on(version):
+    """The PD master's request span (kv.pd_generate): ``generate`` is an async generator the
+    wrapper iterates, the model comes from ``self.args``, and the only plain ``Exception`` the class
+    raises is the one for a disconnected client (the wrapper reads a plain ``Exception`` ending the
+    stream as ``error.type=aborted``; any other class keeps its name)."""
+    golden_types = golden(version)["types"]
+    assert "args" in golden_types["HttpServerManagerForPDMaster.self"]
+    raises = golden_types["HttpServerManagerForPDMaster.raises"]
+    plain = [r for r in raises if r.startswith("Exception(")]
+    assert plain and all("disconnected" in r for r in plain), raises
+    targets = golden(version)["targets"]
+    generate = targets["lightllm.server.httpserver_for_pd_master.manager:HttpServerManagerForPDMaster.generate"]
+    assert generate["kind"] == "async_function", generate["kind"]
 
 
 def test_the_pr965_golden_says_where_its_later_targets_were_read():

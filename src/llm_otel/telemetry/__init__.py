@@ -465,6 +465,81 @@ class Telemetry:
             trace.set_span_in_context(span) if span.is_recording() else None,
         )
 
+    def start_forwarded(
+        self,
+        *,
+        operation: str,
+        provider: str,
+        model: str,
+        arrival_s: float,
+        kind: SpanKind = SpanKind.SERVER,
+        parent: otel_context.Context | None = None,
+        engine_version: str = "",
+        request_attributes: Mapping[str, Any] | None = None,
+    ) -> Span:
+        """Start the request span of a layer that forwards the request to engine instances it does
+        not run (LightLLM's P/D master), at ``arrival_s`` (wall-clock seconds): named
+        ``{operation} {model}`` with the request-span attributes of :meth:`start_request`. A root
+        (``parent`` without a span) is decided by the provider's sampler like any request root;
+        sampled or not, the span has a valid context for the instances to continue under.
+
+        No record, no metrics, no listeners: the instances that serve the request count it (a
+        request forwarded to two instances is still one request of each). End it with
+        :meth:`end_forwarded`."""
+        attrs: dict[str, Any] = {
+            A.GEN_AI_OPERATION_NAME: operation,
+            A.GEN_AI_PROVIDER_NAME: provider,
+            A.GEN_AI_REQUEST_MODEL: model,
+        }
+        if engine_version:
+            attrs[A.LLM_ENGINE_VERSION] = engine_version
+        if request_attributes:
+            attrs.update(request_attributes)
+        return self.tracer.start_span(
+            f"{operation} {model}", context=parent, kind=kind, attributes=attrs, start_time=round(arrival_s * 1e9)
+        )
+
+    @staticmethod
+    def context_of(span: Span, parent: otel_context.Context | None = None) -> otel_context.Context:
+        """``parent`` (default: the current context) with ``span`` as its current span: the
+        context an adapter carries a span of :meth:`start_forwarded` in."""
+        return trace.set_span_in_context(span, parent)
+
+    def end_forwarded(
+        self,
+        span: Span,
+        *,
+        request_id: str | None = None,
+        input_tokens: int | None = None,
+        output_tokens: int | None = None,
+        finish_reasons: list[str] | None = None,
+        time_to_first_token_s: float | None = None,
+        error_type: str | None = None,
+        end_ns: int | None = None,
+    ) -> None:
+        """End a span of :meth:`start_forwarded` at ``end_ns`` (epoch ns, default now) with the
+        request's outcome as the forwarding layer saw it: ``llm.request.id`` (cut to
+        :data:`~llm_otel.telemetry.bounds.MAX_ID_CHARS`), ``gen_ai.usage.input_tokens`` /
+        ``output_tokens`` (tokens), ``gen_ai.response.finish_reasons``, ``llm.time_to_first_token``
+        (seconds since arrival) and, on failure, ``error.type`` with error status."""
+        if span.is_recording():
+            attrs: dict[str, Any] = {}
+            if request_id is not None:
+                attrs[A.LLM_REQUEST_ID] = bounded_id(request_id)
+            if input_tokens is not None:
+                attrs[A.GEN_AI_USAGE_INPUT_TOKENS] = input_tokens
+            if output_tokens is not None:
+                attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] = output_tokens
+            if finish_reasons:
+                attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] = finish_reasons
+            if time_to_first_token_s is not None:
+                attrs[A.LLM_TIME_TO_FIRST_TOKEN] = max(0.0, time_to_first_token_s)
+            if error_type is not None:
+                attrs[A.ERROR_TYPE] = error_type
+                span.set_status(Status(StatusCode.ERROR, error_type))
+            span.set_attributes(attrs)
+        span.end(end_time=time.time_ns() if end_ns is None else end_ns)
+
     def client_calls(self, provider: str) -> ClientCalls:
         """Spans and GenAI client metrics of a client library's calls (``provider``: its
         ``gen_ai.provider.name``); see :mod:`llm_otel.telemetry.client`. Each call builds the

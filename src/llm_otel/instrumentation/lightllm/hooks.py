@@ -201,11 +201,21 @@ HOOKS: list[Hook] = [
     # --- P/D mode (kv.py): PD master, prefill/decode nodes' kv-move managers --------------------
     Hook(
         PD_MASTER,
+        "HttpServerManagerForPDMaster.generate",
+        "kv.pd_generate",
+        SHM,
+        "the PD master's request span (SERVER; child of request.headers' W3C context, else a root): "
+        "sampling params, self.args (model), every yielded (sub_req_id, text, metadata, "
+        "finish_status), the exception that ends the stream",
+    ),
+    Hook(
+        PD_MASTER,
         "HttpServerManagerForPDMaster.fetch_stream",
         "kv.pd_master",
         SHM,
-        "request.headers (W3C context) and sampling_params.group_request_id -> the carrier on the "
-        "multimodal_params pickled to the prefill and decode nodes",
+        "the master span's W3C context (sampled or not; else request.headers') and "
+        "sampling_params.group_request_id -> the carrier on the multimodal_params pickled to the "
+        "prefill and decode nodes",
     ),
     Hook(
         PD_IO,

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import math
 import time
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 from opentelemetry import context as otel_context
 from opentelemetry.context import Context
@@ -36,10 +35,10 @@ from llm_otel.instrumentation.lightllm.requests import (
     finish_info,
     model_name,
     request_id,
+    sampling_attributes,
 )
 from llm_otel.listeners import RequestFacts
 from llm_otel.propagation import TRACEPARENT, TRACESTATE, carrier_from_span, context_from_carrier, extract_carrier
-from llm_otel.semconv import attributes as A
 from llm_otel.telemetry import RequestRecord, Telemetry
 from llm_otel.telemetry.logit_capture import logit_top_k
 
@@ -199,20 +198,8 @@ class HttpAdapter:
                 inbound = context_from_carrier({k: carrier[k] for k in (TRACEPARENT, TRACESTATE) if k in carrier})
         parent = inbound if inbound is not None else otel_context.get_current()
         sp = bound.get("sampling_params")
-        attrs: dict[str, Any] = {}
-        value = getattr(sp, "max_new_tokens", None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            attrs[A.GEN_AI_REQUEST_MAX_TOKENS] = value
-        value = getattr(sp, "top_k", None)  # LightLLM: -1 = disabled
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            attrs[A.GEN_AI_REQUEST_TOP_K] = float(value)
-        for attr, field in ((A.GEN_AI_REQUEST_TEMPERATURE, "temperature"), (A.GEN_AI_REQUEST_TOP_P, "top_p")):
-            value = getattr(sp, field, None)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                attrs[attr] = float(value)
+        attrs = sampling_attributes(sp)
         n = getattr(sp, "n", None) or getattr(sp, "best_of", None)
-        if isinstance(n, int) and n > 1:
-            attrs[A.GEN_AI_REQUEST_CHOICE_COUNT] = n
         state = _HttpRequest(time.time(), parent, kind, operation, attrs, headers)
         if gid is not None:  # 2024 layout: start now, the carrier must be on the object before it is sent
             choices = n if isinstance(n, int) and n > 0 else 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import operator
 import os
 from collections.abc import Mapping
@@ -15,6 +16,7 @@ from typing import Any
 
 from llm_otel.errors import guard
 from llm_otel.instrumentation.lightllm import carrier as C
+from llm_otel.semconv import attributes as A
 from llm_otel.telemetry import Telemetry
 from llm_otel.telemetry.stages import StageRecord
 from llm_otel.version import installed_version
@@ -65,6 +67,28 @@ def finish_info(finish_status: Any) -> tuple[bool, bool, str | None]:
         except Exception:  # noqa: BLE001 - silent: feature probe of a FinishStatus layout
             reason = None
     return finished, aborted, reason if isinstance(reason, str) else None
+
+
+def sampling_attributes(sampling_params: Any) -> dict[str, Any]:
+    """Request-span attributes of a LightLLM ``SamplingParams``: ``gen_ai.request.max_tokens``
+    (``max_new_tokens``), ``top_k`` (``top_k``; -1 = disabled, left out), ``temperature``,
+    ``top_p`` and ``gen_ai.request.choice_count`` (``n``, else ``best_of``, when above 1)."""
+    sp = sampling_params
+    attrs: dict[str, Any] = {}
+    value = getattr(sp, "max_new_tokens", None)
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        attrs[A.GEN_AI_REQUEST_MAX_TOKENS] = value
+    value = getattr(sp, "top_k", None)  # LightLLM: -1 = disabled
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        attrs[A.GEN_AI_REQUEST_TOP_K] = float(value)
+    for attr, field in ((A.GEN_AI_REQUEST_TEMPERATURE, "temperature"), (A.GEN_AI_REQUEST_TOP_P, "top_p")):
+        value = getattr(sp, field, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            attrs[attr] = float(value)
+    n = getattr(sp, "n", None) or getattr(sp, "best_of", None)
+    if isinstance(n, int) and n > 1:
+        attrs[A.GEN_AI_REQUEST_CHOICE_COUNT] = n
+    return attrs
 
 
 def model_name(env: Mapping[str, str] | None = None, args: Any = None) -> str:
