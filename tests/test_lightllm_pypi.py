@@ -189,12 +189,15 @@ def test_real_2024_client_disconnect_aborts_the_request_in_both_processes(pypi_p
     """LightLLM's own disconnect path: generate() sees is_disconnected(), calls abort(), the router
     marks the request FINISHED_ABORT and releases it - both spans end as aborted, in one trace."""
     result, spans = pypi_processes["result"], pypi_processes["spans"]
-    assert result["abort"]["error"] == "req_id 16 disconnected" and len(result["abort"]["tokens"]) == 1
+    # LightLLM checks is_disconnected() between the tokens it has at hand: under load the client can
+    # get a second token before the check (seen once in a loaded full run)
+    got = len(result["abort"]["tokens"])
+    assert result["abort"]["error"] == "req_id 16 disconnected" and got >= 1
     req = _one(spans, "text_completion tiny-llama", ABORT_TRACE)
     router = _one(spans, "llm.router.request", ABORT_TRACE)
     assert router["parent_span_id"] == req["span_id"]
     for span in (req, router):
         assert span["status_code"] == "STATUS_CODE_ERROR" and span["attributes"]["error.type"] == "aborted"
         assert span["attributes"]["llm.request.id"] == "16"
-    assert req["attributes"]["gen_ai.usage.output_tokens"] == 1  # what the client got
-    assert router["attributes"]["gen_ai.usage.output_tokens"] >= 1  # what the router had generated
+    assert req["attributes"]["gen_ai.usage.output_tokens"] == got  # what the client got
+    assert router["attributes"]["gen_ai.usage.output_tokens"] >= got  # what the router had generated
