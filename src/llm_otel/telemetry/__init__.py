@@ -435,18 +435,8 @@ class Telemetry:
     ) -> None:
         """A request the engine refused before scheduling it: one error span and the duration metric."""
         error_type = type(error).__qualname__
-        attrs = {
-            A.GEN_AI_OPERATION_NAME: operation,
-            A.GEN_AI_PROVIDER_NAME: provider,
-            A.GEN_AI_REQUEST_MODEL: model,
-            A.ERROR_TYPE: error_type,
-        }
-        if engine_version:
-            attrs[A.LLM_ENGINE_VERSION] = engine_version
-        if request_attributes:
-            attrs.update(request_attributes)
-        span = self.tracer.start_span(
-            f"{operation} {model}", context=parent, kind=kind, attributes=attrs, start_time=round(arrival_s * 1e9)
+        span = self._start_edge_span(
+            operation, provider, model, arrival_s, kind, parent, engine_version, request_attributes, error_type
         )
         span.add_event(S.EVENT_LLM_REQUEST_REJECTED, {A.ERROR_TYPE: error_type})
         # engine error messages can quote the user's input (template errors, URLs): only with
@@ -486,11 +476,31 @@ class Telemetry:
         No record, no metrics, no listeners: the instances that serve the request count it (a
         request forwarded to two instances is still one request of each). End it with
         :meth:`end_forwarded`."""
+        return self._start_edge_span(
+            operation, provider, model, arrival_s, kind, parent, engine_version, request_attributes
+        )
+
+    def _start_edge_span(
+        self,
+        operation: str,
+        provider: str,
+        model: str,
+        arrival_s: float,
+        kind: SpanKind,
+        parent: otel_context.Context | None,
+        engine_version: str,
+        request_attributes: Mapping[str, Any] | None,
+        error_type: str | None = None,
+    ) -> Span:
+        """A request span without a record (:meth:`reject`, :meth:`start_forwarded`): named
+        ``{operation} {model}``, started at ``arrival_s`` (wall-clock seconds)."""
         attrs: dict[str, Any] = {
             A.GEN_AI_OPERATION_NAME: operation,
             A.GEN_AI_PROVIDER_NAME: provider,
             A.GEN_AI_REQUEST_MODEL: model,
         }
+        if error_type is not None:
+            attrs[A.ERROR_TYPE] = error_type
         if engine_version:
             attrs[A.LLM_ENGINE_VERSION] = engine_version
         if request_attributes:
