@@ -160,7 +160,7 @@ def test_a_synchronous_load_takes_the_worker_window_of_its_step(captured):
     kv = SchedulerKV(captured.telemetry, sched)
     _receive(kv, sched, "r1")
     mro = _output()
-    setattr(mro, OUTPUT_ATTR, (5_000_000, 1_000_000_000_000_000_000, 1_000_000_000_009_000_000, 0, 0, 0))
+    setattr(mro, OUTPUT_ATTR, (5_000_000, 1_000_000_000_000_000_000, 0, 0))
     assert kv.on_output(sched, _step(scheduled=["r1"], new=["r1"]), mro) == (0.005, 0.0, 1)
     (span,) = _spans(captured)
     assert span.attributes["llm.kv_transfer.asynchronous"] is False

@@ -185,15 +185,20 @@ class KVAdapter:
                 await agen.aclose()
             return
         error: str | None = None
+        first = True
         try:
             while True:
-                token = otel_context.attach(state.context)  # fetch_stream is called under it
+                # generate() calls fetch_stream once, before its first item (the real source: via
+                # _wait_to_token_package), under the master span's context; later items need none
+                token = otel_context.attach(state.context) if first else None
                 try:
                     item = await agen.__anext__()
                 except StopAsyncIteration:
                     break
                 finally:
-                    otel_context.detach(token)
+                    if token is not None:
+                        otel_context.detach(token)
+                first = False
                 try:  # per token: inline, not errors.guard
                     self._master_item(state, item)
                 except Exception as exc:  # noqa: BLE001

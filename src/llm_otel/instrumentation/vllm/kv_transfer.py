@@ -54,9 +54,7 @@ from llm_otel.telemetry.kv_transfer import RECEIVE, SEND, KVTransfer
 
 logger = logging.getLogger("llm_otel")
 
-OUTPUT_ATTR = (
-    "llm_otel_kv"  # on the worker's ModelRunnerOutput: (load_ns, load_first, load_last, save_ns, save_first, save_last)
-)
+OUTPUT_ATTR = "llm_otel_kv"  # on the worker's ModelRunnerOutput: (load_ns, load_first, save_ns, save_first)
 MAX_PENDING = 65_536  # transfers tracked at once per engine core (bounded memory)
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 
@@ -257,14 +255,15 @@ class SchedulerKV:
         completed = 0
         load_window = save_window = None
         if worker is not None:
-            load_ns, load_first, load_last, save_ns, save_first, save_last = worker
+            load_ns, load_first, save_ns, save_first = worker
             # a window starts at the step's first call and lasts as long as the calls took in all:
             # per-layer calls (save_kv_layer, wait_for_layer_load) interleave with the forward
             load_window = (load_first, load_first + load_ns) if load_ns else None
             save_window = (save_first, save_first + save_ns) if save_ns else None
-        new_ids = [r.req_id for r in getattr(scheduler_output, "scheduled_new_reqs", ()) or ()]
         if save_window is not None and self.role in ("prefill", "both"):
-            for rid in new_ids + list(getattr(scheduler_output.scheduled_cached_reqs, "req_ids", ()) or ()):
+            scheduled_ids = [r.req_id for r in scheduler_output.scheduled_new_reqs]
+            scheduled_ids += scheduler_output.scheduled_cached_reqs.req_ids
+            for rid in scheduled_ids:
                 old = self._saved.get(rid)
                 if old is None and len(self._saved) >= MAX_PENDING:
                     continue
@@ -308,7 +307,7 @@ class SchedulerKV:
             return None
         return (
             (worker[0] / 1e9) if worker is not None else 0.0,
-            (worker[3] / 1e9) if worker is not None else 0.0,
+            (worker[2] / 1e9) if worker is not None else 0.0,
             completed,
         )
 
@@ -361,8 +360,8 @@ class WorkerKV:
     def __init__(self, telemetry: Telemetry) -> None:
         self.telemetry = telemetry
         self.active: bool | None = None  # None: not looked yet; False: no connector here
-        self._load = [0, 0, 0]  # total ns, first start, last end
-        self._save = [0, 0, 0]
+        self._load = [0, 0]  # ns in the calls this step, epoch ns of the first call's start
+        self._save = [0, 0]
 
     def attach(self) -> None:
         """Wrap the worker connector's load/save methods (once; no connector: inactive)."""
@@ -417,10 +416,8 @@ def _timed(acc: list[int]):
         try:
             return wrapped(*args, **kwargs)
         finally:
-            t1 = time.time_ns()
             if not acc[0]:
                 acc[1] = t0
-            acc[0] += max(1, t1 - t0)
-            acc[2] = t1
+            acc[0] += max(1, time.time_ns() - t0)
 
     return wrapper
