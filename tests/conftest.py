@@ -229,19 +229,13 @@ def openai_server(tiny_model, receiver, tmp_path_factory):
     to the session's OTLP receiver as service ``vllm-server-test``; request classes from the
     ``x-tenant-id`` / ``x-priority`` headers, a ``premium`` tier for tenant ``acme``, and the
     in-process ``/healthz``. Used by tests/test_vllm_server.py and tests/test_vllm_refusals.py."""
-    import signal
-    import subprocess
-
-    from support.vllm_servers import free_port
+    from support.vllm_servers import free_port, start_server
 
     if not HAS_VLLM:
         pytest.skip("vLLM is not installed (pip install -e '.[vllm]')")
-    port = free_port()
     health_port = free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLM_OTEL_"))}
-    env.update(VLLM_ENV)
-    env.update(
+    env = dict(
         OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint,
         OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
         OTEL_BSP_SCHEDULE_DELAY="200",
@@ -256,39 +250,16 @@ def openai_server(tiny_model, receiver, tmp_path_factory):
         LLM_OTEL_HEALTH_PORT=str(health_port),
         LLM_OTEL_HEALTH_WARMUP_S="0",
     )
-    instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
-    cmd = [
-        instrument,
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(tiny_model),
-        "--served-model-name",
-        OPENAI_SERVED,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "2048",
-        "--max-logprobs",
-        "20",
-    ]
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    wait_for_vllm_server(proc, base, log_path, 300)
-    yield {"base": base, "proc": proc, "log": log_path, "health_port": health_port}
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    log.close()
+    server = start_server(
+        tiny_model,
+        log_path,
+        env,
+        served=OPENAI_SERVED,
+        args=("--max-model-len", "2048", "--max-logprobs", "20"),
+        enforce_eager=False,
+    )
+    yield {"base": server.base, "proc": server.proc, "log": log_path, "health_port": health_port}
+    server.stop()
 
 
 # ngram speculative decoding as the engine tests turn it on: drafts of up to 3 tokens looked up in

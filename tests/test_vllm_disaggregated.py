@@ -111,7 +111,7 @@ def pd(tiny_model, tmp_path_factory):
             for f in (pf, df):
                 try:
                     servers.append(f.result())
-                except Exception:
+                except BaseException:  # a server that fails to start fails the test (pytest.fail)
                     for s in servers:
                         s.kill()
                     raise

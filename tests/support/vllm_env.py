@@ -48,4 +48,4 @@ def wait_for_vllm_server(proc, base: str, log_path, timeout_s: float, what: str 
         if time.monotonic() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
             pytest.fail(f"{what} not ready in {timeout_s:.0f} s:\n{log_path.read_text()[-5000:]}")
-        time.sleep(1)
+        time.sleep(0.5)

@@ -13,8 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-from support.vllm_env import VLLM_ENV
+from support.vllm_env import VLLM_ENV, wait_for_vllm_server
 
 HERE = Path(__file__).parent
 
@@ -59,6 +58,18 @@ class Server:
         self.proc.wait(timeout=timeout)
         return time.monotonic() - start
 
+    def stop(self, timeout: float = 60) -> None:
+        """SIGTERM to the whole process group (every process flushes its telemetry), SIGKILL after
+        ``timeout`` seconds."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=timeout)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill()
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             try:
@@ -83,9 +94,12 @@ def start_server(
     args: tuple[str, ...] = (),
     ready_timeout: float = 300,
     instrument: bool = True,
+    enforce_eager: bool = True,
 ) -> Server:
     """The OpenAI server under ``opentelemetry-instrument`` (``instrument=False``: plain), in its own
-    process group, ready."""
+    process group, ready (the test fails with the log's tail when it is not). ``args`` come after
+    the defaults (``--max-model-len 512``: a later value wins); ``enforce_eager=False`` leaves out
+    ``--enforce-eager``."""
     port = free_port()
     # PYTHONPATH goes last: opentelemetry-instrument rewrites it in every process it starts, and
     # when it is the first environment variable that breaks setproctitle (vLLM's VLLM::EngineCore /
@@ -113,22 +127,11 @@ def start_server(
         "float32",
         "--max-model-len",
         "512",
-        "--enforce-eager",
+        *(("--enforce-eager",) if enforce_eager else ()),
         *args,
     ]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     server = Server(proc, f"http://127.0.0.1:{port}", log_path, served)
-    deadline = time.time() + ready_timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM server exited with {proc.returncode}:\n{server.log_text()[-4000:]}")
-        try:
-            if httpx.get(server.base + "/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        if time.time() > deadline:
-            server.kill()
-            raise RuntimeError(f"vLLM server not ready in {ready_timeout} s:\n{server.log_text()[-4000:]}")
-        time.sleep(0.5)
+    wait_for_vllm_server(proc, server.base, log_path, ready_timeout)
+    return server
