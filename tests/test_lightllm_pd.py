@@ -185,17 +185,22 @@ def _tree(tmp_path, real=(), standins=None) -> str | None:
     return str(root)
 
 
-@pytest.fixture(scope="module")
-def pd_run(tmp_path_factory):
-    root = _tree(tmp_path_factory.mktemp("lightllm_pd"))
+def _run_in_tree(root: str | None, script: str) -> tuple[dict, str]:
+    """Run ``script`` in a fresh interpreter over the LightLLM tree ``root`` (skip without one);
+    returns its ``RESULT`` JSON line and its stderr."""
     if root is None:
         pytest.skip(f"no LightLLM git directory at {GIT_DIR} (LIGHTLLM_GIT_DIR)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(HERE, "..", "src")]))
     env.pop("OTEL_TRACES_SAMPLER", None)
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT ") :]), done.stderr
+
+
+@pytest.fixture(scope="module")
+def pd_run(tmp_path_factory):
+    return _run_in_tree(_tree(tmp_path_factory.mktemp("lightllm_pd")), SCRIPT)
 
 
 def test_the_real_transfer_modules_are_hooked_without_warnings(pd_run):
@@ -554,15 +559,9 @@ MASTER_SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def master_run(tmp_path_factory):
-    root = _tree(tmp_path_factory.mktemp("lightllm_pd_master"), MASTER_REAL, MASTER_STANDINS)
-    if root is None:
-        pytest.skip(f"no LightLLM git directory at {GIT_DIR} (LIGHTLLM_GIT_DIR)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(HERE, "..", "src")]))
-    env.pop("OTEL_TRACES_SAMPLER", None)
-    done = subprocess.run([sys.executable, "-c", MASTER_SCRIPT], capture_output=True, text=True, env=env, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT ") :]), done.stderr
+    return _run_in_tree(
+        _tree(tmp_path_factory.mktemp("lightllm_pd_master"), MASTER_REAL, MASTER_STANDINS), MASTER_SCRIPT
+    )
 
 
 def _by_role(spans):

@@ -37,6 +37,11 @@ def free_ports(n: int) -> list[int]:
 def _run_driver(receiver, tiny_model, service: str, driver: str, spec: dict, timeout: float):
     """Run ``tests/lightllm_layouts/<driver>`` with ``spec`` (JSON argument), PyPI LightLLM on the
     path and OTLP to ``receiver`` under ``service``; (the finished process, its ``RESULT`` dict)."""
+    tools.require(
+        "PyPI lightllm 0.0.1 in .venv/lightllm-pypi",
+        os.path.isdir(os.path.join(PYPI, "lightllm")),
+        "bash .ci/install.sh",
+    )
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join([os.path.abspath(PYPI)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
@@ -66,11 +71,6 @@ def _run_driver(receiver, tiny_model, service: str, driver: str, spec: dict, tim
 
 @pytest.fixture(scope="module")
 def pypi_run(receiver, tiny_model):
-    tools.require(
-        "PyPI lightllm 0.0.1 in .venv/lightllm-pypi",
-        os.path.isdir(os.path.join(PYPI, "lightllm")),
-        "bash .ci/install.sh",
-    )
     service = f"lightllm-pypi-{os.getpid()}"
     spec = {
         "model_dir": str(tiny_model),
@@ -130,11 +130,6 @@ def pypi_processes(receiver, tiny_model):
     """tests/lightllm_layouts/pypi_processes_driver.py: LightLLM 0.0.1's HttpServerManager here, its
     start_submodule_processes starting its router and detokenizer, only the model backend faked;
     one request completes, one client disconnects after its first token."""
-    tools.require(
-        "PyPI lightllm 0.0.1 in .venv/lightllm-pypi",
-        os.path.isdir(os.path.join(PYPI, "lightllm")),
-        "bash .ci/install.sh",
-    )
     service = f"lightllm-pypi-processes-{os.getpid()}"
     spec = {
         "model_dir": str(tiny_model),
