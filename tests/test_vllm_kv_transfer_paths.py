@@ -18,8 +18,8 @@ import types
 
 import pytest
 
-from llm_otel.instrumentation.vllm.carrier import CARRIER_KEY
-from llm_otel.instrumentation.vllm.kv_transfer import OUTPUT_ATTR, SchedulerKV, request_role, trace_context_of
+from llm_otel.instrumentation.vllm.carrier import CARRIER_KEY, set_step_kv_time
+from llm_otel.instrumentation.vllm.kv_transfer import SchedulerKV, request_role, trace_context_of
 
 outputs = pytest.importorskip("vllm.v1.outputs")
 
@@ -160,7 +160,7 @@ def test_a_synchronous_load_takes_the_worker_window_of_its_step(captured):
     kv = SchedulerKV(captured.telemetry, sched)
     _receive(kv, sched, "r1")
     mro = _output()
-    setattr(mro, OUTPUT_ATTR, (5_000_000, 1_000_000_000_000_000_000, 0, 0))
+    set_step_kv_time(mro, (5_000_000, 1_000_000_000_000_000_000, 0, 0))
     assert kv.on_output(sched, _step(scheduled=["r1"], new=["r1"]), mro) == (0.005, 0.0, 1)
     (span,) = _spans(captured)
     assert span.attributes["llm.kv_transfer.asynchronous"] is False

@@ -6,7 +6,8 @@ Carrier: the frontend writes the request span's W3C context into the engine-boun
 scheduler's ``Request.sampling_params``, ``NewRequestData.sampling_params`` in the step's
 ``SchedulerOutput``, the worker's ``CachedRequestState.sampling_params`` and MRv2's
 ``Sampler.add_request``); the engine core writes the step span's ids onto the ``SchedulerOutput``
-it hands to the worker (:data:`STEP_CARRIER_ATTR`).
+it hands to the worker (:data:`STEP_CARRIER_ATTR`), and the worker writes its KV-connector time
+of the step onto the ``ModelRunnerOutput`` it returns (:data:`STEP_KV_ATTR`).
 
 Step phase (vLLM 0.32 ``vllm/v1/core/sched/output.py``): ``SchedulerOutput.num_scheduled_tokens``
 {req_id: tokens}, ``total_num_scheduled_tokens``, ``scheduled_new_reqs`` (``NewRequestData``:
@@ -30,6 +31,9 @@ CARRIER_KEY = "llm_otel.traceparent"  # key in vLLM SamplingParams.extra_args
 CARRIER_STATE_KEY = "llm_otel.tracestate"  # the request span's tracestate (ot=th:, vendors), if any
 CARRIER_TOPK_KEY = "llm_otel.logit_top_k"  # present: the worker computes llm.logit_dist (k)
 STEP_CARRIER_ATTR = "llm_otel_step"  # on vLLM's SchedulerOutput: (trace_id, span_id, sampled) of the step span
+# on the worker's ModelRunnerOutput: the step's KV-connector time (load_ns, first load start ns,
+# save_ns, first save start ns), back to the engine core (instrumentation/vllm/kv_transfer.py)
+STEP_KV_ATTR = "llm_otel_kv"
 
 
 def request_span_context(sampling_params: Any) -> Any:
@@ -46,6 +50,21 @@ def set_step_ids(scheduler_output: Any, ids: tuple[int, int, bool]) -> None:
         setattr(scheduler_output, STEP_CARRIER_ATTR, ids)
     except Exception:  # noqa: BLE001 - silent: a step that takes no attributes carries none (documented above)
         pass
+
+
+def set_step_kv_time(model_runner_output: Any, figures: tuple[int, int, int, int]) -> None:
+    """Put the worker's KV-connector time of the step, ``(load_ns, load_first_ns, save_ns,
+    save_first_ns)`` (epoch ns), on the step's ``ModelRunnerOutput`` for the engine core; an
+    output that takes no attributes carries none."""
+    try:
+        setattr(model_runner_output, STEP_KV_ATTR, figures)
+    except Exception:  # noqa: BLE001 - silent: an output without attributes carries none (documented above)
+        pass
+
+
+def step_kv_time(model_runner_output: Any) -> tuple[int, int, int, int] | None:
+    """What :func:`set_step_kv_time` put on a ``ModelRunnerOutput`` (None: no connector time)."""
+    return getattr(model_runner_output, STEP_KV_ATTR, None)
 
 
 def step_ids(scheduler_output: Any) -> tuple[int, int, bool] | None:

@@ -23,7 +23,7 @@ every connector by tests/contracts):
   layer inside the forward: the span is the connector's own time, not the forward's).
 * **Worker** (:class:`WorkerKV`): the worker's connector (``get_kv_transfer_group()``) gets its
   load and save methods timed; each step's totals and windows ride back on the step's
-  ``ModelRunnerOutput`` (attribute :data:`OUTPUT_ATTR`, rank 0's worker; not under async
+  ``ModelRunnerOutput`` (:func:`~.carrier.set_step_kv_time`, rank 0's worker; not under async
   scheduling, whose output object is built later) to the engine core, which puts them on
   ``llm.engine.step`` and uses the windows for synchronous transfers.
 * **Frontend** (:func:`add_trace_context`, :func:`trace_context_of`): a finished request's
@@ -46,7 +46,7 @@ from typing import Any
 import wrapt
 
 from llm_otel.instrumentation.vllm import kv_surface
-from llm_otel.instrumentation.vllm.carrier import request_span_context
+from llm_otel.instrumentation.vllm.carrier import request_span_context, set_step_kv_time, step_kv_time
 from llm_otel.propagation import extract_carrier
 from llm_otel.semconv import attributes as A
 from llm_otel.telemetry import Telemetry
@@ -54,7 +54,6 @@ from llm_otel.telemetry.kv_transfer import RECEIVE, SEND, KVTransfer
 
 logger = logging.getLogger("llm_otel")
 
-OUTPUT_ATTR = "llm_otel_kv"  # on the worker's ModelRunnerOutput: (load_ns, load_first, save_ns, save_first)
 MAX_PENDING = 65_536  # transfers tracked at once per engine core (bounded memory)
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 
@@ -250,7 +249,7 @@ class SchedulerKV:
         """``Scheduler.update_from_output``: end the transfers this step's output finishes; returns
         ``(receive_s, send_s, completed)`` for the step span (None: no connector activity)."""
         now = time.time_ns()
-        worker = getattr(model_runner_output, OUTPUT_ATTR, None)
+        worker = step_kv_time(model_runner_output)
         kv_out = getattr(model_runner_output, "kv_connector_output", None)
         completed = 0
         load_window = save_window = None
@@ -400,13 +399,10 @@ class WorkerKV:
             self._load[0] = self._save[0] = 0
 
     def stamp(self, output: Any) -> None:
-        """Put the step's connector time on its ``ModelRunnerOutput`` (:data:`OUTPUT_ATTR`)."""
+        """Put the step's connector time on its ``ModelRunnerOutput`` (:func:`~.carrier.set_step_kv_time`)."""
         if not self.active or output is None or not (self._load[0] or self._save[0]):
             return
-        try:
-            setattr(output, OUTPUT_ATTR, (*self._load, *self._save))
-        except Exception:  # noqa: BLE001 - silent: an output without attributes carries none (documented)
-            pass
+        set_step_kv_time(output, (self._load[0], self._load[1], self._save[0], self._save[1]))
         self._load[0] = self._save[0] = 0
 
 
